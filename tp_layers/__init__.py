@@ -1,0 +1,1 @@
+"""tpfuse.tp_layers"""
