@@ -33,6 +33,10 @@ PACKAGE_MAP = _package_map()
 
 CONSOLE_SCRIPTS = [
     "tpfuse-layout=tpfuse.parallel.cli:main",
+    "tpfuse-schedule=tpfuse.pipeline.cli:main",
+    "tpfuse-config=tpfuse.models.cli:main",
+    "tpfuse-preprocess=tpfuse.data.preprocess:main",
+    "tpfuse-train=tpfuse.training.launcher:main",
 ]
 
 setup(
