@@ -1,0 +1,225 @@
+"""Cross-entropy over a (possibly vocab-sharded) logits matrix, built from two shard-local pieces.
+
+Algebra, per row r with logits x (N, V), target t and ignore mask keep_r = (t_r != ignore_index):
+
+    loss_r          = keep_r · (log Σ_j exp(x_rj) − x_r,t_r)
+                    = keep_r · (log S_r + M_r − x_r,t_r),   M_r = max_j x_rj,  S_r = Σ_j exp(x_rj − M_r)
+    dloss/dx_rj     = g_r · keep_r · (exp(x_rj − M_r) / S_r − [j == t_r])      (g = upstream grad)
+
+The pieces:
+
+- ``cross_entropy_shard_stats(x_shard, t, vocab_start)`` → ``(M_local, S_local, x_t_local)``: one pass
+  over the local vocab columns ``[vocab_start, vocab_start + V_local)`` with an online max/sum
+  (``S`` relative to the local max); ``x_t_local`` is 0 when the target lies outside the shard.
+- ``cross_entropy_shard_grad(x_shard, t, vocab_start, M, S, g)`` → the gradient columns of the shard,
+  given the *global* ``M`` and ``S``.
+
+Single device = one shard with ``vocab_start = 0``. The vocab-parallel loss (tp_layers) combines
+shards with two small all-reduces::
+
+    M_local, S_local, xt_local = cross_entropy_shard_stats(x_shard, t, vocab_start)
+    M = all_reduce(M_local, MAX)
+    stacked = stack([S_local * exp(M_local - M), xt_local])       # rescale to the global max
+    S, xt = all_reduce(stacked, SUM)                              # exactly one shard holds x_t
+    loss = where(t == ignore_index, 0, log(S) + M - xt)
+    backward: dx_shard = cross_entropy_shard_grad(x_shard, t, vocab_start, M, S, g, ignore_index)
+
+File shape: Triton kernels → launchers → plain-torch reference → autograd Function → public op.
+Logits may be fp32/bf16/fp16 (and of any leading shape ``(..., V)`` with targets ``(...)``); the
+statistics and the loss are fp32, the gradient has the logits' dtype.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from . import backend as _backend
+
+_CPU_BLOCK_V = 64  # interpreter block: small, and < 203 so tests cross several vocab blocks
+
+
+# ----------------------------------------------------------------------------- Triton kernels
+
+@triton.autotune(
+    configs=[triton.Config({"BLOCK_V": bv}, num_warps=w) for bv, w in ((1024, 4), (2048, 8), (4096, 8))],
+    key=["V"],
+)
+@triton.jit
+def _shard_stats_kernel(logits_ptr, target_ptr, row_max_ptr, sum_exp_ptr, target_logit_ptr,
+                        V, stride_row, vocab_start, BLOCK_V: tl.constexpr):
+    """One program per row: online max / sum-exp over vocab blocks, plus the in-shard target logit."""
+    row = tl.program_id(0).to(tl.int64)
+    row_ptr = logits_ptr + row * stride_row
+    cols = tl.arange(0, BLOCK_V)
+    m = -float("inf")
+    s = 0.0
+    for start in range(0, V, BLOCK_V):
+        x = tl.load(row_ptr + start + cols, mask=start + cols < V, other=-float("inf")).to(tl.float32)
+        m_new = tl.maximum(m, tl.max(x, axis=0))  # finite: every block holds >= 1 real column
+        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
+        m = m_new
+    local = tl.load(target_ptr + row) - vocab_start
+    in_shard = (local >= 0) & (local < V)
+    x_t = tl.load(row_ptr + tl.where(in_shard, local, 0), mask=in_shard, other=0.0).to(tl.float32)
+    tl.store(row_max_ptr + row, m)
+    tl.store(sum_exp_ptr + row, s)
+    tl.store(target_logit_ptr + row, tl.where(in_shard, x_t, 0.0))
+
+
+@triton.autotune(
+    configs=[triton.Config({"BLOCK_V": bv}, num_warps=w) for bv, w in ((1024, 4), (2048, 8), (4096, 8))],
+    key=["V"],
+)
+@triton.jit
+def _shard_grad_kernel(logits_ptr, target_ptr, global_max_ptr, global_sum_ptr, grad_loss_ptr, dlogits_ptr,
+                       V, stride_row, stride_grad_row, vocab_start, ignore_index, BLOCK_V: tl.constexpr):
+    """Program (row, vocab block): g · keep · (exp(x − M) / S − onehot(target − vocab_start))."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    in_row = cols < V
+    target = tl.load(target_ptr + row)
+    g = tl.load(grad_loss_ptr + row).to(tl.float32)
+    g = tl.where(target == ignore_index, 0.0, g)
+    x = tl.load(logits_ptr + row * stride_row + cols, mask=in_row, other=0.0).to(tl.float32)
+    p = tl.exp(x - tl.load(global_max_ptr + row)) / tl.load(global_sum_ptr + row)
+    p = tl.where(cols == target - vocab_start, p - 1.0, p)
+    dx = g * p
+    tl.store(dlogits_ptr + row * stride_grad_row + cols, dx.to(dlogits_ptr.dtype.element_ty), mask=in_row)
+
+
+# ----------------------------------------------------------------------------- launchers
+
+def _as_rows(logits: torch.Tensor, target: torch.Tensor):
+    """(..., V) logits and (...) targets → (N, V) rows with unit column stride and (N,) int64."""
+    if logits.dim() < 1 or logits.shape[:-1] != target.shape:
+        raise ValueError(f"cross_entropy: logits shape {tuple(logits.shape)} must be target shape "
+                         f"{tuple(target.shape)} plus a vocab dim")
+    if target.dtype.is_floating_point or target.dtype == torch.bool:
+        raise ValueError(f"cross_entropy: target must hold integer class ids, got dtype {target.dtype}")
+    if logits.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"cross_entropy: logits dtype must be fp32/bf16/fp16, got {logits.dtype}")
+    rows = logits.reshape(-1, logits.shape[-1])
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    return rows, target.reshape(-1).long()
+
+
+def _stats_triton(rows, target, vocab_start):
+    n, v = rows.shape
+    row_max, sum_exp, target_logit = (torch.full((n,), float("nan"), device=rows.device) for _ in range(3))
+    if n:
+        _backend.launch(_shard_stats_kernel, (n,), rows, target, row_max, sum_exp, target_logit,
+                        v, rows.stride(0), vocab_start, cpu_meta={"BLOCK_V": _CPU_BLOCK_V})
+    return row_max, sum_exp, target_logit
+
+
+def _grad_triton(rows, target, vocab_start, global_max, global_sum_exp, grad_loss, ignore_index):
+    n, v = rows.shape
+    dlogits = torch.full_like(rows, float("nan"), memory_format=torch.contiguous_format)
+    if n:
+        grid = lambda meta: (n, triton.cdiv(v, meta["BLOCK_V"]))  # noqa: E731
+        _backend.launch(_shard_grad_kernel, grid, rows, target, global_max.float().contiguous(),
+                        global_sum_exp.float().contiguous(), grad_loss.float().contiguous(), dlogits,
+                        v, rows.stride(0), dlogits.stride(0), vocab_start, ignore_index,
+                        cpu_meta={"BLOCK_V": _CPU_BLOCK_V})
+    return dlogits
+
+
+# ----------------------------------------------------------------------------- plain-torch reference
+
+def _stats_torch(rows, target, vocab_start):
+    x = rows.float()                                                          # (N, V)
+    row_max = x.max(dim=-1).values                                            # (N,)
+    sum_exp = torch.exp(x - row_max[:, None]).sum(dim=-1)                     # (N,)
+    local = target - vocab_start
+    in_shard = (local >= 0) & (local < x.shape[-1])
+    picked = x.gather(1, torch.where(in_shard, local, 0)[:, None]).squeeze(1)
+    return row_max, sum_exp, torch.where(in_shard, picked, torch.zeros_like(picked))
+
+
+def _grad_torch(rows, target, vocab_start, global_max, global_sum_exp, grad_loss, ignore_index):
+    x = rows.float()                                                          # (N, V)
+    probs = torch.exp(x - global_max.float()[:, None]) / global_sum_exp.float()[:, None]
+    local = target - vocab_start
+    cols = torch.arange(x.shape[-1], device=x.device)
+    probs = probs - (cols[None, :] == local[:, None]).to(probs.dtype)         # onehot only if in shard
+    g = torch.where(target == ignore_index, torch.zeros_like(grad_loss, dtype=torch.float32),
+                    grad_loss.float())
+    return (probs * g[:, None]).to(rows.dtype)
+
+
+def cross_entropy_reference(logits, target, ignore_index=-100):
+    """Plain torch (explicit log-sum-exp, fp32) per-row loss; the ground truth for the kernels' tests."""
+    x = logits.float()
+    lse = torch.logsumexp(x, dim=-1)
+    safe_target = torch.where(target == ignore_index, 0, target).long()
+    x_t = x.gather(-1, safe_target[..., None]).squeeze(-1)
+    return torch.where(target == ignore_index, torch.zeros_like(lse), lse - x_t)
+
+
+# ----------------------------------------------------------------------------- public pieces
+
+def _pick(backend, *tensors):
+    return _backend.resolve(backend, *tensors)
+
+
+def cross_entropy_shard_stats(logits_shard, target, vocab_start, *, backend=None):
+    """``(row_max, sum_exp, target_logit)``, each fp32 of target's shape, over the local vocab shard.
+
+    ``sum_exp = Σ_local exp(x − row_max)``; ``target_logit`` is 0 where the target is not in
+    ``[vocab_start, vocab_start + V_local)`` (ignored targets included, as ignore_index < 0 or the
+    caller masks the loss).
+    """
+    rows, flat_target = _as_rows(logits_shard, target)
+    impl = _stats_triton if _pick(backend, rows) == "triton" else _stats_torch
+    return tuple(t.reshape(target.shape) for t in impl(rows, flat_target, int(vocab_start)))
+
+
+def cross_entropy_shard_grad(logits_shard, target, vocab_start, global_max, global_sum_exp, grad_loss,
+                             ignore_index=-100, *, backend=None):
+    """d loss / d logits_shard = grad_loss · (softmax − onehot) on the shard's columns; 0 on ignored rows.
+
+    ``global_max`` and ``global_sum_exp`` are the all-shard row statistics (sum relative to the max).
+    """
+    rows, flat_target = _as_rows(logits_shard, target)
+    impl = _grad_triton if _pick(backend, rows) == "triton" else _grad_torch
+    dlogits = impl(rows, flat_target, int(vocab_start), global_max.reshape(-1), global_sum_exp.reshape(-1),
+                   grad_loss.reshape(-1), int(ignore_index))
+    return dlogits.reshape(logits_shard.shape)
+
+
+class _CrossEntropy(torch.autograd.Function):
+    """Single-device cross-entropy: one shard (vocab_start = 0), no communication."""
+
+    @staticmethod
+    def forward(ctx, logits, target, ignore_index, backend):
+        row_max, sum_exp, target_logit = cross_entropy_shard_stats(logits, target, 0, backend=backend)
+        loss = torch.log(sum_exp) + row_max - target_logit
+        loss = torch.where(target == ignore_index, torch.zeros_like(loss), loss)
+        ctx.save_for_backward(logits, target, row_max, sum_exp)
+        ctx.ignore_index, ctx.backend = ignore_index, backend
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        logits, target, row_max, sum_exp = ctx.saved_tensors
+        dlogits = cross_entropy_shard_grad(logits, target, 0, row_max, sum_exp, grad_loss, ctx.ignore_index,
+                                           backend=ctx.backend)
+        return dlogits, None, None, None
+
+
+def cross_entropy(logits, target, ignore_index=-100, *, backend=None):
+    """Per-row loss ``(N,)`` fp32 (target's shape), 0 where ``target == ignore_index``.
+
+    ``logits (..., V)`` fp32/bf16/fp16, ``target (...)`` integer. Differentiable w.r.t. logits.
+    The torch path is ``F.cross_entropy(reduction="none")`` on fp32 logits (fastest on CPU); the
+    Triton path is the shard pieces above with ``vocab_start = 0``.
+    """
+    _as_rows(logits, target)  # validate shapes / dtypes before choosing a path
+    if _pick(backend, logits) == "torch":
+        loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), target.reshape(-1).long(),
+                               ignore_index=ignore_index, reduction="none")
+        return loss.reshape(target.shape)
+    return _CrossEntropy.apply(logits, target, int(ignore_index), "triton")
