@@ -1,0 +1,159 @@
+"""Checkpoints: every rank saves its own shards; a checkpoint appears only once it is complete.
+
+Layout on disk::
+
+    DIR/latest_checkpointed_iteration.txt     the iteration of the newest complete checkpoint
+    DIR/iter_0000020/rank_00003.pt            rank 3's model chunks, optimizer, scheduler, RNG,
+                                              consumed samples and its coordinates in the layout
+
+Saving writes into ``DIR/iter_0000020.tmp/`` (each file itself written to a temporary name and
+renamed), then, after every rank is done (a barrier), rank 0 renames the folder and finally
+replaces ``latest_checkpointed_iteration.txt`` atomically. A crash at any point leaves the last
+complete checkpoint untouched and named by the tracker file.
+
+Loading reads the tracker, checks that the checkpoint was written by the same layout (tp, pp, dp,
+vpp sizes), and loads each file with ``torch.load(..., weights_only=True)``; a missing, truncated
+or foreign file fails with a message naming it.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+
+import torch
+import torch.distributed as dist
+
+TRACKER = "latest_checkpointed_iteration.txt"
+FORMAT_VERSION = 1
+
+
+def iteration_dir(root: str, iteration: int) -> str:
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def _rank_file(folder: str, rank: int) -> str:
+    return os.path.join(folder, f"rank_{rank:05d}.pt")
+
+
+def _atomic_write_text(path: str, text: str) -> None:
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+
+
+def _atomic_torch_save(obj, path: str) -> None:
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "wb") as handle:
+        torch.save(obj, handle)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+
+
+def layout_signature(state) -> dict:
+    return {"world_size": dist.get_world_size(), "tp": state.tp_size, "pp": state.pp_size,
+            "dp": state.dp_size, "cp": state.size("cp"), "vpp": state.vpp_size or 1}
+
+
+def _rng_state() -> dict:
+    rng = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        rng["cuda"] = torch.cuda.get_rng_state()
+    try:
+        from tpfuse.tp_layers.random import get_rng_tracker
+
+        rng["tracker"] = get_rng_tracker().get_states()
+    except (ImportError, AttributeError):
+        pass
+    return rng
+
+
+def _set_rng_state(rng: dict) -> None:
+    torch.set_rng_state(rng["torch"])
+    if "cuda" in rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state(rng["cuda"])
+    if "tracker" in rng:
+        from tpfuse.tp_layers.random import get_rng_tracker
+
+        get_rng_tracker().set_states(rng["tracker"])
+
+
+def save_checkpoint(root: str, iteration: int, model_chunks, optimizer, scheduler, state,
+                    consumed_samples: int, extra: dict | None = None) -> str:
+    """Collective over the whole world: every rank writes its file, rank 0 publishes."""
+    rank = dist.get_rank()
+    final = iteration_dir(root, iteration)
+    staging = final + ".tmp"
+    if rank == 0:
+        os.makedirs(root, exist_ok=True)
+        shutil.rmtree(staging, ignore_errors=True)
+        os.makedirs(staging)
+    dist.barrier()
+    payload = {
+        "format_version": FORMAT_VERSION,
+        "iteration": iteration,
+        "consumed_samples": consumed_samples,
+        "layout": layout_signature(state),
+        "rank": rank,
+        "model": [chunk.state_dict() for chunk in model_chunks],
+        "optimizer": optimizer.state_dict(),
+        "scheduler": scheduler.state_dict(),
+        "rng": _rng_state(),
+        "extra": extra or {},
+    }
+    _atomic_torch_save(payload, _rank_file(staging, rank))
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(staging, final)
+        _atomic_write_text(os.path.join(root, TRACKER), f"{iteration}\n")
+    dist.barrier()
+    return final
+
+
+def latest_iteration(root: str) -> int | None:
+    """The newest complete checkpoint's iteration, or None when ``root`` holds none."""
+    tracker = os.path.join(root, TRACKER)
+    if not os.path.exists(tracker):
+        return None
+    text = open(tracker).read().strip()
+    if not text.isdigit():
+        raise ValueError(f"checkpoint tracker {tracker} is corrupt: expected an iteration number, "
+                         f"found {text[:40]!r}")
+    return int(text)
+
+
+def load_checkpoint(root: str, model_chunks, optimizer, scheduler, state) -> dict:
+    """Restore this rank's shards and states; returns {"iteration", "consumed_samples", "extra"}."""
+    iteration = latest_iteration(root)
+    if iteration is None:
+        raise FileNotFoundError(f"--load {root}: no {TRACKER} there (no complete checkpoint)")
+    path = _rank_file(iteration_dir(root, iteration), dist.get_rank())
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"checkpoint file {path} is missing (was it written with a "
+                                f"different world size?)")
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # truncated / not a torch file / unsafe content
+        raise ValueError(f"checkpoint file {path} is corrupt or unreadable: {error}") from error
+    if not isinstance(payload, dict) or payload.get("format_version") != FORMAT_VERSION:
+        raise ValueError(f"checkpoint file {path} is not a tpfuse checkpoint of format "
+                         f"{FORMAT_VERSION}")
+    expected = layout_signature(state)
+    if payload["layout"] != expected:
+        raise ValueError(f"checkpoint {path} was written with layout {payload['layout']}, this "
+                         f"run has {expected}; loading into a different layout (resharding) is "
+                         f"not supported")
+    if len(payload["model"]) != len(model_chunks):
+        raise ValueError(f"checkpoint {path} holds {len(payload['model'])} model chunks, this "
+                         f"rank has {len(model_chunks)}")
+    for chunk, chunk_state in zip(model_chunks, payload["model"]):
+        chunk.load_state_dict(chunk_state)
+    optimizer.load_state_dict(payload["optimizer"])
+    scheduler.load_state_dict(payload["scheduler"])
+    _set_rng_state(payload["rng"])
+    return {"iteration": payload["iteration"], "consumed_samples": payload["consumed_samples"],
+            "extra": payload["extra"]}

@@ -1,0 +1,53 @@
+"""Start-up of a training process: torch.distributed from torchrun's environment, parallel state,
+seeds and device."""
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+
+def initialize_distributed(backend: str | None, timeout_minutes: float) -> None:
+    """Join the world described by RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT.
+
+    A no-op when torch.distributed is already initialised (tests run pretrain inside a worker
+    pool). Without those variables a single-process world is created, so ``python -m
+    tpfuse.pretrain_gpt`` works on its own.
+    """
+    if dist.is_initialized():
+        return
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise ValueError("--distributed-backend nccl needs CUDA, which is not available here")
+    if "RANK" not in os.environ:
+        from tpfuse.parallel.launch import free_port
+
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(free_port()))
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend, timeout=datetime.timedelta(minutes=timeout_minutes))
+
+
+def device_for_backend() -> torch.device:
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def check_layout(config) -> None:
+    """Sizes that cannot split the world fail here, on every rank, before any group is built."""
+    world = dist.get_world_size()
+    tp = config.tensor_model_parallel_size
+    pp = config.pipeline_model_parallel_size
+    cp = config.context_parallel_size
+    if world % (tp * pp * cp) != 0:
+        raise ValueError(
+            f"world size {world} is not divisible by tensor_model_parallel_size ({tp}) × "
+            f"pipeline_model_parallel_size ({pp}) × context_parallel_size ({cp})")
+    if cp != 1:
+        raise ValueError(f"context_parallel_size={cp}: the GPT model does not implement context "
+                         f"parallelism yet; use 1")

@@ -1,0 +1,68 @@
+"""The training log: one Megatron-style line per interval, a progress bar, and a JSONL metrics file.
+
+Only one rank logs: the rank on the last pipeline stage with tp, dp and cp rank 0, which holds the
+(DP-averaged) loss.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+
+def format_log_line(iteration: int, train_iters: int, record: dict) -> str:
+    parts = [
+        f" iteration {iteration:8d}/{train_iters:8d}",
+        f"consumed samples: {record['consumed_samples']:12d}",
+        f"elapsed time per iteration (ms): {record['ms_per_iter']:.1f}",
+        f"learning rate: {record['lr']:.6E}",
+        f"global batch size: {record['global_batch_size']:5d}",
+        f"lm loss: {record['loss']:.6E}",
+        f"grad norm: {record['grad_norm']:.3f}",
+        f"tokens/s: {record['tokens_per_s']:.0f}",
+    ]
+    return " | ".join(parts) + " |"
+
+
+class TrainingLogger:
+    def __init__(self, is_logger: bool, train_iters: int, start_iteration: int,
+                 metrics_file: str | None, progress_bar: bool):
+        self.is_logger = is_logger
+        self.train_iters = train_iters
+        self.metrics_file = metrics_file if is_logger else None
+        self.bar = None
+        if is_logger and progress_bar:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=train_iters, initial=start_iteration, desc="train", unit="it",
+                            file=sys.stderr, dynamic_ncols=True, leave=False)
+        if self.metrics_file:
+            folder = os.path.dirname(os.path.abspath(self.metrics_file))
+            os.makedirs(folder, exist_ok=True)
+
+    def print(self, text: str) -> None:
+        if not self.is_logger:
+            return
+        if self.bar is not None:
+            self.bar.write(text)
+        else:
+            print(text, flush=True)
+
+    def iteration(self, iteration: int, record: dict, log_now: bool) -> None:
+        if not self.is_logger:
+            return
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix(loss=f"{record['loss']:.4f}")
+        if log_now:
+            self.print(format_log_line(iteration, self.train_iters, record))
+        self.write_metrics({"iteration": iteration, **record})
+
+    def write_metrics(self, record: dict) -> None:
+        if self.metrics_file:
+            with open(self.metrics_file, "a") as handle:
+                handle.write(json.dumps(record) + "\n")
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()

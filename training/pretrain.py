@@ -1,0 +1,256 @@
+"""``pretrain``: the training loop that owns scheduling, the optimizer step and checkpoints.
+
+The user supplies three callbacks, as in Megatron:
+
+- ``train_valid_test_datasets_provider([n_train, n_valid, n_test]) -> (train, valid, test)``
+  (datasets of sample dicts; ``get_args()`` / ``get_config()`` give the parsed settings);
+- ``model_provider(pre_process, post_process, vp_stage=None) -> nn.Module``;
+- ``forward_step(data_iterator, model) -> (output_tensor, loss_func)``.
+
+One optimizer step::
+
+    m = micro-batch calculator(consumed samples)                   (ramp-up aware)
+    forward_backward_func(...)      # pipeline schedule over m micro-batches; loss / m
+    DP gradient all-reduce          # bucketed, launched during the last micro-batch's backward
+    tied-embedding gradient sync    # first ↔ last pipeline stage
+    clip by the global norm         # across tp × pp
+    AdamW step, lr schedule step
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from tpfuse.parallel import parallel_state
+from tpfuse.parallel.microbatches import MicrobatchCalculator
+from tpfuse.training import checkpoint as ckpt
+from tpfuse.training.arguments import parse_args
+from tpfuse.training.grad_sync import DataParallelGradSync
+from tpfuse.training.initialize import (check_layout, device_for_backend,
+                                        initialize_distributed)
+from tpfuse.training.logging_utils import TrainingLogger
+from tpfuse.training.optimizer import build_optimizer, clip_grad_norm
+from tpfuse.training.scheduler import LRScheduler
+
+_GLOBALS: dict = {}
+
+
+def get_args():
+    """The parsed training flags of the running ``pretrain`` (Megatron's ``get_args``)."""
+    if "args" not in _GLOBALS:
+        raise RuntimeError("get_args() called outside pretrain(): no arguments are parsed yet")
+    return _GLOBALS["args"]
+
+
+def get_config():
+    """The TransformerConfig of the running ``pretrain``."""
+    if "config" not in _GLOBALS:
+        raise RuntimeError("get_config() called outside pretrain(): no config is parsed yet")
+    return _GLOBALS["config"]
+
+
+@dataclass
+class TrainingResult:
+    """What one rank saw; losses are filled on the logging rank (last stage, tp/dp rank 0)."""
+    is_logger: bool
+    iterations: list = field(default_factory=list)
+    train_losses: list = field(default_factory=list)
+    grad_norms: list = field(default_factory=list)
+    valid_losses: list = field(default_factory=list)   # (iteration, loss)
+    consumed_samples: int = 0
+
+
+class _Run:
+    """Everything one training process holds; methods are the loop's steps."""
+
+    def __init__(self, config, args, model_provider, forward_step, datasets_provider):
+        from tpfuse.models import build_model
+        from tpfuse.pipeline import get_forward_backward_func
+
+        self.config, self.args = config, args
+        self.forward_step = forward_step
+        self.state = parallel_state.get_default_state()
+        self.device = device_for_backend()
+        self.model = [chunk.to(self.device) for chunk in build_model(model_provider, config)]
+        self.params = [p for chunk in self.model for p in chunk.parameters() if p.requires_grad]
+        self.optimizer = build_optimizer(self.model, args.lr, args.weight_decay,
+                                         (args.adam_beta1, args.adam_beta2), args.adam_eps)
+        self.scheduler = LRScheduler(self.optimizer, args.lr, args.min_lr, args.lr_warmup_iters,
+                                     args.lr_decay_iters or args.train_iters,
+                                     args.lr_decay_style)
+        self.grad_sync = DataParallelGradSync(self.params, self.state.dp_group,
+                                              args.grad_bucket_numel,
+                                              overlap=not args.no_overlap_grad_reduce)
+        self.forward_backward = get_forward_backward_func(self.state)
+        self.calculator = MicrobatchCalculator(
+            args.global_batch_size, args.micro_batch_size, self.state.dp_size,
+            rampup_batch_size=args.rampup_batch_size)
+        self.iteration, self.consumed_samples = 0, 0
+        self.is_logger = (self.state.is_pipeline_last_stage() and self.state.tp_rank == 0
+                          and self.state.dp_rank == 0 and self.state.rank_in("cp") == 0)
+        if args.load:
+            loaded = ckpt.load_checkpoint(args.load, self.model, self.optimizer, self.scheduler,
+                                          self.state)
+            self.iteration, self.consumed_samples = loaded["iteration"], loaded["consumed_samples"]
+        self.train_ds, self.valid_ds = self._build_datasets(datasets_provider)
+
+    # ------------------------------------------------------------------ data
+    def _build_datasets(self, datasets_provider):
+        args = self.args
+        evaluations = (args.train_iters // args.eval_interval + 1) if args.eval_interval else 0
+        eval_samples = evaluations * args.eval_iters * args.global_batch_size
+        train_samples = args.train_iters * args.global_batch_size
+        train, valid, _ = datasets_provider([train_samples, eval_samples, 0])
+        return train, valid
+
+    def _iterators(self, dataset, consumed_samples: int):
+        """One iterator per model chunk, each over the same micro-batch sequence of this DP rank."""
+        from tpfuse.data.sampler import build_pretraining_data_loader
+
+        return [iter(build_pretraining_data_loader(
+            dataset, consumed_samples, self.args.micro_batch_size, self.state.dp_rank,
+            self.state.dp_size)) for _ in self.model]
+
+    # ------------------------------------------------------------------ one step
+    def _mean_loss(self, loss_dicts) -> float | None:
+        """Average of the micro-batch losses, then over DP (on the last stage; None elsewhere)."""
+        if not self.state.is_pipeline_last_stage():
+            return None
+        values = torch.stack([d["lm loss"].detach().float().reshape(()) for d in loss_dicts])
+        total = torch.stack([values.sum(), torch.tensor(float(len(values)))]).to(self.device)
+        if self.state.dp_size > 1:
+            dist.all_reduce(total, group=self.state.dp_group)
+        return (total[0] / total[1]).item()
+
+    def train_step(self, iterators) -> tuple[float | None, float]:
+        from tpfuse.models import allreduce_embedding_grads
+
+        for chunk in self.model:
+            chunk.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        num_microbatches = self.calculator.num_microbatches
+        self.grad_sync.begin_step(num_microbatches)
+        loss_dicts = self.forward_backward(
+            forward_step_func=self.forward_step, data_iterator=iterators, model=self.model,
+            num_microbatches=num_microbatches, seq_length=self.config.seq_length,
+            micro_batch_size=self.args.micro_batch_size, forward_only=False, state=self.state)
+        self.grad_sync.finish()
+        allreduce_embedding_grads(self.model, self.state)
+        grad_norm = clip_grad_norm(self.params, self.args.clip_grad, self.state)
+        self.optimizer.step()
+        self.scheduler.step()
+        return self._mean_loss(loss_dicts), grad_norm
+
+    @torch.no_grad()
+    def evaluate(self) -> float | None:
+        if self.valid_ds is None:
+            return None
+        for chunk in self.model:
+            chunk.eval()
+        iterators = self._iterators(self.valid_ds, 0)
+        num_microbatches = self.args.global_batch_size // (
+            self.args.micro_batch_size * self.state.dp_size)
+        losses = []
+        for _ in range(self.args.eval_iters):
+            loss_dicts = self.forward_backward(
+                forward_step_func=self.forward_step, data_iterator=iterators, model=self.model,
+                num_microbatches=num_microbatches, seq_length=self.config.seq_length,
+                micro_batch_size=self.args.micro_batch_size, forward_only=True, state=self.state)
+            losses.append(self._mean_loss(loss_dicts))
+        return None if losses[0] is None else sum(losses) / len(losses)
+
+    def save(self) -> None:
+        ckpt.save_checkpoint(self.args.save, self.iteration, self.model, self.optimizer,
+                             self.scheduler, self.state, self.consumed_samples)
+
+    # ------------------------------------------------------------------ the loop
+    def train(self) -> TrainingResult:
+        args = self.args
+        result = TrainingResult(is_logger=self.is_logger)
+        logger = TrainingLogger(self.is_logger, args.train_iters, self.iteration,
+                                args.metrics_file, progress_bar=not args.no_progress_bar)
+        self.calculator.update(self.consumed_samples, consistency_check=True)
+        iterators = self._iterators(self.train_ds, self.consumed_samples)
+        tokens_per_sample = self.config.seq_length
+        try:
+            while self.iteration < args.train_iters:
+                self.calculator.update(self.consumed_samples, consistency_check=True)
+                batch = self.calculator.current_global_batch_size
+                lr = self.scheduler.lr
+                start = time.perf_counter()
+                loss, grad_norm = self.train_step(iterators)
+                elapsed = time.perf_counter() - start
+                self.iteration += 1
+                self.consumed_samples += batch
+                record = {"loss": loss, "lr": lr, "grad_norm": grad_norm,
+                          "consumed_samples": self.consumed_samples, "global_batch_size": batch,
+                          "ms_per_iter": 1000 * elapsed,
+                          "tokens_per_s": batch * tokens_per_sample / elapsed}
+                if self.is_logger:
+                    result.iterations.append(self.iteration)
+                    result.train_losses.append(loss)
+                    result.grad_norms.append(grad_norm)
+                logger.iteration(self.iteration, record,
+                                 log_now=self.iteration % args.log_interval == 0)
+                if args.eval_interval and self.iteration % args.eval_interval == 0:
+                    self._evaluate_and_log(logger, result)
+                if args.save and args.save_interval and self.iteration % args.save_interval == 0:
+                    self.save()
+            if args.save and (not args.save_interval or self.iteration % args.save_interval):
+                self.save()
+        finally:
+            logger.close()
+        result.consumed_samples = self.consumed_samples
+        return result
+
+    def _evaluate_and_log(self, logger, result) -> None:
+        valid_loss = self.evaluate()
+        if valid_loss is not None and self.is_logger:
+            result.valid_losses.append((self.iteration, valid_loss))
+            logger.print(f" validation loss at iteration {self.iteration} | lm loss: "
+                         f"{valid_loss:.6E} |")
+            logger.write_metrics({"iteration": self.iteration, "valid_loss": valid_loss})
+
+
+def _fill_batch_defaults(args, dp_size: int) -> None:
+    if args.global_batch_size is None:
+        args.global_batch_size = args.micro_batch_size * dp_size
+
+
+def pretrain(train_valid_test_datasets_provider, model_provider, forward_step,
+             args_defaults: dict | None = None, argv=None) -> TrainingResult:
+    """Parse flags, set up every group, train; returns this rank's TrainingResult."""
+    config, args = parse_args(argv, args_defaults)
+    initialize_distributed(args.distributed_backend, args.distributed_timeout_minutes)
+    check_layout(config)
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=config.tensor_model_parallel_size,
+        pipeline_model_parallel_size=config.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=config.virtual_pipeline_model_parallel_size,
+        context_parallel_size=config.context_parallel_size)
+    _fill_batch_defaults(args, parallel_state.get_data_parallel_world_size())
+    _GLOBALS.update(args=args, config=config)
+    from tpfuse.tp_layers.random import model_parallel_seed
+
+    model_parallel_seed(config.seed)
+    try:
+        run = _Run(config, args, model_provider, forward_step,
+                   train_valid_test_datasets_provider)
+        if run.is_logger:
+            run_banner(run)
+        return run.train()
+    finally:
+        _GLOBALS.clear()
+
+
+def run_banner(run) -> None:
+    config, state = run.config, run.state
+    params = sum(p.numel() for p in run.params)
+    print(f"> tpfuse: tp={state.tp_size} pp={state.pp_size} vpp={state.vpp_size or 1} "
+          f"dp={state.dp_size} sequence_parallel={config.sequence_parallel} | "
+          f"{config.num_layers} layers, hidden {config.hidden_size}, "
+          f"{config.num_attention_heads} heads, seq {config.seq_length} | "
+          f"parameters on this rank: {params:,}", flush=True)
