@@ -1,0 +1,282 @@
+"""Conjugate communication primitives for tensor (and sequence) parallelism.
+
+Activations are sequence-first ``[s, b, h]`` as in Megatron: the *sequence* dim is 0, the *hidden*
+dim is -1. Each primitive is a small autograd Function paired with its conjugate: what the forward
+does (identity, all-reduce, split, all-gather, reduce-scatter) the backward undoes with the
+transposed operation, so that ``y = f(x)`` and ``dx = fᵀ(dy)``:
+
+    copy_to_region                          forward: identity       backward: all-reduce
+    reduce_from_region                      forward: all-reduce     backward: identity
+    scatter_to_region                       forward: split h        backward: all-gather h
+    gather_from_region                      forward: all-gather h   backward: split h
+    scatter_to_sequence_parallel_region     forward: split s        backward: all-gather s
+    gather_from_sequence_parallel_region    forward: all-gather s   backward: reduce-scatter s
+                                                                    (split s if the output grad
+                                                                     is not tensor-parallel)
+    reduce_scatter_to_sequence_parallel_region  forward: reduce-scatter s  backward: all-gather s
+
+Every one takes its process group explicitly and is the identity at group size 1 (or when
+``torch.distributed`` is not initialised). A dim that does not divide by the group size raises
+``ValueError`` before any collective is entered.
+
+The plain (non-autograd) collectives ``all_gather_first_dim`` / ``reduce_scatter_first_dim`` are
+public too: the fused comm+GEMM kernels use them for their unfused fallback.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+# gloo in torch >= 2.x implements reduce_scatter_tensor; "all_reduce" (all-reduce, keep own slice)
+# is kept as a fallback for backends without it. Override with TPFUSE_REDUCE_SCATTER=all_reduce.
+REDUCE_SCATTER_STRATEGIES = ("native", "all_reduce")
+_reduce_scatter_strategy = os.environ.get("TPFUSE_REDUCE_SCATTER", "native")
+
+
+def set_reduce_scatter_strategy(name: str) -> None:
+    """Choose how reduce-scatter runs: ``"native"`` (reduce_scatter_tensor) or ``"all_reduce"``."""
+    global _reduce_scatter_strategy
+    if name not in REDUCE_SCATTER_STRATEGIES:
+        raise ValueError(f"reduce-scatter strategy must be one of {REDUCE_SCATTER_STRATEGIES}, "
+                         f"got {name!r}")
+    _reduce_scatter_strategy = name
+
+
+def get_reduce_scatter_strategy() -> str:
+    return _reduce_scatter_strategy
+
+
+# ----------------------------------------------------------------------------- group arithmetic
+
+def group_size(group) -> int:
+    """Ranks in ``group`` (1 when torch.distributed is not initialised)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1
+    return dist.get_world_size(group)
+
+
+def group_rank(group) -> int:
+    """This rank's index inside ``group`` (0 when torch.distributed is not initialised)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return 0
+    return dist.get_rank(group)
+
+
+def check_divisible(x: torch.Tensor, dim: int, size: int, what: str) -> None:
+    """ValueError naming the sizes when ``x.shape[dim]`` does not split into ``size`` parts."""
+    if x.dim() == 0:
+        raise ValueError(f"{what}: expected a tensor with at least one dim, got a scalar")
+    if x.shape[dim] % size != 0:
+        name = "sequence dim 0" if dim == 0 else f"dim {dim}"
+        raise ValueError(f"{what}: {name} of size {x.shape[dim]} (shape {tuple(x.shape)}) is not "
+                         f"divisible by the group size {size}")
+
+
+# ----------------------------------------------------------------------------- plain collectives
+
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def all_gather_first_dim(x: torch.Tensor, group, async_op: bool = False):
+    """Concatenate every rank's ``x`` along dim 0: ``(s/tp, ...) -> (s, ...)``.
+
+    With ``async_op=True`` returns ``(out, work)``; ``out`` is valid after ``work.wait()``.
+    """
+    size = group_size(group)
+    if size == 1:
+        return (x, None) if async_op else x
+    x = x.contiguous()
+    out = torch.empty((size * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+    work = _all_gather_single(out, x, group=group, async_op=async_op)
+    return (out, work) if async_op else out
+
+
+def reduce_scatter_first_dim(x: torch.Tensor, group) -> torch.Tensor:
+    """Sum ``x`` over the ranks and keep this rank's dim-0 slice: ``(s, ...) -> (s/tp, ...)``."""
+    size = group_size(group)
+    if size == 1:
+        return x
+    check_divisible(x, 0, size, "reduce_scatter_first_dim")
+    x = x.contiguous()
+    rows = x.shape[0] // size
+    if _reduce_scatter_strategy == "all_reduce":
+        total = x.clone()
+        dist.all_reduce(total, group=group)
+        rank = group_rank(group)
+        return total[rank * rows:(rank + 1) * rows].clone()
+    out = torch.empty((rows,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+    _reduce_scatter_single(out, x, group=group)
+    return out
+
+
+def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
+    if group_size(group) == 1:
+        return x
+    out = x.contiguous().clone()
+    dist.all_reduce(out, group=group)
+    return out
+
+
+def _split_along(x: torch.Tensor, dim: int, group, what: str) -> torch.Tensor:
+    size = group_size(group)
+    if size == 1:
+        return x
+    check_divisible(x, dim, size, what)
+    return x.chunk(size, dim=dim)[group_rank(group)].contiguous()
+
+
+def _all_gather_last_dim(x: torch.Tensor, group) -> torch.Tensor:
+    size = group_size(group)
+    if size == 1:
+        return x
+    stacked = all_gather_first_dim(x.unsqueeze(0), group)           # (tp, ..., h/tp)
+    return torch.cat(stacked.unbind(0), dim=-1)                      # (..., h)
+
+
+# ----------------------------------------------------------------------------- autograd Functions
+
+class _CopyToRegion(torch.autograd.Function):
+    """forward: identity, backward: all-reduce."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return _all_reduce(dy, ctx.group), None
+
+
+class _ReduceFromRegion(torch.autograd.Function):
+    """forward: all-reduce, backward: identity."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        return _all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return dy, None
+
+
+class _ScatterToRegion(torch.autograd.Function):
+    """forward: split the last (hidden) dim, keep this rank's part; backward: all-gather it."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _split_along(x, -1, group, "scatter_to_region")
+
+    @staticmethod
+    def backward(ctx, dy):
+        return _all_gather_last_dim(dy, ctx.group), None
+
+
+class _GatherFromRegion(torch.autograd.Function):
+    """forward: all-gather the last (hidden) dim; backward: split it, keep this rank's part."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _all_gather_last_dim(x, group)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return _split_along(dy, -1, ctx.group, "gather_from_region backward"), None
+
+
+class _ScatterToSequenceParallelRegion(torch.autograd.Function):
+    """forward: split the sequence dim 0, keep this rank's part; backward: all-gather dim 0."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _split_along(x, 0, group, "scatter_to_sequence_parallel_region")
+
+    @staticmethod
+    def backward(ctx, dy):
+        return all_gather_first_dim(dy, ctx.group), None
+
+
+class _GatherFromSequenceParallelRegion(torch.autograd.Function):
+    """forward: all-gather dim 0; backward: reduce-scatter dim 0 (split if the grad is replicated)."""
+
+    @staticmethod
+    def forward(ctx, x, group, tensor_parallel_output_grad):
+        ctx.group = group
+        ctx.tensor_parallel_output_grad = tensor_parallel_output_grad
+        return all_gather_first_dim(x, group)
+
+    @staticmethod
+    def backward(ctx, dy):
+        if ctx.tensor_parallel_output_grad:
+            return reduce_scatter_first_dim(dy, ctx.group), None, None
+        return _split_along(dy, 0, ctx.group, "gather_from_sequence_parallel_region"), None, None
+
+
+class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
+    """forward: reduce-scatter dim 0; backward: all-gather dim 0."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return reduce_scatter_first_dim(x, group)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return all_gather_first_dim(dy, ctx.group), None
+
+
+# ----------------------------------------------------------------------------- public functions
+
+def copy_to_region(x, group):
+    """forward: identity, backward: all-reduce. ``(s, b, h) -> (s, b, h)``."""
+    return x if group_size(group) == 1 else _CopyToRegion.apply(x, group)
+
+
+def reduce_from_region(x, group):
+    """forward: all-reduce, backward: identity. ``(s, b, h) -> (s, b, h)``."""
+    return x if group_size(group) == 1 else _ReduceFromRegion.apply(x, group)
+
+
+def scatter_to_region(x, group):
+    """forward: split the hidden (last) dim, backward: all-gather it. ``(s, b, h) -> (s, b, h/tp)``."""
+    if group_size(group) == 1:
+        return x
+    check_divisible(x, -1, group_size(group), "scatter_to_region")
+    return _ScatterToRegion.apply(x, group)
+
+
+def gather_from_region(x, group):
+    """forward: all-gather the hidden (last) dim, backward: split it. ``(s, b, h/tp) -> (s, b, h)``."""
+    return x if group_size(group) == 1 else _GatherFromRegion.apply(x, group)
+
+
+def scatter_to_sequence_parallel_region(x, group):
+    """forward: split the sequence dim 0, backward: all-gather it. ``(s, b, h) -> (s/tp, b, h)``."""
+    if group_size(group) == 1:
+        return x
+    check_divisible(x, 0, group_size(group), "scatter_to_sequence_parallel_region")
+    return _ScatterToSequenceParallelRegion.apply(x, group)
+
+
+def gather_from_sequence_parallel_region(x, group, tensor_parallel_output_grad=True):
+    """forward: all-gather the sequence dim 0, backward: reduce-scatter it (split it if
+    ``tensor_parallel_output_grad=False``, i.e. the output's grad is the same on every rank).
+    ``(s/tp, b, h) -> (s, b, h)``."""
+    if group_size(group) == 1:
+        return x
+    return _GatherFromSequenceParallelRegion.apply(x, group, bool(tensor_parallel_output_grad))
+
+
+def reduce_scatter_to_sequence_parallel_region(x, group):
+    """forward: reduce-scatter the sequence dim 0, backward: all-gather it.
+    ``(s, b, h) -> (s/tp, b, h)``."""
+    if group_size(group) == 1:
+        return x
+    check_divisible(x, 0, group_size(group), "reduce_scatter_to_sequence_parallel_region")
+    return _ReduceScatterToSequenceParallelRegion.apply(x, group)
