@@ -1,1 +1,26 @@
-"""tpfuse.models"""
+"""tpfuse.models: TransformerConfig, the pure layer assignment, GPT stages and build_model.
+
+Names are imported lazily (PEP 562) so ``TransformerConfig`` does not pull in the TP layers.
+"""
+import importlib
+
+_EXPORTS = {
+    "TransformerConfig": "config",
+    "add_config_arguments": "cli", "config_from_args": "cli", "config_to_argv": "cli",
+    "layers_for": "layer_assignment", "stage_layer_counts": "layer_assignment",
+    "GPTModel": "gpt", "gpt_model_provider": "gpt", "make_gpt_model_provider": "gpt",
+    "build_model": "gpt", "allreduce_embedding_grads": "gpt",
+    "set_global_config": "gpt", "get_global_config": "gpt",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'tpfuse.models' has no attribute {name!r}")
+    return getattr(importlib.import_module(f".{module}", __name__), name)
+
+
+def __dir__():
+    return __all__

@@ -1,0 +1,288 @@
+"""TransformerConfig: one dataclass for the model shape, the parallel layout, precision and recompute.
+
+Every field carries metadata ``{"help", "category"}`` and, where Megatron's command-line flag is not
+the field name with dashes, ``"flag"`` (Megatron's name; ``models/cli.py`` turns fields into flags).
+``validate()`` runs at construction and raises ``ValueError`` naming the offending fields.
+
+Derived values (Megatron's argument post-processing), filled in ``__post_init__`` when left ``None``:
+``ffn_hidden_size`` (4·h; swiglu: int(4·h·2/3 / 64)·64 as Megatron), ``num_query_groups`` (= heads),
+``max_position_embeddings`` (= seq_length), ``virtual_pipeline_model_parallel_size`` (from
+``num_layers_per_virtual_pipeline_stage``; a size of 1 is normalised to ``None``), ``params_dtype``
+(bf16 → bfloat16, fp16 → float16, else float32). ``padded_vocab_size`` is a property.
+
+``sequence_parallel`` with ``tensor_model_parallel_size == 1`` is switched off with a warning, as
+Megatron does (sequence parallelism is a no-op without a TP group).
+"""
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+
+from .layer_assignment import stage_layer_counts
+
+CATEGORIES = ("model", "parallelism", "precision", "recompute")
+NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+ACTIVATIONS = ("gelu", "swiglu")
+POSITION_EMBEDDINGS = ("learned_absolute", "rope")
+RECOMPUTE_GRANULARITIES = ("full", "selective")
+RECOMPUTE_METHODS = ("uniform", "block")
+DERIVED = ("num_query_groups", "ffn_hidden_size", "max_position_embeddings",
+           "virtual_pipeline_model_parallel_size", "params_dtype")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _f(category, help, default=dataclasses.MISSING, **extra):
+    """A dataclass field with its category, one-line doc and optional flag metadata."""
+    metadata = {"category": category, "help": help, **extra}
+    if default is dataclasses.MISSING:
+        return field(metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+@dataclass(kw_only=True)
+class TransformerConfig:
+    # ---- model shape -------------------------------------------------------------------------
+    num_layers: int = _f("model", "number of transformer layers (all pipeline stages together)")
+    hidden_size: int = _f("model", "transformer hidden size h")
+    num_attention_heads: int = _f("model", "number of attention heads")
+    num_query_groups: int | None = _f(
+        "model", "key/value head groups for grouped-query attention (default: = heads)", None)
+    ffn_hidden_size: int | None = _f(
+        "model", "MLP hidden size (default 4h; swiglu: int(8h/3 / 64)*64 as Megatron)", None)
+    vocab_size: int | None = _f("model", "tokenizer vocabulary size before padding", None)
+    make_vocab_size_divisible_by: int = _f(
+        "model", "pad the vocabulary to a multiple of this times tensor_model_parallel_size", 128)
+    seq_length: int = _f("model", "sequence length s of a sample")
+    max_position_embeddings: int | None = _f(
+        "model", "number of learned positions (default: = seq_length)", None)
+    normalization: str = _f("model", "norm layer: LayerNorm | RMSNorm", "LayerNorm")
+    layernorm_epsilon: float = _f("model", "epsilon of the norm layers", 1e-5, flag="--norm-epsilon")
+    activation: str = _f("model", "MLP activation: gelu | swiglu", "gelu",
+                         aliases={"--swiglu": "swiglu"})
+    position_embedding_type: str = _f(
+        "model", "position embedding: learned_absolute | rope", "learned_absolute")
+    rotary_base: int = _f("model", "base of the rotary embedding frequencies", 10000)
+    add_bias_linear: bool = _f("model", "biases in the linear layers", True,
+                               negative_flag="--disable-bias-linear")
+    untie_embeddings_and_output_weights: bool = _f(
+        "model", "separate output-layer weight (default: tied to the word embedding)", False)
+    hidden_dropout: float = _f("model", "dropout after embeddings, attention and MLP", 0.1)
+    attention_dropout: float = _f("model", "dropout on the attention probabilities", 0.1)
+    init_method_std: float = _f("model", "std of the normal weight initialisation", 0.02)
+    seed: int = _f("model", "seed of the layout-independent weight initialisation and dropout", 1234)
+
+    # ---- parallelism -------------------------------------------------------------------------
+    tensor_model_parallel_size: int = _f("parallelism", "tensor-parallel group size tp", 1)
+    pipeline_model_parallel_size: int = _f("parallelism", "pipeline stages pp", 1)
+    virtual_pipeline_model_parallel_size: int | None = _f(
+        "parallelism", "model chunks per pipeline rank vpp (interleaved schedule)", None,
+        flag="--num-virtual-stages-per-pipeline-rank")
+    num_layers_per_virtual_pipeline_stage: int | None = _f(
+        "parallelism", "layers per model chunk (derives vpp = num_layers/pp / this)", None)
+    context_parallel_size: int = _f("parallelism", "context-parallel group size cp", 1)
+    expert_model_parallel_size: int = _f("parallelism", "expert-parallel group size ep", 1)
+    expert_tensor_parallel_size: int | None = _f(
+        "parallelism", "tensor-parallel size inside experts (default: = tp)", None)
+    sequence_parallel: bool = _f(
+        "parallelism", "shard norm/dropout activations over the sequence in the TP group", False)
+    decoder_first_pipeline_num_layers: int | None = _f(
+        "parallelism", "layers on the first pipeline stage (uneven split)", None)
+    decoder_last_pipeline_num_layers: int | None = _f(
+        "parallelism", "layers on the last pipeline stage (uneven split)", None)
+
+    # ---- precision ---------------------------------------------------------------------------
+    params_dtype: torch.dtype | None = _f(
+        "precision", "parameter dtype: float32 | bfloat16 | float16 (default from bf16/fp16)", None)
+    bf16: bool = _f("precision", "bfloat16 parameters and activations", False)
+    fp16: bool = _f("precision", "float16 parameters and activations", False)
+
+    # ---- recompute ---------------------------------------------------------------------------
+    recompute_granularity: str | None = _f(
+        "recompute", "activation recompute: full (selective is rejected)", None)
+    recompute_method: str | None = _f(
+        "recompute", "full recompute: uniform (groups of N layers) | block (first N layers)", None)
+    recompute_num_layers: int | None = _f(
+        "recompute", "layers per recompute group (uniform) or recomputed per chunk (block)", None)
+
+    def __post_init__(self):
+        self._derive_defaults()
+        self.validate()
+
+    # ---- derived values ----------------------------------------------------------------------
+    @property
+    def padded_vocab_size(self) -> int | None:
+        """Megatron's padding: vocab rounded up to make_vocab_size_divisible_by × tp."""
+        if self.vocab_size is None:
+            return None
+        multiple = self.make_vocab_size_divisible_by * self.tensor_model_parallel_size
+        return -(-self.vocab_size // multiple) * multiple
+
+    @property
+    def kv_channels(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    def _derive_defaults(self):
+        if self.num_query_groups is None:
+            self.num_query_groups = self.num_attention_heads
+        if self.ffn_hidden_size is None and isinstance(self.hidden_size, int):
+            if self.activation == "swiglu":
+                self.ffn_hidden_size = int((4 * self.hidden_size * 2 / 3) / 64) * 64
+            else:
+                self.ffn_hidden_size = 4 * self.hidden_size
+        if self.max_position_embeddings is None:
+            self.max_position_embeddings = self.seq_length
+        if self.params_dtype is None:
+            self.params_dtype = (torch.bfloat16 if self.bf16 else
+                                 torch.float16 if self.fp16 else torch.float32)
+        elif isinstance(self.params_dtype, str):
+            self.params_dtype = _parse_dtype("params_dtype", self.params_dtype)
+        if self.tensor_model_parallel_size == 1 and self.sequence_parallel:
+            warnings.warn("sequence_parallel=True with tensor_model_parallel_size=1: disabled, "
+                          "as Megatron does (no TP group to shard over)")
+            self.sequence_parallel = False
+        self._derive_virtual_pipeline_size()
+
+    def _derive_virtual_pipeline_size(self):
+        per_chunk = self.num_layers_per_virtual_pipeline_stage
+        if per_chunk is not None:
+            _require_positive(self, "num_layers_per_virtual_pipeline_stage", "num_layers",
+                              "pipeline_model_parallel_size")
+            if self._has_uneven_split():
+                raise ValueError(
+                    "num_layers_per_virtual_pipeline_stage cannot be combined with "
+                    "decoder_first/last_pipeline_num_layers; set "
+                    "virtual_pipeline_model_parallel_size (--num-virtual-stages-per-pipeline-rank)")
+            pp = self.pipeline_model_parallel_size
+            if self.num_layers % pp or (self.num_layers // pp) % per_chunk:
+                raise ValueError(
+                    f"num_layers={self.num_layers} / pipeline_model_parallel_size={pp} is not a "
+                    f"multiple of num_layers_per_virtual_pipeline_stage={per_chunk}")
+            derived = self.num_layers // pp // per_chunk
+            given = self.virtual_pipeline_model_parallel_size
+            if given is not None and given != derived:
+                raise ValueError(
+                    f"virtual_pipeline_model_parallel_size={given} disagrees with "
+                    f"num_layers_per_virtual_pipeline_stage={per_chunk} (which gives {derived})")
+            self.virtual_pipeline_model_parallel_size = derived
+        if self.virtual_pipeline_model_parallel_size == 1:
+            self.virtual_pipeline_model_parallel_size = None
+
+    def _has_uneven_split(self) -> bool:
+        return (self.decoder_first_pipeline_num_layers is not None
+                or self.decoder_last_pipeline_num_layers is not None)
+
+    # ---- validation --------------------------------------------------------------------------
+    def validate(self):
+        """Raise ValueError naming the fields of the first invalid setting found."""
+        _require_positive(self, "num_layers", "hidden_size", "num_attention_heads", "seq_length",
+                          "num_query_groups", "ffn_hidden_size", "max_position_embeddings",
+                          "make_vocab_size_divisible_by", "rotary_base",
+                          "tensor_model_parallel_size", "pipeline_model_parallel_size",
+                          "context_parallel_size", "expert_model_parallel_size")
+        _require_positive_or_none(self, "vocab_size", "expert_tensor_parallel_size",
+                                  "virtual_pipeline_model_parallel_size", "recompute_num_layers")
+        _require_choice(self, "normalization", NORMALIZATIONS)
+        _require_choice(self, "activation", ACTIVATIONS)
+        _require_choice(self, "position_embedding_type", POSITION_EMBEDDINGS)
+        self._validate_shape()
+        self._validate_tensor_parallel()
+        self._validate_pipeline()
+        self._validate_precision()
+        self._validate_recompute()
+
+    def _validate_shape(self):
+        h, heads, groups = self.hidden_size, self.num_attention_heads, self.num_query_groups
+        if h % heads:
+            raise ValueError(f"hidden_size={h} is not divisible by num_attention_heads={heads}")
+        if heads % groups:
+            raise ValueError(
+                f"num_attention_heads={heads} is not divisible by num_query_groups={groups}")
+        if (self.position_embedding_type == "learned_absolute"
+                and self.seq_length > self.max_position_embeddings):
+            raise ValueError(f"seq_length={self.seq_length} exceeds max_position_embeddings="
+                             f"{self.max_position_embeddings} (learned_absolute positions)")
+        if self.position_embedding_type == "rope" and self.kv_channels % 2:
+            raise ValueError(f"rope needs an even head dim: hidden_size={h} / "
+                             f"num_attention_heads={heads} = {self.kv_channels}")
+        for name in ("hidden_dropout", "attention_dropout"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"{name}={getattr(self, name)} must be in [0, 1)")
+        for name in ("init_method_std", "layernorm_epsilon"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be > 0")
+
+    def _validate_tensor_parallel(self):
+        tp = self.tensor_model_parallel_size
+        for name in ("num_attention_heads", "num_query_groups", "hidden_size", "ffn_hidden_size"):
+            if getattr(self, name) % tp:
+                raise ValueError(f"{name}={getattr(self, name)} is not divisible by "
+                                 f"tensor_model_parallel_size={tp}")
+        if self.sequence_parallel and self.seq_length % tp:
+            raise ValueError(f"seq_length={self.seq_length} is not divisible by "
+                             f"tensor_model_parallel_size={tp} (sequence_parallel=True)")
+
+    def _validate_pipeline(self):
+        pp, vpp = self.pipeline_model_parallel_size, self.virtual_pipeline_model_parallel_size
+        if vpp is not None and pp == 1:
+            raise ValueError(f"virtual_pipeline_model_parallel_size={vpp} needs "
+                             f"pipeline_model_parallel_size > 1 (got {pp})")
+        if self._has_uneven_split() and pp == 1:
+            raise ValueError("decoder_first/last_pipeline_num_layers need "
+                             "pipeline_model_parallel_size > 1 (got 1)")
+        stage_layer_counts(self.num_layers, pp, vpp or 1, self.decoder_first_pipeline_num_layers,
+                           self.decoder_last_pipeline_num_layers)
+
+    def _validate_precision(self):
+        if self.bf16 and self.fp16:
+            raise ValueError("bf16=True and fp16=True are mutually exclusive")
+        if self.params_dtype not in DTYPES.values():
+            raise ValueError(f"params_dtype={self.params_dtype} must be one of {sorted(DTYPES)}")
+        expected = {"bf16": torch.bfloat16, "fp16": torch.float16}
+        for flag, dtype in expected.items():
+            if getattr(self, flag) and self.params_dtype != dtype:
+                raise ValueError(f"{flag}=True but params_dtype={self.params_dtype}")
+
+    def _validate_recompute(self):
+        granularity, method = self.recompute_granularity, self.recompute_method
+        if granularity is None:
+            if method is not None or self.recompute_num_layers is not None:
+                raise ValueError(f"recompute_method={method} / recompute_num_layers="
+                                 f"{self.recompute_num_layers} need recompute_granularity='full'")
+            return
+        _require_choice(self, "recompute_granularity", RECOMPUTE_GRANULARITIES)
+        if granularity == "selective":
+            raise ValueError("recompute_granularity='selective' is not supported by tpfuse "
+                             "(the attention core is a fused kernel); use 'full'")
+        _require_choice(self, "recompute_method", RECOMPUTE_METHODS)
+        if self.recompute_num_layers is None:
+            raise ValueError("recompute_granularity='full' needs recompute_num_layers")
+
+
+def _parse_dtype(name, text):
+    if text not in DTYPES:
+        raise ValueError(f"{name}={text!r} must be one of {sorted(DTYPES)}")
+    return DTYPES[text]
+
+
+def _require_positive(config, *names):
+    for name in names:
+        value = getattr(config, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r} must be a positive integer")
+
+
+def _require_positive_or_none(config, *names):
+    _require_positive(config, *(n for n in names if getattr(config, n) is not None))
+
+
+def _require_choice(config, name, choices):
+    if getattr(config, name) not in choices:
+        raise ValueError(f"{name}={getattr(config, name)!r} must be one of {list(choices)}")
+
+
+def config_fields():
+    """The dataclass fields in declaration order (the CLI and --list walk these)."""
+    return dataclasses.fields(TransformerConfig)
