@@ -1,0 +1,45 @@
+"""Which tensor-parallel group a layer works in: an explicit group, a ParallelState, or the default.
+
+Layers take ``group=`` (a ``torch.distributed`` ProcessGroup, the TP group) or ``state=`` (a
+``ParallelState``); with neither they use ``get_default_state()`` set up by
+``parallel_state.initialize_model_parallel``. A plain single process (``torch.distributed`` not
+initialised, no default state) is tensor-parallel size 1, so the layers also work as ordinary
+modules in a notebook.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class TPGroup:
+    """The TP ProcessGroup (None for a non-distributed single process), its size and our rank."""
+    group: object
+    size: int
+    rank: int
+
+
+def resolve_tp_group(group=None, state=None) -> TPGroup:
+    if group is not None and state is not None:
+        raise ValueError("pass either group= or state=, not both")
+    if group is not None:
+        return TPGroup(group, dist.get_world_size(group), dist.get_rank(group))
+    if state is None:
+        state = _default_state_or_none()
+        if state is None:
+            return TPGroup(None, 1, 0)
+    return TPGroup(state.tp_group, state.tp_size, state.tp_rank)
+
+
+def _default_state_or_none():
+    """The default ParallelState; None only in a single process without torch.distributed."""
+    from tpfuse.parallel.state import get_default_state
+
+    try:
+        return get_default_state()
+    except RuntimeError:
+        if dist.is_available() and dist.is_initialized():
+            raise  # a distributed run must say which TP group it means
+        return None

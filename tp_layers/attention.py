@@ -1,0 +1,125 @@
+"""ParallelAttention: causal self-attention with heads split over the TP group.
+
+Master fused-QKV weight ``[(nh + 2·ng)·d, h]`` (nh query heads, ng query groups = KV heads, head
+dim d) in Megatron's grouped layout: for each group g, ``[q heads of g (nh/ng · d rows); k_g (d);
+v_g (d)]``, groups one after another. A contiguous (stride 1) column-parallel split then gives each
+rank whole groups — its heads' q, k and v — for any tp dividing ng, and the draw is layout
+independent. Dataflow on rank r (h_l = nh/tp heads, g_l = ng/tp groups):
+
+  x (s or s/tp, b, h) ─ColumnParallel(QKV)→ (s, b, (h_l + 2 g_l)·d) → q [b, h_l, s, d], k/v [b, g_l, s, d]
+  ─rope(position_ids)→ ─flash_attention(causal)→ (s, b, h_l·d) ─RowParallel(proj)→ (s or s/tp, b, h)
+
+Attention dropout (``attention_dropout > 0`` in training) needs the probabilities, which the flash
+kernel never materialises: that case runs an explicit fp32 softmax → dropout → @ v path, and the
+dropout draws from the model-parallel RNG stream (``get_rng_tracker().fork()``), as this rank's
+heads are a partitioned region. ``forward`` returns ``(output, bias)`` (bias added by the caller's
+bias-dropout-add; ``None`` without ``add_bias_linear``).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import _deps
+from ._group import resolve_tp_group
+from .init import normal_init
+from .linear import ColumnParallelLinear, RowParallelLinear
+from .random import get_rng_tracker
+from .rope import apply_rotary, default_position_ids, rotary_cos_sin
+
+POSITION_EMBEDDINGS = ("learned_absolute", "rope")
+
+
+def check_heads(hidden_size: int, num_attention_heads: int, num_query_groups: int, tp: int) -> None:
+    """ValueError naming the values when heads / groups / hidden do not split."""
+    if num_attention_heads < 1 or hidden_size % num_attention_heads:
+        raise ValueError(f"hidden_size={hidden_size} is not divisible by "
+                         f"num_attention_heads={num_attention_heads}")
+    if num_query_groups < 1 or num_attention_heads % num_query_groups:
+        raise ValueError(f"num_attention_heads={num_attention_heads} is not divisible by "
+                         f"num_query_groups={num_query_groups}")
+    if num_attention_heads % tp:
+        raise ValueError(f"num_attention_heads={num_attention_heads} is not divisible by "
+                         f"tensor-parallel size tp={tp}")
+    if num_query_groups % tp:
+        raise ValueError(f"num_query_groups={num_query_groups} is not divisible by "
+                         f"tensor-parallel size tp={tp}")
+
+
+class ParallelAttention(nn.Module):
+    def __init__(self, hidden_size: int, num_attention_heads: int, *,
+                 num_query_groups: int | None = None, add_bias_linear: bool = True,
+                 attention_dropout: float = 0.0, position_embedding_type: str = "learned_absolute",
+                 rotary_base: float = 10000, sequence_parallel: bool = False,
+                 init_method_std: float = 0.02, output_layer_init_std: float | None = None,
+                 params_dtype: torch.dtype = torch.float32, group=None, state=None):
+        super().__init__()
+        self.tp = resolve_tp_group(group, state)
+        groups = num_query_groups or num_attention_heads
+        check_heads(hidden_size, num_attention_heads, groups, self.tp.size)
+        if position_embedding_type not in POSITION_EMBEDDINGS:
+            raise ValueError(f"position_embedding_type must be one of {POSITION_EMBEDDINGS}, "
+                             f"got {position_embedding_type!r}")
+        if not 0.0 <= attention_dropout < 1.0:
+            raise ValueError(f"attention_dropout must be in [0, 1), got {attention_dropout}")
+        self.head_dim = hidden_size // num_attention_heads
+        if position_embedding_type == "rope" and self.head_dim % 2:
+            raise ValueError(f"rope needs an even head dim, got hidden_size/num_attention_heads="
+                             f"{self.head_dim}")
+        self.heads_local = num_attention_heads // self.tp.size
+        self.groups_local = groups // self.tp.size
+        self.heads_per_group = num_attention_heads // groups
+        self.sequence_parallel, self.attention_dropout = sequence_parallel, attention_dropout
+        self.rope, self.rotary_base = position_embedding_type == "rope", rotary_base
+        common = dict(bias=add_bias_linear, sequence_parallel=sequence_parallel,
+                      params_dtype=params_dtype, group=self.tp.group)
+        qkv_rows = (num_attention_heads + 2 * groups) * self.head_dim
+        self.linear_qkv = ColumnParallelLinear(
+            hidden_size, qkv_rows, init_method=normal_init(init_method_std), **common)
+        self.linear_proj = RowParallelLinear(
+            num_attention_heads * self.head_dim, hidden_size, input_is_parallel=True,
+            skip_bias_add=True, init_method=normal_init(output_layer_init_std or init_method_std),
+            **common)
+
+    def full_sequence_length(self, hidden_states: torch.Tensor) -> int:
+        local = hidden_states.shape[0]
+        return local * self.tp.size if self.sequence_parallel else local
+
+    def forward(self, hidden_states: torch.Tensor, position_ids: torch.Tensor | None = None):
+        seq, batch = self.full_sequence_length(hidden_states), hidden_states.shape[1]
+        if position_ids is not None and tuple(position_ids.shape) != (batch, seq):
+            raise ValueError(f"position_ids shape {tuple(position_ids.shape)} != (b, s) = "
+                             f"{(batch, seq)}")  # checked before the QKV all-gather
+        qkv = self.linear_qkv(hidden_states)                     # (s, b, (h_l + 2 g_l)·d)
+        qkv = qkv.view(seq, batch, self.groups_local, self.heads_per_group + 2, self.head_dim)
+        hpg = self.heads_per_group
+        q = qkv[:, :, :, :hpg].reshape(seq, batch, self.heads_local, self.head_dim)
+        k, v = qkv[:, :, :, hpg], qkv[:, :, :, hpg + 1]          # (s, b, g_l, d)
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))     # [b, heads, s, d]
+        if self.rope:
+            if position_ids is None:
+                position_ids = default_position_ids(batch, seq, hidden_states.device)
+            cos, sin = rotary_cos_sin(position_ids, self.head_dim, self.rotary_base)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if self.training and self.attention_dropout > 0:
+            context = self._attention_with_dropout(q, k, v)
+        else:
+            context = _deps.flash_attention(q.contiguous(), k.contiguous(), v.contiguous(),
+                                            causal=True)          # [b, h_l, s, d]
+        context = context.permute(2, 0, 1, 3).reshape(seq, batch, self.heads_local * self.head_dim)
+        return self.linear_proj(context)                          # (s or s/tp, b, h), bias
+
+    def _attention_with_dropout(self, q, k, v):
+        """softmax(q kᵀ/√d + causal) → dropout (TP stream) → @ v, in fp32 (flash has no dropout)."""
+        k = k.repeat_interleave(self.heads_per_group, dim=1)     # [b, h_l, s, d]
+        v = v.repeat_interleave(self.heads_per_group, dim=1)
+        scores = (q.float() @ k.float().transpose(-1, -2)) / math.sqrt(self.head_dim)
+        seq = scores.shape[-1]
+        future = torch.ones(seq, seq, dtype=torch.bool, device=q.device).triu(1)
+        probs = scores.masked_fill(future, float("-inf")).softmax(dim=-1)
+        with get_rng_tracker().fork():
+            probs = F.dropout(probs, self.attention_dropout, training=True)
+        return (probs @ v.float()).to(q.dtype)

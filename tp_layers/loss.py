@@ -1,0 +1,65 @@
+"""Cross-entropy over vocab-parallel logits, without ever gathering the full vocabulary.
+
+Rank r holds the logits' columns ``[r·V/tp, (r+1)·V/tp)`` (the output of a column-parallel output
+layer). Per token, with M the row max, S = Σ exp(x − M) and x_t the target logit:
+
+  forward   local (M_r, S_r, x_t,r) from ``kernels.cross_entropy_shard_stats``;
+            M = all-reduce MAX(M_r); S_r ← S_r · exp(M_r − M);
+            (S, x_t) = one all-reduce SUM of the stacked pair (only one shard holds x_t);
+            loss = log S + M − x_t   (0 where target == ignore_index)
+  backward  dx_r = g · (exp(x_r − M) / S − onehot_r(t))  from ``kernels.cross_entropy_shard_grad``
+            (shard-local, no communication)
+
+The two all-reduces are on ``(N,)``-sized statistics, not on logits; they are the only collectives
+here and ``tpfuse.parallel.mappings`` has no MAX reduction, so they are issued directly.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from . import _deps
+from ._group import resolve_tp_group
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits_shard, target, ignore_index, tp):
+        vocab_start = tp.rank * logits_shard.shape[-1]
+        row_max, sum_exp, target_logit = _deps.cross_entropy_shard_stats(
+            logits_shard, target, vocab_start)                     # each target.shape, fp32
+        if tp.size > 1:
+            global_max = row_max.clone()
+            dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=tp.group)
+            stacked = torch.stack([sum_exp * torch.exp(row_max - global_max), target_logit])
+            dist.all_reduce(stacked, op=dist.ReduceOp.SUM, group=tp.group)
+            sum_exp, target_logit = stacked[0], stacked[1]
+        else:
+            global_max = row_max
+        loss = torch.log(sum_exp) + global_max - target_logit
+        loss = torch.where(target == ignore_index, torch.zeros_like(loss), loss)
+        ctx.save_for_backward(logits_shard, target, global_max, sum_exp)
+        ctx.vocab_start, ctx.ignore_index = vocab_start, ignore_index
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        logits_shard, target, global_max, sum_exp = ctx.saved_tensors
+        dlogits = _deps.cross_entropy_shard_grad(
+            logits_shard, target, ctx.vocab_start, global_max, sum_exp, grad_loss.contiguous(),
+            ctx.ignore_index)
+        return dlogits, None, None, None
+
+
+def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, target: torch.Tensor, *,
+                                 ignore_index: int = -100, group=None, state=None) -> torch.Tensor:
+    """Per-token loss (target's shape, fp32) from this rank's ``(..., V/tp)`` logits shard.
+
+    ``target`` holds global vocabulary ids of shape ``logits_shard.shape[:-1]`` (the same on every
+    TP rank).
+    """
+    if logits_shard.shape[:-1] != target.shape:
+        raise ValueError(f"vocab_parallel_cross_entropy: logits shape {tuple(logits_shard.shape)} "
+                         f"must be target shape {tuple(target.shape)} plus a vocab dim")
+    tp = resolve_tp_group(group, state)
+    return _VocabParallelCrossEntropy.apply(logits_shard, target, ignore_index, tp)

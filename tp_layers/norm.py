@@ -1,0 +1,55 @@
+"""LayerNorm / RMSNorm over the hidden dim, with weights replicated on every TP rank.
+
+Under sequence parallelism each rank normalises only its sequence chunk, so each rank's weight
+gradient covers only its tokens. The weights therefore enter the op through ``copy_to_region``
+(identity forward, all-reduce backward): the gradient is all-reduced over the TP group *inside
+autograd* and every TP rank ends backward with the same full gradient (Megatron has shipped the
+bug where final-layernorm grads differ across TP ranks). Such parameters carry
+``param.sequence_parallel = True``; nothing downstream must reduce them over TP again.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from . import _deps
+from ._group import resolve_tp_group
+
+NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+
+
+class Norm(nn.Module):
+    """``normalization="LayerNorm"`` (weight 1, bias 0) or ``"RMSNorm"`` (weight 1)."""
+
+    def __init__(self, hidden_size: int, *, normalization: str = "LayerNorm", eps: float = 1e-5,
+                 sequence_parallel: bool = False, params_dtype: torch.dtype = torch.float32,
+                 group=None, state=None):
+        super().__init__()
+        if normalization not in NORMALIZATIONS:
+            raise ValueError(f"normalization must be one of {NORMALIZATIONS}, got {normalization!r}")
+        if eps <= 0:
+            raise ValueError(f"layernorm_epsilon must be > 0, got {eps}")
+        self.tp = resolve_tp_group(group, state)
+        self.normalization, self.eps, self.sequence_parallel = normalization, eps, sequence_parallel
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=params_dtype))
+        params = [self.weight]
+        if normalization == "LayerNorm":
+            self.bias = nn.Parameter(torch.zeros(hidden_size, dtype=params_dtype))
+            params.append(self.bias)
+        else:
+            self.register_parameter("bias", None)
+        for p in params:
+            p.tensor_model_parallel = False
+            p.sequence_parallel = sequence_parallel
+
+    def _replicated(self, param):
+        """The parameter as used in forward; its grad is TP-all-reduced under sequence parallelism."""
+        if self.sequence_parallel and self.tp.size > 1:
+            return _deps.copy_to_region(param, self.tp.group)
+        return param
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self._replicated(self.weight)
+        if self.normalization == "RMSNorm":
+            return _deps.rms_norm(x, weight, self.eps)
+        return _deps.layer_norm(x, weight, self._replicated(self.bias), self.eps)

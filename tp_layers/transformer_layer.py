@@ -1,0 +1,74 @@
+"""TransformerLayer: pre-norm attention and MLP blocks with bias-dropout-add residuals.
+
+    x ─norm→ ParallelAttention ─bias_dropout_add(+x)→ y ─norm→ ParallelMLP ─bias_dropout_add(+y)→ out
+
+``hidden_states`` is ``(s, b, h)``, or this rank's chunk ``(s/tp, b, h)`` with sequence
+parallelism (the attention sees the full sequence after its QKV all-gather; rotary angles come
+from ``position_ids (b, s)`` over the full sequence, default 0..s−1).
+
+Hidden dropout (in ``bias_dropout_add``, whose seed is drawn from the active generator):
+without sequence parallelism the activations are replicated over TP, so the seed comes from the
+default generator and every TP rank drops the same elements; with sequence parallelism each rank
+holds different tokens, so the seed comes from the model-parallel stream (``fork()``). Norm
+weights and the row-parallel biases have their gradients all-reduced over TP under sequence
+parallelism (see ``norm.py`` / ``linear.py``).
+
+Master weights are drawn in construction order: QKV, attention projection, fc1, fc2.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from . import _deps
+from ._group import resolve_tp_group
+from .attention import ParallelAttention
+from .mlp import ParallelMLP
+from .norm import Norm
+from .random import partitioned_region_rng
+
+
+class TransformerLayer(nn.Module):
+    def __init__(self, hidden_size: int, num_attention_heads: int, ffn_hidden_size: int, *,
+                 num_query_groups: int | None = None, normalization: str = "LayerNorm",
+                 layernorm_epsilon: float = 1e-5, activation: str = "gelu",
+                 add_bias_linear: bool = True, hidden_dropout: float = 0.0,
+                 attention_dropout: float = 0.0,
+                 position_embedding_type: str = "learned_absolute", rotary_base: float = 10000,
+                 sequence_parallel: bool = False, init_method_std: float = 0.02,
+                 output_layer_init_std: float | None = None,
+                 params_dtype: torch.dtype = torch.float32, state=None, group=None):
+        super().__init__()
+        if not 0.0 <= hidden_dropout < 1.0:
+            raise ValueError(f"hidden_dropout must be in [0, 1), got {hidden_dropout}")
+        self.tp = resolve_tp_group(group, state)
+        self.hidden_size, self.hidden_dropout = hidden_size, hidden_dropout
+        self.sequence_parallel = sequence_parallel
+        norm = dict(normalization=normalization, eps=layernorm_epsilon,
+                    sequence_parallel=sequence_parallel, params_dtype=params_dtype,
+                    group=self.tp.group)
+        common = dict(add_bias_linear=add_bias_linear, sequence_parallel=sequence_parallel,
+                      init_method_std=init_method_std, output_layer_init_std=output_layer_init_std,
+                      params_dtype=params_dtype, group=self.tp.group)
+        self.input_norm = Norm(hidden_size, **norm)
+        self.self_attention = ParallelAttention(
+            hidden_size, num_attention_heads, num_query_groups=num_query_groups,
+            attention_dropout=attention_dropout, position_embedding_type=position_embedding_type,
+            rotary_base=rotary_base, **common)
+        self.pre_mlp_norm = Norm(hidden_size, **norm)
+        self.mlp = ParallelMLP(hidden_size, ffn_hidden_size, activation=activation, **common)
+
+    def forward(self, hidden_states: torch.Tensor, position_ids: torch.Tensor | None = None):
+        if hidden_states.dim() != 3 or hidden_states.shape[-1] != self.hidden_size:
+            raise ValueError(f"hidden_states must be (s, b, {self.hidden_size}), got "
+                             f"{tuple(hidden_states.shape)}")
+        attn_out, attn_bias = self.self_attention(self.input_norm(hidden_states), position_ids)
+        hidden_states = self._bias_dropout_add(attn_out, attn_bias, hidden_states)
+        mlp_out, mlp_bias = self.mlp(self.pre_mlp_norm(hidden_states))
+        return self._bias_dropout_add(mlp_out, mlp_bias, hidden_states)  # (s or s/tp, b, h)
+
+    def _bias_dropout_add(self, x, bias, residual):
+        if not (self.training and self.hidden_dropout > 0):
+            return _deps.bias_dropout_add(x, bias, residual, 0.0, False, seed=0)
+        with partitioned_region_rng(self.sequence_parallel):
+            return _deps.bias_dropout_add(x, bias, residual, self.hidden_dropout, True)
