@@ -4,6 +4,7 @@ Names are imported lazily (PEP 562), so ``import tpfuse.kernels`` stays cheap an
 is loaded on first use.
 """
 import importlib
+import importlib.util
 
 _EXPORTS = {
     "set_backend": "backend", "get_backend": "backend", "use_backend": "backend",
@@ -30,3 +31,11 @@ def __getattr__(name):
 
 def __dir__():
     return __all__
+
+
+# An op defined in a submodule of the same name (matmul.py defines matmul) would be shadowed by the
+# module object as soon as anyone imports that submodule (the import system sets the package
+# attribute), so those ops are bound eagerly whenever their file exists.
+for _name, _module in _EXPORTS.items():
+    if _name == _module and importlib.util.find_spec(f"{__name__}.{_module}") is not None:
+        globals()[_name] = getattr(importlib.import_module(f".{_module}", __name__), _name)
