@@ -1,0 +1,264 @@
+"""ParallelState: the process groups of one RankLayout, passed explicitly to layers.
+
+    state = ParallelState.initialize(tp=2, pp=2)          # over an initialised torch.distributed
+    y = reduce_from_region(x, state.tp_group)
+    state.destroy()                                        # leaves nothing behind
+
+Group creation: every rank walks the same, deterministic list of distinct rank sets (all group
+kinds of the layout, duplicates such as ep == tp groups created once) and calls
+``torch.distributed.new_group`` for each, in the same order. ``new_group`` only does work on the
+members of a group (gloo/nccl connect among them); non-members get ``NON_GROUP_MEMBER`` at once,
+and no barrier is entered (``TORCH_DIST_INIT_BARRIER`` unset). Walking the full list on every rank
+keeps torch's group counter — the group names — in agreement across ranks, which the hashed names
+of ``use_local_synchronization=True`` do not guarantee when ranks belong to different numbers of
+groups (embedding groups). Groups inherit the default group's timeout, so a stuck collective fails
+as fast as one on the world group. Size-1 groups are real groups whose collectives are no-ops.
+
+``destroy()`` destroys the groups it created, in reverse order, identically on every rank, so a
+new ParallelState with other sizes can be built in the same processes.
+"""
+from __future__ import annotations
+
+import datetime
+
+import torch
+import torch.distributed as dist
+
+from .layout import DEFAULT_ORDER, GROUP_NAMES, RankLayout
+
+_EMBEDDING_KINDS = ("embedding", "position-embedding")
+
+
+def _default_group_timeout() -> datetime.timedelta | None:
+    """The timeout the default (world) group was initialised with, when torch exposes it."""
+    group = dist.distributed_c10d._get_default_group()
+    device = torch.device("cuda" if dist.get_backend() == "nccl" else "cpu")
+    try:
+        return group._get_backend(device).options._timeout
+    except (AttributeError, RuntimeError):  # pragma: no cover - depends on the torch build
+        return None
+
+
+def _check_vpp(vpp_size, pp: int):
+    if vpp_size is None:
+        return None
+    if isinstance(vpp_size, bool) or not isinstance(vpp_size, int) or vpp_size < 1:
+        raise ValueError(f"vpp_size (virtual pipeline size) must be an integer >= 1 or None, "
+                         f"got {vpp_size!r}")
+    if pp == 1:
+        raise ValueError(f"vpp_size={vpp_size} needs pipeline parallelism, but pp=1 "
+                         f"(an interleaved schedule needs pp > 1)")
+    return vpp_size
+
+
+class ParallelState:
+    """The process groups of ``layout`` on this rank, plus pipeline-stage helpers.
+
+    ``.group(name)`` / ``.ranks(name)`` / ``.size(name)`` / ``.rank_in(name)`` for every name in
+    ``layout.GROUP_NAMES``; shortcuts ``tp_* pp_* dp_* cp_* dp_cp_* ep_* etp_* edp_*`` (``_group``,
+    ``_rank``, ``_size``); ``dp`` excludes context parallelism, ``dp_cp`` includes it.
+    """
+
+    def __init__(self, layout: RankLayout, vpp_size: int | None = None,
+                 timeout: datetime.timedelta | None = None):
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("ParallelState needs an initialised torch.distributed "
+                               "(call torch.distributed.init_process_group first)")
+        if not isinstance(layout, RankLayout):
+            raise ValueError(f"layout must be a RankLayout, got {type(layout).__name__}")
+        world_size = dist.get_world_size()
+        if layout.world_size != world_size:
+            raise ValueError(f"layout.world_size={layout.world_size} does not match the "
+                             f"torch.distributed world size {world_size}")
+        self.layout = layout
+        self.vpp_size = _check_vpp(vpp_size, layout.pp)
+        self.vpp_rank = 0 if self.vpp_size is not None else None
+        self.rank = dist.get_rank()
+        self._ranks = {name: layout.group_of(name, self.rank) or [] for name in GROUP_NAMES}
+        self._created: list = []        # every handle new_group returned, in creation order
+        self._groups: dict = {}         # name -> this rank's ProcessGroup (or None)
+        self._build_groups(_default_group_timeout() if timeout is None else timeout)
+
+    @classmethod
+    def initialize(cls, tp: int = 1, pp: int = 1, vpp: int | None = None, cp: int = 1,
+                   ep: int = 1, etp: int | None = None, order: str = DEFAULT_ORDER,
+                   set_default: bool = False) -> "ParallelState":
+        """Build the layout from the current world size and create its groups.
+
+        All settings are validated (ValueError) before any group is created. With
+        ``set_default=True`` the state also becomes the default (``get_default_state()``).
+        """
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("ParallelState.initialize needs an initialised torch.distributed "
+                               "(call torch.distributed.init_process_group first)")
+        layout = RankLayout(dist.get_world_size(), tp=tp, pp=pp, cp=cp, ep=ep, etp=etp,
+                            order=order)
+        _check_vpp(vpp, pp)
+        state = cls(layout, vpp_size=vpp)
+        if set_default:
+            set_default_state(state)
+        return state
+
+    # ---------------------------------------------------------------- group creation / teardown
+    def _build_groups(self, timeout) -> None:
+        by_ranks: dict[tuple[int, ...], object] = {}
+        for name in GROUP_NAMES:
+            for ranks in self.layout.groups(name):
+                key = tuple(ranks)
+                if key not in by_ranks:
+                    by_ranks[key] = dist.new_group(list(ranks), timeout=timeout)
+                    self._created.append(by_ranks[key])
+            mine = tuple(self._ranks[name])
+            self._groups[name] = by_ranks[mine] if mine else None
+
+    @property
+    def destroyed(self) -> bool:
+        return self._groups is None
+
+    def destroy(self) -> None:
+        """Destroy every group this state created (idempotent); clears the default if it is us."""
+        if self._groups is None:
+            return
+        member = dist.GroupMember.NON_GROUP_MEMBER
+        if dist.is_initialized():
+            for group in reversed(self._created):
+                if group is not None and group is not member:
+                    dist.destroy_process_group(group)
+        self._created, self._groups = [], None
+        if _DEFAULT_STATE is self:
+            set_default_state(None)
+
+    def _live(self) -> dict:
+        if self._groups is None:
+            raise RuntimeError("this ParallelState was destroyed; create a new one "
+                               "(ParallelState.initialize or initialize_model_parallel)")
+        return self._groups
+
+    # ---------------------------------------------------------------- generic accessors
+    def _check_name(self, name: str) -> None:
+        if name not in self._ranks:
+            raise ValueError(f"unknown group name {name!r}; known: {', '.join(GROUP_NAMES)}")
+
+    def group(self, name: str):
+        """This rank's ProcessGroup of kind ``name`` (None for an embedding group it is not in)."""
+        self._check_name(name)
+        return self._live()[name]
+
+    def ranks(self, name: str) -> list[int]:
+        """Global ranks of this rank's group of kind ``name`` ([] when it is in none)."""
+        self._check_name(name)
+        self._live()
+        return list(self._ranks[name])
+
+    def size(self, name: str) -> int:
+        """Number of ranks in this rank's group of kind ``name`` (0 when it is in none)."""
+        return len(self.ranks(name))
+
+    def rank_in(self, name: str) -> int | None:
+        """This rank's position in its group of kind ``name`` (None when it is in none)."""
+        ranks = self.ranks(name)
+        return ranks.index(self.rank) if ranks else None
+
+    # ---------------------------------------------------------------- pipeline helpers
+    def is_pipeline_first_stage(self, ignore_virtual: bool = True, vp_stage: int | None = None):
+        """First pipeline stage; unless ``ignore_virtual``, also model chunk 0 (``vp_stage``,
+        defaulting to ``vpp_rank``) when a virtual pipeline is configured."""
+        if not ignore_virtual and self.vpp_size is not None:
+            if self._vp_stage(vp_stage) != 0:
+                return False
+        return self.pp_rank == 0
+
+    def is_pipeline_last_stage(self, ignore_virtual: bool = True, vp_stage: int | None = None):
+        """Last pipeline stage; unless ``ignore_virtual``, also the last model chunk."""
+        if not ignore_virtual and self.vpp_size is not None:
+            if self._vp_stage(vp_stage) != self.vpp_size - 1:
+                return False
+        return self.pp_rank == self.pp_size - 1
+
+    def _vp_stage(self, vp_stage):
+        stage = self.vpp_rank if vp_stage is None else vp_stage
+        if stage is None or not 0 <= stage < self.vpp_size:
+            raise ValueError(f"vp_stage must be in [0, {self.vpp_size}) with vpp_size="
+                             f"{self.vpp_size}, got {stage!r}")
+        return stage
+
+    def is_rank_in_embedding_group(self, ignore_virtual: bool = True,
+                                   vp_stage: int | None = None) -> bool:
+        """In the embedding group; unless ``ignore_virtual``, only with the chunk that holds the
+        embedding (chunk 0 on the first stage, the last chunk on the last stage)."""
+        ranks = self.ranks("embedding")
+        if self.rank not in ranks:
+            return False
+        if ignore_virtual:
+            return True
+        if self.rank == ranks[0]:
+            return self.is_pipeline_first_stage(False, vp_stage)
+        if self.rank == ranks[-1]:
+            return self.is_pipeline_last_stage(False, vp_stage)
+        return True  # pragma: no cover - default embedding groups hold only first and last
+
+    @property
+    def next_pp_rank(self) -> int:
+        """Global rank of the next pipeline stage (the last stage's next is the first)."""
+        ranks = self.ranks("pp")
+        return ranks[(ranks.index(self.rank) + 1) % len(ranks)]
+
+    @property
+    def prev_pp_rank(self) -> int:
+        """Global rank of the previous pipeline stage (the first stage's previous is the last)."""
+        ranks = self.ranks("pp")
+        return ranks[(ranks.index(self.rank) - 1) % len(ranks)]
+
+    def __repr__(self) -> str:
+        status = "destroyed" if self.destroyed else f"rank {self.rank}"
+        return f"ParallelState({self.layout!r}, vpp_size={self.vpp_size}; {status})"
+
+
+def _shortcuts(prefix: str, name: str):
+    def group(self):
+        return self.group(name)
+
+    def rank(self):
+        return self.rank_in(name)
+
+    def size(self):
+        return self.size(name)
+
+    for suffix, fn, what in (("group", group, "ProcessGroup"), ("rank", rank, "rank in"),
+                             ("size", size, "size of")):
+        fn.__name__ = f"{prefix}_{suffix}"
+        fn.__doc__ = f"{what} this rank's {name!r} group"
+        setattr(ParallelState, fn.__name__, property(fn))
+
+
+for _prefix, _name in (("tp", "tp"), ("pp", "pp"), ("dp", "dp"), ("cp", "cp"),
+                       ("dp_cp", "dp-cp"), ("ep", "ep"), ("etp", "etp"), ("edp", "edp"),
+                       ("embedding", "embedding"), ("position_embedding", "position-embedding")):
+    _shortcuts(_prefix, _name)
+
+
+# -------------------------------------------------------------------- the default instance
+_DEFAULT_STATE: ParallelState | None = None
+
+
+def get_default_state() -> ParallelState:
+    """The default ParallelState (set by ``initialize_model_parallel``)."""
+    if _DEFAULT_STATE is None:
+        raise RuntimeError(
+            "model parallel state is not initialized: call "
+            "tpfuse.parallel.parallel_state.initialize_model_parallel(...) (or "
+            "set_default_state(ParallelState.initialize(...))) first, or pass state= explicitly")
+    return _DEFAULT_STATE
+
+
+def set_default_state(state: ParallelState | None) -> None:
+    """Make ``state`` the default (None clears it; the old one is not destroyed)."""
+    global _DEFAULT_STATE
+    if state is not None and not isinstance(state, ParallelState):
+        raise ValueError(f"set_default_state expects a ParallelState or None, "
+                         f"got {type(state).__name__}")
+    _DEFAULT_STATE = state
+
+
+def has_default_state() -> bool:
+    return _DEFAULT_STATE is not None
