@@ -30,7 +30,7 @@ from torch import nn
 
 from . import _deps
 from ._group import resolve_tp_group
-from .init import check_partitionable, draw_master_weight, shard
+from .init import check_partitionable, draw_master_weight, shard, unshard
 
 ACTIVATIONS = (None, "gelu", "gelu_tanh", "relu")
 
@@ -122,7 +122,9 @@ class ColumnParallelLinear(nn.Module):
                 x = _deps.copy_to_region(x, group)  # backward: all-reduce dx
             y = _deps.matmul(x, self.weight.t(), bias, self.activation)  # (s, b, out/tp)
         if self.gather_output and tp > 1:
-            y = _deps.gather_from_region(y, group)  # (s, b, out)
+            y = _deps.gather_from_region(y, group)  # (s, b, out), rank-major blocks
+            if self.stride > 1:  # undo the round-robin dealing: master column order
+                y = unshard(list(y.chunk(tp, dim=-1)), -1, self.stride)
         return (y, self.bias) if self.skip_bias_add else y
 
     def extra_repr(self) -> str:
