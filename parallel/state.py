@@ -78,6 +78,7 @@ class ParallelState:
         self._created: list = []        # every handle new_group returned, in creation order
         self._groups: dict = {}         # name -> this rank's ProcessGroup (or None)
         self._build_groups(_default_group_timeout() if timeout is None else timeout)
+        _LIVE_STATES.append(self)
 
     @classmethod
     def initialize(cls, tp: int = 1, pp: int = 1, vpp: int | None = None, cp: int = 1,
@@ -125,6 +126,8 @@ class ParallelState:
                 if group is not None and group is not member:
                     dist.destroy_process_group(group)
         self._created, self._groups = [], None
+        if self in _LIVE_STATES:
+            _LIVE_STATES.remove(self)
         if _DEFAULT_STATE is self:
             set_default_state(None)
 
@@ -239,6 +242,18 @@ for _prefix, _name in (("tp", "tp"), ("pp", "pp"), ("dp", "dp"), ("cp", "cp"),
 
 # -------------------------------------------------------------------- the default instance
 _DEFAULT_STATE: ParallelState | None = None
+_LIVE_STATES: list[ParallelState] = []   # created and not yet destroyed, oldest first
+
+
+def destroy_all_states() -> None:
+    """Destroy every live ParallelState of this process, newest first, and clear the default.
+
+    ``destroy_model_parallel`` calls this, so a state a job forgot to destroy does not outlive
+    the job in a reused worker process.
+    """
+    for state in reversed(list(_LIVE_STATES)):
+        state.destroy()
+    set_default_state(None)
 
 
 def get_default_state() -> ParallelState:

@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tpfuse.parallel import parallel_state as mpu
 from tpfuse.parallel.layout import GROUP_NAMES, RankLayout
 from tpfuse.parallel.state import ParallelState, get_default_state, set_default_state
 
@@ -152,3 +153,179 @@ def _default_state_roundtrip():
 
 def test_default_state(run_distributed):
     run_distributed(WORLD, _default_state_roundtrip)
+
+
+# ----------------------------------------------------------------------------- Megatron facade
+# facade group getter -> layout group name
+FACADE_GROUPS = {
+    "get_tensor_model_parallel_group": "tp",
+    "get_pipeline_model_parallel_group": "pp",
+    "get_data_parallel_group": "dp",
+    "get_context_parallel_group": "cp",
+    "get_model_parallel_group": "tp-pp",
+    "get_tensor_and_data_parallel_group": "tp-dp",
+    "get_tensor_and_context_parallel_group": "tp-cp",
+    "get_expert_model_parallel_group": "ep",
+    "get_expert_tensor_parallel_group": "etp",
+    "get_expert_tensor_and_model_parallel_group": "etp-ep",
+    "get_expert_tensor_model_pipeline_parallel_group": "etp-ep-pp",
+    "get_expert_data_parallel_group": "edp",
+}
+# facade prefix of get_<prefix>_rank / get_<prefix>_world_size -> layout group name
+FACADE_RANKS = {
+    "tensor_model_parallel": "tp", "pipeline_model_parallel": "pp", "data_parallel": "dp",
+    "context_parallel": "cp", "tensor_and_context_parallel": "tp-cp",
+    "expert_model_parallel": "ep", "expert_tensor_parallel": "etp",
+    "expert_tensor_and_model_parallel": "etp-ep", "expert_data_parallel": "edp",
+}
+FACADE_CONFIGS = [
+    dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2),
+    dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2, context_parallel_size=2),
+    dict(tensor_model_parallel_size=2, expert_model_parallel_size=2,
+         expert_tensor_parallel_size=1),
+    dict(tensor_model_parallel_size=1, pipeline_model_parallel_size=4,
+         virtual_pipeline_model_parallel_size=2, order="tp-cp-ep-dp-pp"),
+]
+
+
+def _layout_of(config) -> RankLayout:
+    return RankLayout(
+        WORLD, tp=config.get("tensor_model_parallel_size", 1),
+        pp=config.get("pipeline_model_parallel_size", 1),
+        cp=config.get("context_parallel_size", 1), ep=config.get("expert_model_parallel_size", 1),
+        etp=config.get("expert_tensor_parallel_size"), order=config.get("order", "tp-cp-ep-dp-pp"))
+
+
+def _check_facade(config):
+    rank = dist.get_rank()
+    layout = _layout_of(config)
+    for getter, name in FACADE_GROUPS.items():
+        expected = layout.group_of(name, rank)
+        group = getattr(mpu, getter)()
+        assert dist.get_process_group_ranks(group) == expected, (getter, expected)
+        assert _sum_of_ranks(group) == sum(r + 1 for r in expected), getter
+    for prefix, name in FACADE_RANKS.items():
+        assert getattr(mpu, f"get_{prefix}_rank")() == layout.rank_in(name, rank), prefix
+        assert getattr(mpu, f"get_{prefix}_world_size")() == len(layout.group_of(name, rank))
+    dp_cp = layout.group_of("dp-cp", rank)
+    assert dist.get_process_group_ranks(mpu.get_data_parallel_group(with_context_parallel=True)) \
+        == dp_cp
+    assert mpu.get_data_parallel_rank(with_context_parallel=True) == dp_cp.index(rank)
+    assert mpu.get_data_parallel_world_size(with_context_parallel=True) == len(dp_cp)
+    assert mpu.get_data_parallel_src_rank(with_context_parallel=True) == dp_cp[0]
+    tp_dp_cp = mpu.get_tensor_and_data_parallel_group(with_context_parallel=True)
+    assert dist.get_process_group_ranks(tp_dp_cp) == layout.group_of("tp-dp-cp", rank)
+    # pipeline helpers
+    pipe = layout.group_of("pp", rank)
+    stage = pipe.index(rank)
+    assert mpu.is_pipeline_first_stage() == (stage == 0)
+    assert mpu.is_pipeline_last_stage() == (stage == len(pipe) - 1)
+    assert mpu.get_pipeline_model_parallel_next_rank() == pipe[(stage + 1) % len(pipe)]
+    assert mpu.get_pipeline_model_parallel_prev_rank() == pipe[(stage - 1) % len(pipe)]
+    assert mpu.get_pipeline_model_parallel_first_rank() == pipe[0]
+    assert mpu.get_pipeline_model_parallel_last_rank() == pipe[-1]
+    assert mpu.get_pipeline_model_parallel_global_ranks() == pipe
+    # rank-list getters
+    assert mpu.get_tensor_model_parallel_src_rank() == layout.group_of("tp", rank)[0]
+    assert mpu.get_tensor_model_parallel_global_ranks() == layout.group_of("tp", rank)
+    assert mpu.get_model_parallel_src_rank() == layout.group_of("tp-pp", rank)[0]
+    assert mpu.get_data_parallel_src_rank() == layout.group_of("dp", rank)[0]
+    assert mpu.get_data_parallel_global_ranks() == layout.group_of("dp", rank)
+    assert mpu.get_expert_model_parallel_src_rank() == layout.group_of("ep", rank)[0]
+    assert mpu.get_context_parallel_global_ranks() == layout.group_of("cp", rank)
+    # embedding groups: first and last stage, position embedding: first stage
+    embedding = layout.group_of("embedding", rank)
+    assert mpu.is_rank_in_embedding_group() == (embedding is not None)
+    assert mpu.is_rank_in_position_embedding_group() == (stage == 0)
+    if embedding is None:
+        with pytest.raises(RuntimeError, match="not in a embedding group"):
+            mpu.get_embedding_group()
+        assert mpu.get_embedding_group(check_initialized=False) is None
+        assert mpu.get_embedding_global_ranks() == []
+    else:
+        assert dist.get_process_group_ranks(mpu.get_embedding_group()) == embedding
+        assert _sum_of_ranks(mpu.get_embedding_group()) == sum(r + 1 for r in embedding)
+    if stage == 0:
+        assert dist.get_process_group_ranks(mpu.get_position_embedding_group()) == [rank]
+
+
+def _facade_matches_layout(configs):
+    for config in configs:
+        state = mpu.initialize_model_parallel(**config)
+        assert mpu.model_parallel_is_initialized() and get_default_state() is state
+        _check_facade(config)
+        vpp = config.get("virtual_pipeline_model_parallel_size")
+        assert mpu.get_virtual_pipeline_model_parallel_world_size() == vpp
+        assert mpu.get_virtual_pipeline_model_parallel_rank() == (0 if vpp else None)
+        mpu.destroy_model_parallel()
+        assert not mpu.model_parallel_is_initialized()
+    return len(dist.distributed_c10d._world.pg_map)
+
+
+def test_facade_getters_match_layout_then_reinitialize(run_distributed):
+    # one job re-initialises four times with different sizes; only the world group remains
+    assert run_distributed(WORLD, _facade_matches_layout, FACADE_CONFIGS) == [1] * WORLD
+
+
+def _virtual_pipeline_via_facade():
+    mpu.initialize_model_parallel(tensor_model_parallel_size=2, pipeline_model_parallel_size=4,
+                                  virtual_pipeline_model_parallel_size=2)
+    stage = mpu.get_pipeline_model_parallel_rank()
+    mpu.set_virtual_pipeline_model_parallel_rank(1)
+    assert mpu.get_virtual_pipeline_model_parallel_rank() == 1
+    assert not mpu.is_pipeline_first_stage(ignore_virtual=False)
+    assert mpu.is_pipeline_last_stage(ignore_virtual=False) == (stage == 3)
+    assert mpu.is_pipeline_first_stage(ignore_virtual=False, vp_stage=0) == (stage == 0)
+    assert mpu.is_rank_in_embedding_group(ignore_virtual=False, vp_stage=1) == (stage == 3)
+    assert mpu.is_rank_in_embedding_group(ignore_virtual=False, vp_stage=0) == (stage == 0)
+    with pytest.raises(ValueError, match="virtual pipeline rank"):
+        mpu.set_virtual_pipeline_model_parallel_rank(2)
+    mpu.set_virtual_pipeline_model_parallel_world_size(4)
+    assert mpu.get_virtual_pipeline_model_parallel_world_size() == 4
+
+
+def test_virtual_pipeline_via_facade(run_distributed):
+    run_distributed(WORLD, _virtual_pipeline_via_facade)
+
+
+GETTERS_BEFORE_INIT = [
+    ("get_tensor_model_parallel_rank", ()), ("get_tensor_model_parallel_world_size", ()),
+    ("get_tensor_model_parallel_group", ()), ("get_pipeline_model_parallel_rank", ()),
+    ("get_data_parallel_group", ()), ("get_data_parallel_rank", ()),
+    ("get_data_parallel_world_size", ()), ("get_context_parallel_rank", ()),
+    ("get_expert_model_parallel_world_size", ()), ("get_expert_data_parallel_rank", ()),
+    ("get_expert_tensor_parallel_group", ()), ("get_model_parallel_group", ()),
+    ("get_embedding_group", ()), ("is_pipeline_first_stage", ()), ("is_pipeline_last_stage", ()),
+    ("is_rank_in_embedding_group", ()), ("get_virtual_pipeline_model_parallel_world_size", ()),
+    ("get_pipeline_model_parallel_next_rank", ()), ("get_tensor_model_parallel_src_rank", ()),
+]
+
+
+def _errors_before_and_around_init():
+    mpu.destroy_model_parallel()  # safe when nothing is initialised
+    assert not mpu.model_parallel_is_initialized()
+    for getter, args in GETTERS_BEFORE_INIT:
+        with pytest.raises(RuntimeError, match="initialize_model_parallel"):
+            getattr(mpu, getter)(*args)
+    assert mpu.get_tensor_model_parallel_group(check_initialized=False) is None
+    with pytest.raises(ValueError, match="tp\\*pp\\*cp=3"):
+        mpu.initialize_model_parallel(tensor_model_parallel_size=3)
+    with pytest.raises(ValueError, match="use_sharp=True"):
+        mpu.initialize_model_parallel(use_sharp=True)
+    with pytest.raises(TypeError, match="no_such_option"):
+        mpu.initialize_model_parallel(no_such_option=1)
+    assert len(dist.distributed_c10d._world.pg_map) == 1  # nothing was created
+    mpu.initialize_model_parallel(tensor_model_parallel_size=2, create_gloo_process_groups=False)
+    with pytest.raises(RuntimeError, match="already initialized"):
+        mpu.initialize_model_parallel(tensor_model_parallel_size=2)
+    with pytest.raises(ValueError, match="partial"):
+        mpu.get_data_parallel_group(partial_data_parallel=True)
+    # a state the job forgets to destroy is destroyed by destroy_model_parallel too
+    ParallelState.initialize(pp=2)
+    mpu.destroy_model_parallel()
+    mpu.destroy_model_parallel()
+    return len(dist.distributed_c10d._world.pg_map)
+
+
+def test_errors_before_init_and_cleanup(run_distributed):
+    assert run_distributed(WORLD, _errors_before_and_around_init) == [1] * WORLD
