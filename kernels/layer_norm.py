@@ -1,0 +1,198 @@
+"""LayerNorm over the last dim with fp32 statistics: forward and backward (dx, dweight, dbias).
+
+Per row x (N,):  μ = Σx/N,  σ⁻¹ = rstd = 1/√(Σ(x−μ)²/N + eps),  x̂ = (x−μ)·rstd,  y = x̂·w + b.
+Backward (saved: x, w and the fp32 per-row μ and rstd, so nothing is recomputed but x̂):
+  dx = rstd · (w⊙dy − x̂·mean(x̂⊙w⊙dy) − mean(w⊙dy))
+  dw = Σ_rows dy⊙x̂,   db = Σ_rows dy
+The backward kernel gives each program a contiguous block of rows; it writes that block's dx and its
+partial dw/db sums (fp32, one row per program), which torch then adds up: no atomics, deterministic.
+
+File shape: Triton kernels → launchers → plain-torch reference → autograd Function → ``layer_norm``.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from . import backend as _backend
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+MAX_TRITON_WIDTH = 65536  # one row lives in registers / one interpreter block
+
+
+# ----------------------------------------------------------------------------- Triton kernels
+
+@triton.jit
+def _layer_norm_fwd_kernel(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr,
+                           stride_x, stride_y, N, eps,
+                           HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_N)
+    mask = cols < N
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    mean = tl.sum(x, axis=0) / N
+    centered = tl.where(mask, x - mean, 0.0)
+    rstd = 1.0 / tl.sqrt(tl.sum(centered * centered, axis=0) / N + eps)
+    y = centered * rstd * tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        y += tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + row * stride_y + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(mean_ptr + row, mean)
+    tl.store(rstd_ptr + row, rstd)
+
+
+@triton.jit
+def _layer_norm_bwd_kernel(x_ptr, w_ptr, dy_ptr, dx_ptr, mean_ptr, rstd_ptr, dw_part_ptr, db_part_ptr,
+                           stride_x, stride_dy, stride_dx, M, N, rows_per_program,
+                           BLOCK_N: tl.constexpr):
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_N)
+    mask = cols < N
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    dw_acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    db_acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    row_start = pid * rows_per_program
+    row_end = tl.minimum(row_start + rows_per_program, M)
+    for row in range(row_start, row_end):
+        row64 = tl.cast(row, tl.int64)  # the interpreter hands loop variables over as Python ints
+        x = tl.load(x_ptr + row64 * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + row64 * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
+        mean = tl.load(mean_ptr + row)
+        rstd = tl.load(rstd_ptr + row)
+        x_hat = tl.where(mask, (x - mean) * rstd, 0.0)
+        w_dy = w * dy
+        mean_xhat_wdy = tl.sum(x_hat * w_dy, axis=0) / N
+        mean_wdy = tl.sum(w_dy, axis=0) / N
+        dx = (w_dy - (x_hat * mean_xhat_wdy + mean_wdy)) * rstd
+        tl.store(dx_ptr + row64 * stride_dx + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+        dw_acc += dy * x_hat
+        db_acc += dy
+    tl.store(dw_part_ptr + pid * N + cols, dw_acc, mask=mask)
+    tl.store(db_part_ptr + pid * N + cols, db_acc, mask=mask)
+
+
+# ----------------------------------------------------------------------------- launchers
+
+def row_launch_params(n_cols: int, element_size: int, is_cuda: bool) -> dict:
+    """Block width (next power of two ≥ n_cols) and, on GPU, warps scaled with the row's bytes."""
+    block = triton.next_power_of_2(n_cols)
+    warps = min(max(block * element_size // 256, 1), 16)
+    return {"BLOCK_N": block, "num_warps": warps} if is_cuda else {"BLOCK_N": block}
+
+
+def backward_programs(n_rows: int, device: torch.device) -> int:
+    """How many programs share the rows in backward: a few per SM on GPU, a handful interpreted."""
+    if device.type == "cuda":
+        return max(1, min(n_rows, 4 * torch.cuda.get_device_properties(device).multi_processor_count))
+    return max(1, min(n_rows, 4))
+
+
+def layer_norm_fwd_triton(x2d, weight, bias, eps):
+    """(M, N) → y (M, N) in x's dtype, mean and rstd (M,) fp32."""
+    M, N = x2d.shape
+    y = torch.empty((M, N), device=x2d.device, dtype=x2d.dtype)
+    mean = torch.empty((M,), device=x2d.device, dtype=torch.float32)
+    rstd = torch.empty((M,), device=x2d.device, dtype=torch.float32)
+    if M:
+        _backend.launch(_layer_norm_fwd_kernel, (M,), x2d, weight, bias if bias is not None else weight,
+                        y, mean, rstd, x2d.stride(0), y.stride(0), N, eps, HAS_BIAS=bias is not None,
+                        **row_launch_params(N, x2d.element_size(), x2d.is_cuda))
+    return y, mean, rstd
+
+
+def layer_norm_bwd_triton(dy2d, x2d, weight, mean, rstd):
+    """→ dx (M, N) in x's dtype, dw and db (N,) fp32."""
+    M, N = x2d.shape
+    dx = torch.empty((M, N), device=x2d.device, dtype=x2d.dtype)
+    programs = backward_programs(M, x2d.device)
+    rows_per_program = triton.cdiv(M, programs) if M else 1
+    dw_part = torch.empty((programs, N), device=x2d.device, dtype=torch.float32)
+    db_part = torch.empty((programs, N), device=x2d.device, dtype=torch.float32)
+    if M:
+        _backend.launch(_layer_norm_bwd_kernel, (programs,), x2d, weight, dy2d, dx, mean, rstd,
+                        dw_part, db_part, x2d.stride(0), dy2d.stride(0), dx.stride(0), M, N,
+                        rows_per_program, **row_launch_params(N, x2d.element_size(), x2d.is_cuda))
+    else:
+        dw_part.zero_(), db_part.zero_()
+    return dx, dw_part.sum(0), db_part.sum(0)
+
+
+# ----------------------------------------------------------------------------- torch paths
+
+def layer_norm_reference(x, weight, bias, eps=1e-5):
+    """The plain composition of torch ops, statistics in fp32 (fp64 for fp64 input)."""
+    compute = torch.float64 if x.dtype == torch.float64 else torch.float32
+    xc = x.to(compute)
+    mean = xc.mean(-1, keepdim=True)
+    var = (xc - mean).pow(2).mean(-1, keepdim=True)
+    y = (xc - mean) * torch.rsqrt(var + eps) * weight.to(compute)
+    if bias is not None:
+        y = y + bias.to(compute)
+    return y.to(x.dtype)
+
+
+def layer_norm_torch(x, weight, bias, eps):
+    """The fast torch path: ATen's fused layer_norm (its own autograd); 16-bit inputs are
+    normalised in fp32 (ATen's 16-bit backward rounds w⊙dy to 16 bits)."""
+    n = x.shape[-1]
+    if x.dtype == torch.float32:
+        return F.layer_norm(x, (n,), weight.float(), bias.float() if bias is not None else None, eps)
+    y = F.layer_norm(x.float(), (n,), weight.float(), bias.float() if bias is not None else None, eps)
+    return y.to(x.dtype)
+
+
+# ----------------------------------------------------------------------------- autograd
+
+class _LayerNormTriton(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x2d, weight, bias, eps):
+        weight = weight.contiguous()  # the kernels index w and b with unit stride
+        bias = bias.contiguous() if bias is not None else None
+        y, mean, rstd = layer_norm_fwd_triton(x2d, weight, bias, eps)
+        ctx.save_for_backward(x2d, weight, mean, rstd)
+        ctx.has_bias = bias is not None
+        ctx.bias_dtype = bias.dtype if bias is not None else None
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2d, weight, mean, rstd = ctx.saved_tensors
+        dy = dy if dy.stride(-1) == 1 else dy.contiguous()
+        dx, dw, db = layer_norm_bwd_triton(dy, x2d, weight, mean, rstd)
+        db = db.to(ctx.bias_dtype) if ctx.has_bias else None
+        return dx, dw.to(weight.dtype), db, None
+
+
+def rows_view(x: torch.Tensor) -> torch.Tensor:
+    """x (..., N) as (M, N) with unit column stride (the kernels take a row stride only)."""
+    x2d = x.reshape(-1, x.shape[-1])
+    return x2d if x2d.stride(-1) == 1 else x2d.contiguous()
+
+
+def validate_norm_args(op, x, weight, bias, eps):
+    n = x.shape[-1] if x.dim() else None
+    for name, t in (("x", x), ("weight", weight), ("bias", bias)):
+        if t is not None and t.dtype not in DTYPES:
+            raise ValueError(f"{op}: {name}.dtype must be one of {DTYPES}, got {t.dtype}")
+    if weight is None or tuple(weight.shape) != (n,):
+        raise ValueError(f"{op}: weight must have shape ({n},) (the last dim of x), got "
+                         f"{None if weight is None else tuple(weight.shape)}")
+    if bias is not None and tuple(bias.shape) != (n,):
+        raise ValueError(f"{op}: bias must have shape ({n},), got {tuple(bias.shape)}")
+    if not eps > 0:
+        raise ValueError(f"{op}: eps must be > 0, got {eps}")
+
+
+def layer_norm(x, weight, bias, eps=1e-5, *, backend=None):
+    """LayerNorm of ``x (..., N)`` over the last dim with ``weight (N,)`` and ``bias (N,)`` (or
+    None); output in x's dtype, statistics in fp32."""
+    validate_norm_args("layer_norm", x, weight, bias, eps)
+    if _backend.resolve(backend, x, weight, bias) == "torch":
+        return layer_norm_torch(x, weight, bias, eps)
+    if x.shape[-1] > MAX_TRITON_WIDTH:
+        raise ValueError(f"layer_norm: the Triton kernel handles rows up to {MAX_TRITON_WIDTH} wide, "
+                         f"got {x.shape[-1]}; use backend='torch'")
+    y = _LayerNormTriton.apply(rows_view(x), weight, bias, eps)  # (M, N)
+    return y.view(x.shape)

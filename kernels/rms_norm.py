@@ -1,0 +1,135 @@
+"""RMSNorm over the last dim with fp32 statistics: forward and backward (dx, dweight).
+
+Per row x (N,):  rstd = 1/√(Σx²/N + eps),  x̂ = x·rstd,  y = x̂·w.
+Backward (saved: x, w and the fp32 per-row rstd):
+  dx = rstd · (w⊙dy − x̂·mean(x̂⊙w⊙dy)),   dw = Σ_rows dy⊙x̂
+As in layer_norm.py, backward programs own contiguous row blocks and write partial dw sums (fp32),
+added up by torch: no atomics, deterministic.
+
+File shape: Triton kernels → launchers → plain-torch reference → autograd Function → ``rms_norm``.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from . import backend as _backend
+from .layer_norm import MAX_TRITON_WIDTH, backward_programs, row_launch_params, rows_view, validate_norm_args
+
+
+# ----------------------------------------------------------------------------- Triton kernels
+
+@triton.jit
+def _rms_norm_fwd_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, stride_x, stride_y, N, eps,
+                         BLOCK_N: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_N)
+    mask = cols < N
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / N + eps)
+    y = x * rstd * tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + row * stride_y + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(rstd_ptr + row, rstd)
+
+
+@triton.jit
+def _rms_norm_bwd_kernel(x_ptr, w_ptr, dy_ptr, dx_ptr, rstd_ptr, dw_part_ptr,
+                         stride_x, stride_dy, stride_dx, M, N, rows_per_program,
+                         BLOCK_N: tl.constexpr):
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_N)
+    mask = cols < N
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    dw_acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    row_start = pid * rows_per_program
+    row_end = tl.minimum(row_start + rows_per_program, M)
+    for row in range(row_start, row_end):
+        row64 = tl.cast(row, tl.int64)  # the interpreter hands loop variables over as Python ints
+        x = tl.load(x_ptr + row64 * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + row64 * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(rstd_ptr + row)
+        x_hat = x * rstd
+        w_dy = w * dy
+        dx = (w_dy - x_hat * (tl.sum(x_hat * w_dy, axis=0) / N)) * rstd
+        tl.store(dx_ptr + row64 * stride_dx + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+        dw_acc += dy * x_hat
+    tl.store(dw_part_ptr + pid * N + cols, dw_acc, mask=mask)
+
+
+# ----------------------------------------------------------------------------- launchers
+
+def rms_norm_fwd_triton(x2d, weight, eps):
+    """(M, N) → y (M, N) in x's dtype, rstd (M,) fp32."""
+    M, N = x2d.shape
+    y = torch.empty((M, N), device=x2d.device, dtype=x2d.dtype)
+    rstd = torch.empty((M,), device=x2d.device, dtype=torch.float32)
+    if M:
+        _backend.launch(_rms_norm_fwd_kernel, (M,), x2d, weight, y, rstd, x2d.stride(0), y.stride(0),
+                        N, eps, **row_launch_params(N, x2d.element_size(), x2d.is_cuda))
+    return y, rstd
+
+
+def rms_norm_bwd_triton(dy2d, x2d, weight, rstd):
+    """→ dx (M, N) in x's dtype, dw (N,) fp32."""
+    M, N = x2d.shape
+    dx = torch.empty((M, N), device=x2d.device, dtype=x2d.dtype)
+    programs = backward_programs(M, x2d.device)
+    dw_part = torch.empty((programs, N), device=x2d.device, dtype=torch.float32)
+    if M:
+        _backend.launch(_rms_norm_bwd_kernel, (programs,), x2d, weight, dy2d, dx, rstd, dw_part,
+                        x2d.stride(0), dy2d.stride(0), dx.stride(0), M, N, triton.cdiv(M, programs),
+                        **row_launch_params(N, x2d.element_size(), x2d.is_cuda))
+    else:
+        dw_part.zero_()
+    return dx, dw_part.sum(0)
+
+
+# ----------------------------------------------------------------------------- torch paths
+
+def rms_norm_reference(x, weight, eps=1e-5):
+    """The plain composition of torch ops, statistics in fp32 (fp64 for fp64 input)."""
+    compute = torch.float64 if x.dtype == torch.float64 else torch.float32
+    xc = x.to(compute)
+    y = xc * torch.rsqrt(xc.pow(2).mean(-1, keepdim=True) + eps) * weight.to(compute)
+    return y.to(x.dtype)
+
+
+def rms_norm_torch(x, weight, eps):
+    """The fast torch path: ATen's rms_norm; 16-bit inputs are normalised in fp32."""
+    n = x.shape[-1]
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, (n,), weight.to(x.dtype), eps)
+    return F.rms_norm(x.float(), (n,), weight.float(), eps).to(x.dtype)
+
+
+# ----------------------------------------------------------------------------- autograd
+
+class _RMSNormTriton(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x2d, weight, eps):
+        weight = weight.contiguous()  # the kernels index w with unit stride
+        y, rstd = rms_norm_fwd_triton(x2d, weight, eps)
+        ctx.save_for_backward(x2d, weight, rstd)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2d, weight, rstd = ctx.saved_tensors
+        dy = dy if dy.stride(-1) == 1 else dy.contiguous()
+        dx, dw = rms_norm_bwd_triton(dy, x2d, weight, rstd)
+        return dx, dw.to(weight.dtype), None
+
+
+def rms_norm(x, weight, eps=1e-5, *, backend=None):
+    """RMSNorm of ``x (..., N)`` over the last dim with ``weight (N,)``; output in x's dtype,
+    statistics in fp32."""
+    validate_norm_args("rms_norm", x, weight, None, eps)
+    if _backend.resolve(backend, x, weight) == "torch":
+        return rms_norm_torch(x, weight, eps)
+    if x.shape[-1] > MAX_TRITON_WIDTH:
+        raise ValueError(f"rms_norm: the Triton kernel handles rows up to {MAX_TRITON_WIDTH} wide, "
+                         f"got {x.shape[-1]}; use backend='torch'")
+    y = _RMSNormTriton.apply(rows_view(x), weight, eps)  # (M, N)
+    return y.view(x.shape)
