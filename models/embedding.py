@@ -1,0 +1,74 @@
+"""GPT input embedding: vocab-parallel word embedding + learned positions, dropout, [b, s] → [s, b].
+
+    ids (b, s) ─VocabParallelEmbedding→ (b, s, h) all-reduced over TP (no SP)
+                                      or (s/tp, b, h) reduce-scattered over s (SP)
+    positions (b, s) ─nn.Embedding (replicated on the TP ranks)→ (b, s, h) → (s, b, h)
+               under SP split over s (``scatter_to_sequence_parallel_region``: forward split,
+               backward all-gather, so every TP rank gets the full position-weight gradient)
+    sum → dropout → (s[/tp], b, h)
+
+Dropout on replicated activations draws from the default generator (same mask on every TP rank);
+under sequence parallelism each rank holds different tokens and draws from the model-parallel
+stream (Megatron's embedding dropout inside ``get_cuda_rng_tracker().fork()``).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tpfuse.parallel.mappings import scatter_to_sequence_parallel_region
+from tpfuse.tp_layers import VocabParallelEmbedding
+from tpfuse.tp_layers.init import draw_master_weight, normal_init
+from tpfuse.tp_layers.random import partitioned_region_rng
+
+
+class GPTEmbedding(nn.Module):
+    def __init__(self, config, word_master_weight, position_master_weight, state):
+        super().__init__()
+        self.config = config
+        self.sequence_parallel = config.sequence_parallel
+        self.word_embeddings = VocabParallelEmbedding(
+            config.padded_vocab_size, config.hidden_size, sequence_parallel=self.sequence_parallel,
+            params_dtype=config.params_dtype, master_weight=word_master_weight, state=state)
+        self.tp = self.word_embeddings.tp
+        if position_master_weight is None:
+            self.position_embeddings = None
+        else:
+            self.position_embeddings = nn.Embedding(
+                *position_master_weight.shape,
+                _weight=position_master_weight.detach().to(config.params_dtype).clone())
+            weight = self.position_embeddings.weight
+            weight.tensor_model_parallel = False
+            weight.sequence_parallel = False      # its gradient is complete on every TP rank
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        words = self.word_embeddings(input_ids)      # (b, s, h) or (s/tp, b, h) under SP
+        if not self.sequence_parallel:
+            words = words.transpose(0, 1)             # (s, b, h)
+        hidden = words
+        if self.position_embeddings is not None:
+            positions = self.position_embeddings(position_ids).transpose(0, 1)  # (s, b, h)
+            if self.sequence_parallel:
+                positions = scatter_to_sequence_parallel_region(positions, self.tp.group)
+            hidden = hidden + positions                # (s[/tp], b, h)
+        hidden = hidden.contiguous()
+        p = self.config.hidden_dropout
+        if self.training and p > 0:
+            with partitioned_region_rng(self.sequence_parallel and self.tp.size > 1):
+                hidden = F.dropout(hidden, p, training=True)
+        return hidden
+
+
+def draw_word_master(config):
+    """The full word-embedding master ``[V_padded, h]`` (fp32) from the current generator."""
+    init = normal_init(config.init_method_std)
+    return draw_master_weight(config.padded_vocab_size, config.hidden_size, init)
+
+
+def draw_position_master(config):
+    """The learned-position master ``[max_pos, h]`` (fp32), or None for rope."""
+    if config.position_embedding_type != "learned_absolute":
+        return None
+    init = normal_init(config.init_method_std)
+    return draw_master_weight(config.max_position_embeddings, config.hidden_size, init)

@@ -1,0 +1,305 @@
+"""GPTModel: one pipeline model chunk of a GPT, built from the tensor-parallel layers.
+
+    pre_process:   ids (b, s) ─GPTEmbedding→ (s[/tp], b, h)          (else: set_input_tensor)
+    every chunk:   layers_for(config, pp_rank, vp_stage) TransformerLayers (full recompute optional)
+    post_process:  final norm → output layer (column-parallel over the padded vocab; under SP its
+                   fused all-gather restores the full sequence) → logits (s, b, V/tp)
+                   → vocab_parallel_cross_entropy → per-token loss (b, s) fp32
+
+Layout-independent initialisation: every global layer i is built inside
+``torch.random.fork_rng`` with ``torch.manual_seed(config.seed + LAYER_SEED_OFFSET + i)``, and the
+word embedding, position embedding and (untied) output layer each under their own offset. The TP
+layers draw full master weights and keep their slice, so any TP/PP/VPP layout holds exactly the
+slices of the single-process model, and the caller's generator is left untouched.
+
+Tied output weights (Megatron's default): on a chunk holding both ends the output layer uses the
+embedding's Parameter itself. With pp > 1 the last stage holds its own copy, drawn from the same
+master (so both start equal; Megatron zeroes it and all-reduces instead) and marked
+``shared = shared_embedding = True``; after backward ``allreduce_embedding_grads`` sums the two
+gradients over the embedding group so both copies take the same optimizer step.
+
+Model providers: ``gpt_model_provider(pre_process, post_process, vp_stage=None)`` has Megatron's
+signature and reads the config registered with ``set_global_config`` (Megatron reads ``get_args()``);
+``make_gpt_model_provider(config)`` returns the same function closed over an explicit config.
+``build_model`` passes ``state=`` to a provider that accepts it.
+"""
+from __future__ import annotations
+
+import contextlib
+import inspect
+import math
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tpfuse.tp_layers import (ColumnParallelLinear, Norm, TransformerLayer,
+                              vocab_parallel_cross_entropy)
+from tpfuse.tp_layers.init import draw_master_weight, normal_init
+from tpfuse.tp_layers.rope import default_position_ids
+
+from .embedding import GPTEmbedding, draw_position_master, draw_word_master
+from .layer_assignment import layers_for
+from .recompute import run_layers
+
+WORD_EMBEDDING_SEED_OFFSET = 1
+POSITION_EMBEDDING_SEED_OFFSET = 2
+OUTPUT_LAYER_SEED_OFFSET = 3
+LAYER_SEED_OFFSET = 100          # global layer i draws under seed + 100 + i
+
+
+@contextlib.contextmanager
+def seeded(seed):
+    """Draw from a generator seeded with ``seed``; the caller's CPU generator is restored after."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        yield
+
+
+def resolve_state(state=None):
+    """``state``, else the default ParallelState; None only in a plain single process."""
+    if state is not None:
+        return state
+    from tpfuse.parallel.state import get_default_state
+
+    try:
+        return get_default_state()
+    except RuntimeError:
+        if dist.is_available() and dist.is_initialized():
+            raise
+        return None
+
+
+def check_layout_matches(config, state):
+    """ValueError when the config's parallel sizes disagree with the process groups."""
+    if state is None:
+        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
+            if getattr(config, name) != 1:
+                raise ValueError(f"{name}={getattr(config, name)} needs an initialised "
+                                 "ParallelState (none is set and torch.distributed is not running)")
+        return
+    pairs = (("tensor_model_parallel_size", state.tp_size),
+             ("pipeline_model_parallel_size", state.pp_size),
+             ("context_parallel_size", state.cp_size),
+             ("virtual_pipeline_model_parallel_size", state.vpp_size))
+    for name, actual in pairs:
+        if getattr(config, name) != actual:
+            raise ValueError(f"config {name}={getattr(config, name)} but the ParallelState has "
+                             f"{actual}")
+
+
+def check_supported(config):
+    if config.vocab_size is None:
+        raise ValueError("vocab_size is required to build a GPTModel (--vocab-size)")
+    for name in ("context_parallel_size", "expert_model_parallel_size"):
+        if getattr(config, name) != 1:
+            raise ValueError(f"{name}={getattr(config, name)} is not supported by GPTModel "
+                             "(no context-parallel attention / experts); use 1")
+
+
+class GPTModel(nn.Module):
+    def __init__(self, config, pre_process=True, post_process=True, vp_stage=None, state=None):
+        super().__init__()
+        check_supported(config)
+        state = resolve_state(state)
+        check_layout_matches(config, state)
+        if config.virtual_pipeline_model_parallel_size is not None and vp_stage is None:
+            raise ValueError("vp_stage is required with virtual_pipeline_model_parallel_size="
+                             f"{config.virtual_pipeline_model_parallel_size}")
+        self.config, self.state, self.vp_stage = config, state, vp_stage
+        self.pre_process, self.post_process = pre_process, post_process
+        self.share_embeddings_and_output_weights = not config.untie_embeddings_and_output_weights
+        self.layer_indices = layers_for(config, state.pp_rank if state else 0, vp_stage)
+        self.input_tensor = None
+
+        word_master = None
+        if pre_process or (post_process and self.share_embeddings_and_output_weights):
+            with seeded(config.seed + WORD_EMBEDDING_SEED_OFFSET):
+                word_master = draw_word_master(config)
+        self.embedding = self._build_embedding(word_master) if pre_process else None
+        self.layers = nn.ModuleList(self._build_layer(i) for i in self.layer_indices)
+        if post_process:
+            self._build_output(word_master)
+
+    # ---------------------------------------------------------------- construction
+    def _build_embedding(self, word_master):
+        with seeded(self.config.seed + POSITION_EMBEDDING_SEED_OFFSET):
+            position_master = draw_position_master(self.config)
+        embedding = GPTEmbedding(self.config, word_master, position_master, self.state)
+        embedding.word_embeddings.weight.is_embedding_or_output_parameter = True
+        return embedding
+
+    def _build_layer(self, index):
+        c = self.config
+        with seeded(c.seed + LAYER_SEED_OFFSET + index):
+            return TransformerLayer(
+                c.hidden_size, c.num_attention_heads, c.ffn_hidden_size,
+                num_query_groups=c.num_query_groups, normalization=c.normalization,
+                layernorm_epsilon=c.layernorm_epsilon, activation=c.activation,
+                add_bias_linear=c.add_bias_linear, hidden_dropout=c.hidden_dropout,
+                attention_dropout=c.attention_dropout,
+                position_embedding_type=c.position_embedding_type, rotary_base=c.rotary_base,
+                sequence_parallel=c.sequence_parallel, init_method_std=c.init_method_std,
+                # Megatron's scaled init of the residual-branch output projections
+                output_layer_init_std=c.init_method_std / math.sqrt(2.0 * c.num_layers),
+                params_dtype=c.params_dtype, state=self.state)
+
+    def _build_output(self, word_master):
+        c = self.config
+        self.final_norm = Norm(c.hidden_size, normalization=c.normalization,
+                               eps=c.layernorm_epsilon, sequence_parallel=c.sequence_parallel,
+                               params_dtype=c.params_dtype, state=self.state)
+        master = word_master
+        if not self.share_embeddings_and_output_weights:
+            with seeded(c.seed + OUTPUT_LAYER_SEED_OFFSET):
+                master = draw_master_weight(c.padded_vocab_size, c.hidden_size,
+                                            normal_init(c.init_method_std))
+        self.output_layer = ColumnParallelLinear(
+            c.hidden_size, c.padded_vocab_size, bias=False, gather_output=False,
+            sequence_parallel=c.sequence_parallel, params_dtype=c.params_dtype,
+            master_weight=master, state=self.state)
+        if self.share_embeddings_and_output_weights and self.pre_process:
+            self.output_layer.weight = self.embedding.word_embeddings.weight   # one Parameter
+        elif self.share_embeddings_and_output_weights:
+            self.output_layer.weight.shared = True
+            self.output_layer.weight.shared_embedding = True
+        self.output_layer.weight.is_embedding_or_output_parameter = True
+
+    # ---------------------------------------------------------------- pipeline hooks
+    def set_input_tensor(self, input_tensor):
+        """The activation received from the previous stage (a tensor, or a one-element list)."""
+        if isinstance(input_tensor, (list, tuple)):
+            if len(input_tensor) != 1:
+                raise ValueError(f"set_input_tensor expects one tensor, got {len(input_tensor)}")
+            input_tensor = input_tensor[0]
+        self.input_tensor = input_tensor
+
+    def shared_embedding_or_output_weight(self):
+        """The tied word-embedding weight this chunk holds (None when it holds neither end)."""
+        if self.pre_process:
+            return self.embedding.word_embeddings.weight
+        if self.post_process:
+            return self.output_layer.weight
+        return None
+
+    def global_parameter_names(self):
+        """Local parameter name → the single-process model's name (layers.j → layers.<global>)."""
+        names = {}
+        for name, _ in self.named_parameters():
+            parts = name.split(".")
+            if parts[0] == "layers":
+                parts[1] = str(self.layer_indices[int(parts[1])])
+            names[name] = ".".join(parts)
+        return names
+
+    # ---------------------------------------------------------------- forward
+    def forward(self, input_ids, position_ids=None, attention_mask=None, labels=None):
+        if attention_mask is not None:
+            raise ValueError("attention_mask: GPTModel's attention is causal only; pass None "
+                             "(reset_attention_mask / custom masks are not supported)")
+        if self.pre_process:
+            if position_ids is None:
+                position_ids = default_position_ids(*input_ids.shape, input_ids.device)
+            hidden = self.embedding(input_ids, position_ids)          # (s[/tp], b, h)
+        elif self.input_tensor is None:
+            raise RuntimeError("GPTModel chunk without pre_process: call set_input_tensor(...) "
+                               "before forward")
+        else:
+            hidden = self.input_tensor                                # (s[/tp], b, h)
+        hidden = run_layers(self.layers, hidden, position_ids, self.config, self.training)
+        if not self.post_process:
+            return hidden
+        logits = self.output_layer(self.final_norm(hidden))           # (s, b, V/tp)
+        if labels is None:
+            return logits.transpose(0, 1).contiguous()                # (b, s, V/tp)
+        loss = vocab_parallel_cross_entropy(logits, labels.transpose(0, 1).contiguous(),
+                                            state=self.state)         # (s, b) fp32
+        return loss.transpose(0, 1).contiguous()                      # (b, s)
+
+
+def allreduce_embedding_grads(model_chunks, state=None):
+    """Sum the tied word-embedding gradient of the first and last stage (embedding group).
+
+    Call after backward (and the data-parallel gradient reduction), before the optimizer step.
+    A no-op with pp = 1, untied weights, or on ranks outside the embedding group.
+    """
+    state = resolve_state(state)
+    chunks = [getattr(chunk, "module", chunk) for chunk in model_chunks]
+    if state is None or state.pp_size == 1 or not chunks:
+        return
+    if chunks[0].config.untie_embeddings_and_output_weights:
+        return
+    if not state.is_rank_in_embedding_group(ignore_virtual=True):
+        return
+    chunk = chunks[0] if state.is_pipeline_first_stage() else chunks[-1]
+    weight = chunk.shared_embedding_or_output_weight()
+    if weight is None:
+        raise RuntimeError("allreduce_embedding_grads: the embedding-group chunk holds no tied "
+                           "weight (was it built with the right pre/post_process flags?)")
+    grad = getattr(weight, "main_grad", None)
+    if grad is None:
+        if weight.grad is None:
+            weight.grad = torch.zeros_like(weight)
+        grad = weight.grad
+    dist.all_reduce(grad, group=state.embedding_group)
+
+
+# -------------------------------------------------------------------- providers and build_model
+_GLOBAL_CONFIG = None
+
+
+def set_global_config(config):
+    """Register the TransformerConfig that ``gpt_model_provider`` builds from."""
+    global _GLOBAL_CONFIG
+    _GLOBAL_CONFIG = config
+
+
+def get_global_config():
+    if _GLOBAL_CONFIG is None:
+        raise RuntimeError("no TransformerConfig registered: call "
+                           "tpfuse.models.set_global_config(config) before gpt_model_provider")
+    return _GLOBAL_CONFIG
+
+
+def gpt_model_provider(pre_process=True, post_process=True, vp_stage=None, state=None):
+    """Megatron's model_provider signature, building from the registered global config."""
+    return GPTModel(get_global_config(), pre_process=pre_process, post_process=post_process,
+                    vp_stage=vp_stage, state=state)
+
+
+def make_gpt_model_provider(config):
+    """A model_provider closed over ``config`` (no global state)."""
+    def provider(pre_process=True, post_process=True, vp_stage=None, state=None):
+        return GPTModel(config, pre_process=pre_process, post_process=post_process,
+                        vp_stage=vp_stage, state=state)
+    return provider
+
+
+def _accepts_state(provider):
+    try:
+        params = inspect.signature(provider).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.name == "state" or p.kind is p.VAR_KEYWORD for p in params)
+
+
+def build_model(model_provider, config, state=None):
+    """This rank's model chunks, one per virtual stage (Megatron's build_model).
+
+    Chunk c of pipeline rank r gets ``pre_process = (r == 0 and c == 0)`` and
+    ``post_process = (r == pp-1 and c == vpp-1)``; ``vp_stage = c`` when vpp is configured.
+    """
+    resolved = resolve_state(state)
+    check_layout_matches(config, resolved)
+    pp_rank, pp = (resolved.pp_rank if resolved else 0), config.pipeline_model_parallel_size
+    vpp = config.virtual_pipeline_model_parallel_size
+    chunks = []
+    for c in range(vpp or 1):
+        pre, post = pp_rank == 0 and c == 0, pp_rank == pp - 1 and c == (vpp or 1) - 1
+        kwargs = dict(pre_process=pre, post_process=post, vp_stage=None if vpp is None else c)
+        if state is not None and _accepts_state(model_provider):
+            kwargs["state"] = state
+        chunk = model_provider(**kwargs)
+        chunk.pre_process, chunk.post_process = pre, post
+        chunks.append(chunk)
+    return chunks
