@@ -4,9 +4,12 @@ Tolerance used throughout (``assert_close_fp32``): everything is fp32. A tensor-
 computes the same sums as the dense one in a different order (partial GEMMs over K/tp columns
 summed by an all-reduce, reduce-scatter chunks, gradients accumulated per shard), so results
 differ by rounding only: each reordered dot product of length K ≤ 128 carries a relative error of
-order K·eps(fp32) ≈ 128 · 6e-8 ≈ 1e-5 in the worst case and ~√K·eps ≈ 1e-6 typically. We allow
-rtol = 1e-5 plus atol = 1e-6 (for values that cancel to ~0). A wrong shard, a missing or double
-reduction or a misplaced bias shows up as errors of order 1e-2 .. 1, far outside this band.
+order K·eps(fp32) ≈ 128 · 6e-8 ≈ 1e-5 in the worst case and ~√K·eps ≈ 1e-6 typically. Test
+tensors are O(1) (unit-normal inputs, weights scaled 1/√fan_in), and some entries (gradients
+summing terms of both signs, rotary angles pos·f computed in fp32 against a float64 reference)
+cancel to ~0 while carrying the O(1) terms' absolute rounding, so we allow rtol = 1e-5 plus
+atol = 1e-5. A wrong shard, a missing or double reduction or a misplaced bias shows up as errors
+of order 1e-2 .. 1, far outside this band.
 """
 import contextlib
 
@@ -16,7 +19,7 @@ import torch.distributed as dist
 from tpfuse.parallel.state import ParallelState
 from tpfuse.tp_layers.init import unshard
 
-RTOL, ATOL = 1e-5, 1e-6
+RTOL, ATOL = 1e-5, 1e-5
 TP_SIZES = (1, 2, 4)
 
 

@@ -12,7 +12,8 @@ independent. Dataflow on rank r (h_l = nh/tp heads, g_l = ng/tp groups):
 Attention dropout (``attention_dropout > 0`` in training) needs the probabilities, which the flash
 kernel never materialises: that case runs an explicit fp32 softmax → dropout → @ v path, and the
 dropout draws from the model-parallel RNG stream (``get_rng_tracker().fork()``), as this rank's
-heads are a partitioned region. ``forward`` returns ``(output, bias)`` (bias added by the caller's
+heads are a partitioned region. The same explicit path serves head dims the flash kernel does not
+support (``kernels.flash_attention`` takes 16 ≤ d ≤ 128; tiny test models use d = 4). ``forward`` returns ``(output, bias)`` (bias added by the caller's
 bias-dropout-add; ``None`` without ``add_bias_linear``).
 """
 from __future__ import annotations
@@ -23,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tpfuse.kernels.flash_attention import MAX_HEAD_DIM, MIN_HEAD_DIM
+
 from . import _deps
 from ._group import resolve_tp_group
 from .init import normal_init
@@ -31,6 +34,7 @@ from .random import get_rng_tracker
 from .rope import apply_rotary, default_position_ids, rotary_cos_sin
 
 POSITION_EMBEDDINGS = ("learned_absolute", "rope")
+FLASH_HEAD_DIMS = (MIN_HEAD_DIM, MAX_HEAD_DIM)  # head dims kernels.flash_attention accepts
 
 
 def check_heads(hidden_size: int, num_attention_heads: int, num_query_groups: int, tp: int) -> None:
@@ -104,15 +108,16 @@ class ParallelAttention(nn.Module):
                 position_ids = default_position_ids(batch, seq, hidden_states.device)
             cos, sin = rotary_cos_sin(position_ids, self.head_dim, self.rotary_base)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        if self.training and self.attention_dropout > 0:
-            context = self._attention_with_dropout(q, k, v)
+        dropout = self.attention_dropout if self.training else 0.0
+        if dropout > 0 or not FLASH_HEAD_DIMS[0] <= self.head_dim <= FLASH_HEAD_DIMS[1]:
+            context = self._explicit_attention(q, k, v, dropout)
         else:
             context = _deps.flash_attention(q.contiguous(), k.contiguous(), v.contiguous(),
                                             causal=True)          # [b, h_l, s, d]
         context = context.permute(2, 0, 1, 3).reshape(seq, batch, self.heads_local * self.head_dim)
         return self.linear_proj(context)                          # (s or s/tp, b, h), bias
 
-    def _attention_with_dropout(self, q, k, v):
+    def _explicit_attention(self, q, k, v, dropout: float):
         """softmax(q kᵀ/√d + causal) → dropout (TP stream) → @ v, in fp32 (flash has no dropout)."""
         k = k.repeat_interleave(self.heads_per_group, dim=1)     # [b, h_l, s, d]
         v = v.repeat_interleave(self.heads_per_group, dim=1)
@@ -120,6 +125,7 @@ class ParallelAttention(nn.Module):
         seq = scores.shape[-1]
         future = torch.ones(seq, seq, dtype=torch.bool, device=q.device).triu(1)
         probs = scores.masked_fill(future, float("-inf")).softmax(dim=-1)
-        with get_rng_tracker().fork():
-            probs = F.dropout(probs, self.attention_dropout, training=True)
+        if dropout > 0:
+            with get_rng_tracker().fork():
+                probs = F.dropout(probs, dropout, training=True)
         return (probs @ v.float()).to(q.dtype)
