@@ -1,0 +1,167 @@
+"""All-gather + GEMM: the column-parallel input side of sequence-parallel tensor parallelism.
+
+Each of tp ranks holds a sequence shard ``x_r (s/tp, b, h)`` and a weight shard ``w (n/tp, h)``
+(n_local = n/tp output features). With ``x = cat_r x_r`` gathered along the sequence (dim 0):
+
+  forward  z = x @ wᵀ + bias                         (s, b, n_local);   y = act(z)
+  backward g = dy ⊙ act'(z)                          (s, b, n_local)
+           dgrad  dx_r  = reduce_scatter_s(g @ w)    (s/tp, b, h)       = matmul_reduce_scatter
+           wgrad  dw    = gᵀ · x                     (n_local, h)       needs the gathered x
+                  dbias = Σ_{s,b} g                  (n_local,)
+
+Fused pipeline (``ring_all_gather``): the gather is split into tp chunks passed around a ring; the
+GEMM of the local chunk runs first, then the chunk from rank r+1, r+2, ... each as soon as it is
+present while the next is in flight. Backward runs the dual (``ring_reduce_scatter`` of ``g @ w``,
+partial for rank r+1, r+2, ... sent while the next is computed) with the wgrad GEMM of each chunk
+interleaved, so both GEMMs hide the transfers. If the gathered x was not kept
+(``keep_gathered=False``) it is re-gathered asynchronously while the dgrad ring runs.
+
+Below the size threshold (``comm_gemm_common.should_fuse``) the same algebra runs as one all-gather
+then one GEMM (backward: one GEMM then one reduce-scatter). If the caller uses the returned gathered
+x elsewhere, its gradient is added to ``g @ w`` before the reduce-scatter.
+
+On CUDA with ``set_symm_mem(True)`` (or TPFUSE_SYMM_MEM=1) the forward runs the symmetric-memory
+Triton kernel of ``symm_mem_ag_matmul.py`` instead (one NVLink node).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from tpfuse.parallel.mappings import (all_gather_first_dim, group_size, reduce_scatter_first_dim)
+
+from . import comm_gemm_common as common
+
+_use_symm_mem = os.environ.get("TPFUSE_SYMM_MEM", "0") == "1"
+
+
+def set_symm_mem(enabled: bool) -> None:
+    """Use the symmetric-memory Triton forward on CUDA (off by default)."""
+    global _use_symm_mem
+    _use_symm_mem = bool(enabled)
+
+
+def _symm_mem_applies(x_shard) -> bool:
+    if not (_use_symm_mem and x_shard.is_cuda):
+        return False
+    from . import symm_mem_ag_matmul
+    return symm_mem_ag_matmul.available()
+
+
+def _forward_chunks(x_shard, w, bias, group, activation, save_preact, fused, backend):
+    """→ (y, saved, x_full): the gathered input and act(x_full @ wᵀ + bias), chunk by chunk."""
+    if not fused:
+        x_full = all_gather_first_dim(x_shard, group)                 # (s, b, h)
+        y, saved = common.linear(x_full, w, bias, activation, save_preact=save_preact,
+                                 backend=backend)
+        return y, saved, x_full
+    if _symm_mem_applies(x_shard):
+        from . import symm_mem_ag_matmul
+        return symm_mem_ag_matmul.forward(x_shard, w, bias, group, activation, save_preact)
+    rows = x_shard.shape[0]
+    out_shape = (rows * group_size(group),) + tuple(x_shard.shape[1:-1]) + (w.shape[0],)
+    y = torch.empty(out_shape, dtype=x_shard.dtype, device=x_shard.device)  # (s, b, n_local)
+    keeps_z = save_preact and activation in ("gelu", "gelu_tanh")
+    saved = torch.empty_like(y) if keeps_z else None                  # z (s, b, n_local)
+
+    def on_chunk(src, x_chunk):                                       # x_chunk (s/tp, b, h)
+        y_chunk, saved_chunk = common.linear(x_chunk, w, bias, activation,
+                                             save_preact=save_preact, backend=backend)
+        y[src * rows:(src + 1) * rows] = y_chunk
+        if keeps_z:
+            saved[src * rows:(src + 1) * rows] = saved_chunk
+
+    x_full = common.ring_all_gather(x_shard, group, on_chunk)
+    if activation == "relu" and save_preact:
+        saved = y                                                     # relu' from y itself
+    return y, saved, x_full
+
+
+class _AllGatherMatmul(torch.autograd.Function):
+    """forward: all-gather s then GEMM (+bias, act); backward: GEMM then reduce-scatter s (dgrad),
+    gathered-x GEMM (wgrad), row sum (dbias)."""
+
+    @staticmethod
+    def forward(ctx, x_shard, w, bias, group, activation, fused, keep_gathered, backend):
+        save_preact = any(ctx.needs_input_grad[:3])
+        y, saved, x_full = _forward_chunks(x_shard, w, bias, group, activation, save_preact,
+                                           fused, backend)
+        kept = x_full if keep_gathered else x_shard
+        ctx.save_for_backward(kept, w, saved)
+        ctx.group, ctx.activation, ctx.fused, ctx.backend = group, activation, fused, backend
+        ctx.keep_gathered, ctx.has_bias = keep_gathered, bias is not None
+        return y, x_full
+
+    @staticmethod
+    def backward(ctx, dy, dx_full_extra):
+        kept, w, saved = ctx.saved_tensors
+        g = common.activation_grad(dy, saved, ctx.activation)          # (s, b, n_local)
+        dbias = None
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            dbias = g.reshape(-1, g.shape[-1]).sum(0, dtype=torch.float32).to(w.dtype)
+        run = _backward_fused if ctx.fused else _backward_plain
+        dx_shard, dw = run(ctx, g, kept, w, dx_full_extra)
+        return dx_shard, dw, dbias, None, None, None, None, None
+
+
+def _dgrad_rows(g, w, extra, lo, hi, backend):
+    """Rows [lo, hi) of g @ w (+ the gathered-x gradient from other users): (rows, b, h)."""
+    part = common.linear(g[lo:hi], w.t(), backend=backend)[0]
+    return part if extra is None else part + extra[lo:hi]
+
+
+def _backward_plain(ctx, g, kept, w, extra):
+    x_full = kept if ctx.keep_gathered else all_gather_first_dim(kept, ctx.group)
+    dx_full = _dgrad_rows(g, w, extra, 0, g.shape[0], ctx.backend)  # (s, b, h)
+    dx_shard = reduce_scatter_first_dim(dx_full, ctx.group)         # (s/tp, b, h)
+    dw = common.wgrad(g, x_full, ctx.backend).to(w.dtype) if ctx.needs_input_grad[1] else None
+    return dx_shard, dw
+
+
+def _backward_fused(ctx, g, kept, w, extra):
+    group, backend = ctx.group, ctx.backend
+    tp = group_size(group)
+    rows = g.shape[0] // tp
+    want_dw = ctx.needs_input_grad[1]
+    dw = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if want_dw else None
+    regather = None
+    if want_dw and not ctx.keep_gathered:
+        regather = all_gather_first_dim(kept, group, async_op=True)  # (x_full, work) in flight
+
+    def partial_for(dst):                                           # dgrad rows of rank dst
+        lo, hi = dst * rows, (dst + 1) * rows
+        if want_dw and ctx.keep_gathered:                           # wgrad of this chunk too
+            dw.add_(common.wgrad(g[lo:hi], kept[lo:hi], backend))
+        return _dgrad_rows(g, w, extra, lo, hi, backend)
+
+    def tail():                                                     # during the last transfer
+        if regather is not None:
+            x_full, work = regather
+            work.wait()
+            dw.add_(common.wgrad(g, x_full, backend))
+
+    dx_shard = common.ring_reduce_scatter(partial_for, group, tail)  # (s/tp, b, h)
+    return dx_shard, (dw.to(w.dtype) if want_dw else None)
+
+
+def all_gather_matmul(x_shard, w, group, bias=None, activation=None, return_gathered=False, *,
+                      keep_gathered=True, backend=None):
+    """``act(all_gather_s(x_shard) @ wᵀ + bias)``: x_shard (s/tp, b, h), w (n_local, h) →
+    y (s, b, n_local) [, x (s, b, h) gathered when ``return_gathered``].
+
+    ``keep_gathered=False`` saves only the shard for backward and re-gathers it there (less
+    memory). ``backend`` is passed to ``tpfuse.kernels.matmul``."""
+    common.validate_linear("all_gather_matmul", x_shard, w, bias, activation)
+    tp = group_size(group)
+    fused = common.should_fuse(common.gemm_flops(x_shard, w.shape[0], tp), tp)
+    y, x_full = _AllGatherMatmul.apply(x_shard, w, bias, group, activation, fused,
+                                       bool(keep_gathered), backend)
+    return (y, x_full) if return_gathered else y
+
+
+def all_gather_matmul_reference(x_shard, w, group, bias=None, activation=None):
+    """The unfused composition: all-gather along s (autograd: reduce-scatter), then one GEMM."""
+    from tpfuse.parallel.mappings import gather_from_sequence_parallel_region
+    x_full = gather_from_sequence_parallel_region(x_shard, group)        # (s, b, h)
+    return common._matmul()(x_full, w.t(), bias, activation)              # (s, b, n_local)

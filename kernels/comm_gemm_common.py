@@ -1,0 +1,217 @@
+"""Shared pieces of the fused comm+GEMM ops (``ag_matmul.py``, ``matmul_rs.py``).
+
+- the **size threshold** below which the ops run the plain collective + one GEMM instead of the
+  chunked, overlapped pipeline (fused pipelines lose on small GEMMs in every published system);
+- the two **ring schedules** with a per-chunk callback, so the GEMM of a chunk runs while the next
+  chunk is in flight:
+  ``ring_all_gather``: chunks arrive local first, then from rank r+1, r+2, ... (forwarded around the
+  ring: each rank sends to r-1 and receives from r+1);
+  ``ring_reduce_scatter``: the partial output for rank r+1, r+2, ... is computed and sent straight to
+  its owner while the next one is computed, the local chunk last; partials are summed in fp32;
+- ``linear``: the one place the GEMMs are called (``tpfuse.kernels.matmul``), with the
+  pre-activation kept when an exact backward needs it, and ``activation_grad``.
+
+Communication is ``torch.distributed.batch_isend_irecv`` (gloo: async send/recv on the transport
+threads; NCCL: one grouped launch on the communicator's stream, and ``work.wait()`` makes the
+compute stream wait on it, so the GEMMs on the compute stream overlap the transfer).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from tpfuse.parallel.mappings import group_rank, group_size
+
+ACTIVATIONS = (None, "gelu", "gelu_tanh", "relu")
+
+# ----------------------------------------------------------------------------- size threshold
+
+MIN_FLOPS_ENV = "TPFUSE_FUSED_COMM_MIN_FLOPS"
+# Per-rank GEMM FLOPs (2·rows·k·n) from which the overlapped pipeline is used. Measured on CPU
+# (gloo, tp=2, one thread per rank) with benchmarks/test_bench_fused_comm_cpu.py::test_threshold_sweep:
+# see benchmarks/FUSED_COMM_RESULTS.md. On GPUs published crossovers are far higher (~1e11).
+DEFAULT_MIN_FLOPS = 2e8
+
+
+def _parse_min_flops(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"{MIN_FLOPS_ENV} must be a number of FLOPs, got {text!r}") from None
+    if value < 0:
+        raise ValueError(f"{MIN_FLOPS_ENV} must be >= 0, got {text!r}")
+    return value
+
+
+_min_flops = (_parse_min_flops(os.environ[MIN_FLOPS_ENV]) if MIN_FLOPS_ENV in os.environ
+              else DEFAULT_MIN_FLOPS)
+
+
+def set_fused_min_flops(flops: float) -> None:
+    """Set the threshold (per-rank GEMM FLOPs) from which the fused pipeline runs; 0 = always."""
+    global _min_flops
+    if not isinstance(flops, (int, float)) or flops < 0:
+        raise ValueError(f"fused_min_flops must be a number >= 0, got {flops!r}")
+    _min_flops = float(flops)
+
+
+def get_fused_min_flops() -> float:
+    return _min_flops
+
+
+@contextlib.contextmanager
+def fused_min_flops(flops: float):
+    """Run the enclosed calls with another threshold (0: always fused; inf: always fallback)."""
+    previous = _min_flops
+    set_fused_min_flops(flops)
+    try:
+        yield
+    finally:
+        set_fused_min_flops(previous)
+
+
+def should_fuse(flops: float, tp: int) -> bool:
+    """Fused pipeline for a GEMM of ``flops`` per rank over ``tp`` ranks?"""
+    return tp > 1 and flops >= _min_flops
+
+
+def gemm_flops(x: torch.Tensor, n: int, tp_rows: int = 1) -> float:
+    """FLOPs of ``x (rows, ..., k) @ (k, n)`` with rows multiplied by ``tp_rows``."""
+    return 2.0 * x.numel() * tp_rows * n
+
+
+# ----------------------------------------------------------------------------- validation
+
+def validate_linear(op: str, x, w, bias=None, activation=None) -> None:
+    """ValueError naming the offending argument: x (s, ..., k), w (n, k), bias (n,)."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"{op}: activation must be one of {ACTIVATIONS}, got {activation!r}")
+    if x.dim() < 2:
+        raise ValueError(f"{op}: x must be (s, b, k) sequence-first, got shape {tuple(x.shape)}")
+    if w.dim() != 2 or w.shape[1] != x.shape[-1]:
+        raise ValueError(f"{op}: w must be (n, k) with k = x.shape[-1] = {x.shape[-1]}, "
+                         f"got w shape {tuple(w.shape)}")
+    if w.dtype != x.dtype:
+        raise ValueError(f"{op}: x and w dtypes must match, got {x.dtype} and {w.dtype}")
+    if bias is not None and tuple(bias.shape) != (w.shape[0],):
+        raise ValueError(f"{op}: bias must have shape ({w.shape[0]},), got {tuple(bias.shape)}")
+
+
+# ----------------------------------------------------------------------------- GEMM helper
+
+def _torch_matmul(a, b, bias=None, activation=None, out_dtype=None, *, backend=None):
+    """Stand-in with ``tpfuse.kernels.matmul``'s interface while that module is not there."""
+    z = a.float() @ b.float() + (bias.float() if bias is not None else 0)
+    if activation is not None:
+        z = F.relu(z) if activation == "relu" else F.gelu(
+            z, approximate="tanh" if activation == "gelu_tanh" else "none")
+    return z.to(out_dtype or a.dtype)
+
+
+def _matmul():
+    try:
+        from tpfuse.kernels.matmul import matmul
+    except ImportError:
+        return _torch_matmul
+    return matmul
+
+
+def linear(x, w, bias=None, activation=None, *, save_preact=False, out_dtype=None, backend=None):
+    """``act(x @ wᵀ + bias)`` → ``(y, saved)``; ``saved`` is what ``activation_grad`` needs.
+
+    Bias and activation run in the GEMM's epilogue. An exact gelu backward needs the pre-activation
+    z, which ``matmul``'s interface does not return: with ``save_preact`` (and a gelu) the GEMM
+    fuses the bias only and the gelu runs on z here. relu needs only y: ``[z > 0] = [y > 0]``.
+    """
+    matmul = _matmul()
+    if activation in ("gelu", "gelu_tanh") and save_preact:
+        z = matmul(x, w.t(), bias, None, out_dtype, backend=backend)
+        return F.gelu(z, approximate="tanh" if activation == "gelu_tanh" else "none"), z
+    y = matmul(x, w.t(), bias, activation, out_dtype, backend=backend)
+    return y, (y if activation == "relu" else None)
+
+
+def activation_grad(dy, saved, activation):
+    """``dy ⊙ act'(z)`` from what ``linear`` saved (z for gelu*, y for relu)."""
+    if activation is None:
+        return dy
+    if activation == "relu":
+        return torch.ops.aten.threshold_backward(dy, saved, 0)
+    approximate = "tanh" if activation == "gelu_tanh" else "none"
+    return torch.ops.aten.gelu_backward(dy, saved, approximate=approximate)
+
+
+def wgrad(g, x, backend=None):
+    """``gᵀ · x`` over all leading dims in fp32: g (s, ..., n), x (s, ..., k) → (n, k)."""
+    g2d, x2d = g.reshape(-1, g.shape[-1]), x.reshape(-1, x.shape[-1])
+    return _matmul()(g2d.t(), x2d, out_dtype=torch.float32, backend=backend)
+
+
+# ----------------------------------------------------------------------------- ring schedules
+
+def _global(group, rank_in_group: int) -> int:
+    return rank_in_group if group is None else dist.get_global_rank(group, rank_in_group)
+
+
+def ring_all_gather(x_shard, group, on_chunk):
+    """Gather ``x_shard (s/tp, ...)`` into ``(s, ...)`` around a ring, calling
+    ``on_chunk(src, chunk)`` for src = r, r+1, ..., r-1 as soon as that chunk is present while the
+    next one is in flight. Returns the gathered tensor."""
+    tp, r = group_size(group), group_rank(group)
+    x_shard = x_shard.contiguous()
+    rows = x_shard.shape[0]
+    full = torch.empty((tp * rows,) + tuple(x_shard.shape[1:]), dtype=x_shard.dtype,
+                       device=x_shard.device)                       # (s, ...)
+    chunk = lambda c: full[c * rows:(c + 1) * rows]                  # noqa: E731  (s/tp, ...)
+    chunk(r).copy_(x_shard)
+    prev_rank, next_rank = _global(group, (r - 1) % tp), _global(group, (r + 1) % tp)
+    for step in range(tp):
+        src = (r + step) % tp
+        works = []
+        if step < tp - 1:
+            ops = [dist.P2POp(dist.isend, chunk(src), prev_rank, group, tag=step),
+                   dist.P2POp(dist.irecv, chunk((src + 1) % tp), next_rank, group, tag=step)]
+            works = dist.batch_isend_irecv(ops)
+        on_chunk(src, chunk(src))
+        for work in works:
+            work.wait()
+    return full
+
+
+def ring_reduce_scatter(partial_for, group, tail=None):
+    """``Σ_ranks partial`` for this rank's chunk: ``partial_for(dst)`` returns this rank's partial
+    output rows destined for rank dst. Computed for dst = r+1, r+2, ... and sent to dst while the
+    next is computed; the local one last; ``tail()`` (optional) runs while the last transfer is in
+    flight. Received partials are summed in fp32; returns the sum in the partials' dtype."""
+    tp, r = group_size(group), group_rank(group)
+    pending = None                                 # (works, received, sent) of the previous step
+    acc = None                                     # fp32 running sum of received partials
+
+    def drain(acc, pending):
+        works, received, _sent = pending
+        for work in works:
+            work.wait()
+        return received.float() if acc is None else acc.add_(received)
+
+    for step in range(1, tp):
+        dst, src = (r + step) % tp, (r - step) % tp
+        part = partial_for(dst).contiguous()                         # (s/tp, ..., n)
+        received = torch.empty_like(part)
+        ops = [dist.P2POp(dist.isend, part, _global(group, dst), group, tag=step),
+               dist.P2POp(dist.irecv, received, _global(group, src), group, tag=step)]
+        works = dist.batch_isend_irecv(ops)
+        if pending is not None:
+            acc = drain(acc, pending)
+        pending = (works, received, part)
+    local = partial_for(r)
+    if tail is not None:
+        tail()
+    if pending is not None:
+        acc = drain(acc, pending)
+    if acc is None:
+        return local
+    return acc.add_(local).to(local.dtype)

@@ -1,0 +1,90 @@
+"""GEMM + reduce-scatter: the row-parallel output side of sequence-parallel tensor parallelism.
+
+Each of tp ranks holds the full sequence of a hidden shard ``x (s, b, k_local)`` and a weight shard
+``w (n, k_local)``; the layer's output is the sum over ranks of their partial products, of which
+rank r keeps its sequence chunk:
+
+  forward  y_r = reduce_scatter_s(x @ wᵀ)            (s/tp, b, n)
+  backward dgrad  dx = all_gather_s(dy_r) @ w        (s, b, k_local)   = all_gather_matmul of dy
+           wgrad  dw = all_gather_s(dy_r)ᵀ · x       (n, k_local)
+
+(The row-parallel bias is added by the caller after the reduction, so there is none here.)
+
+Fused pipeline (``ring_reduce_scatter``): the partial output rows destined for rank r+1, r+2, ...
+are computed and sent straight to their owner while the next partial is computed; the local chunk
+is computed last; received partials are summed in fp32. Backward is the dual ``ring_all_gather`` of
+dy: as each chunk of dy arrives its dgrad rows and its share of the wgrad GEMM are computed.
+Below the size threshold: one GEMM then one reduce-scatter (backward: all-gather then two GEMMs).
+"""
+from __future__ import annotations
+
+import torch
+
+from tpfuse.parallel.mappings import (all_gather_first_dim, check_divisible, group_size,
+                                      reduce_scatter_first_dim)
+
+from . import comm_gemm_common as common
+
+
+class _MatmulReduceScatter(torch.autograd.Function):
+    """forward: GEMM then reduce-scatter s; backward: all-gather s then GEMMs (dgrad, wgrad)."""
+
+    @staticmethod
+    def forward(ctx, x, w, group, fused, backend):
+        tp = group_size(group)
+        rows = x.shape[0] // tp
+        if fused:
+            y_shard = common.ring_reduce_scatter(                   # (s/tp, b, n)
+                lambda dst: common.linear(x[dst * rows:(dst + 1) * rows], w, backend=backend)[0],
+                group)
+        else:
+            y_shard = reduce_scatter_first_dim(common.linear(x, w, backend=backend)[0], group)
+        ctx.save_for_backward(x, w)
+        ctx.group, ctx.fused, ctx.backend = group, fused, backend
+        return y_shard
+
+    @staticmethod
+    def backward(ctx, dy_shard):                                    # (s/tp, b, n)
+        x, w = ctx.saved_tensors
+        run = _backward_fused if ctx.fused else _backward_plain
+        dx, dw = run(ctx, dy_shard, x, w)
+        return dx, dw, None, None, None
+
+
+def _backward_plain(ctx, dy_shard, x, w):
+    dy = all_gather_first_dim(dy_shard, ctx.group)                  # (s, b, n)
+    dx = common.linear(dy, w.t(), backend=ctx.backend)[0]           # (s, b, k_local)
+    dw = common.wgrad(dy, x, ctx.backend).to(w.dtype) if ctx.needs_input_grad[1] else None
+    return dx, dw
+
+
+def _backward_fused(ctx, dy_shard, x, w):
+    rows = dy_shard.shape[0]
+    want_dw = ctx.needs_input_grad[1]
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)       # (s, b, k_local)
+    dw = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if want_dw else None
+
+    def on_chunk(src, dy_chunk):                                    # dy_chunk (s/tp, b, n)
+        lo, hi = src * rows, (src + 1) * rows
+        dx[lo:hi] = common.linear(dy_chunk, w.t(), backend=ctx.backend)[0]
+        if want_dw:
+            dw.add_(common.wgrad(dy_chunk, x[lo:hi], ctx.backend))
+
+    common.ring_all_gather(dy_shard, ctx.group, on_chunk)
+    return dx, (dw.to(w.dtype) if want_dw else None)
+
+
+def matmul_reduce_scatter(x, w, group, *, backend=None):
+    """``reduce_scatter_s(x @ wᵀ)``: x (s, b, k_local), w (n, k_local) → (s/tp, b, n).
+    ``backend`` is passed to ``tpfuse.kernels.matmul``."""
+    common.validate_linear("matmul_reduce_scatter", x, w)
+    tp = group_size(group)
+    check_divisible(x, 0, tp, "matmul_reduce_scatter")
+    fused = common.should_fuse(common.gemm_flops(x, w.shape[0]), tp)
+    return _MatmulReduceScatter.apply(x, w, group, fused, backend)
+
+
+def matmul_reduce_scatter_reference(x, w, group):
+    """The unfused composition: one GEMM, then reduce-scatter along s (autograd: all-gather)."""
+    from tpfuse.parallel.mappings import reduce_scatter_to_sequence_parallel_region
+    return reduce_scatter_to_sequence_parallel_region(common._matmul()(x, w.t()), group)

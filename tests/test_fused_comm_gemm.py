@@ -1,0 +1,262 @@
+"""Fused all-gather+GEMM and GEMM+reduce-scatter against the unfused composition.
+
+Each case runs on every rank of a gloo world (tp = 1, 2, 4) and checks the op's output and every
+gradient (dx, dw, dbias, and the gradient through the returned gathered x) twice:
+- against a dense single-process reference: every rank regenerates all ranks' tensors from seeds
+  and computes the whole layer with plain torch ops and autograd, no communication at all;
+- against the unfused composition through ``tpfuse.parallel.mappings`` (all-gather then GEMM;
+  GEMM then reduce-scatter), which is what the ops replace.
+Both the fused pipeline (threshold 0) and the fallback (threshold ∞) are run, and the path taken is
+verified by making the other path's communication raise.
+
+Tolerance (fp32): the fused path sums the same products in another order (GEMMs per sequence
+chunk, wgrad accumulated chunk by chunk, reduce-scatter partials added in ring order). Inputs are
+N(0, 1) with reductions of length ≤ 37 (h, k) or ≤ 36·4 (wgrad over s·b rows); reordering such a
+sum changes it by a few ulp of its terms' magnitude (≈ 6·2⁻²³·√len·|term| ≈ 1e-5 at
+most; observed ≤ 8e-6 at tp = 2, 4), hence rtol = atol = 2e-5; a wrong chunk, rank or missing partial is off by O(1).
+"""
+import contextlib
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from tpfuse.kernels import ag_matmul, comm_gemm_common as common, matmul_rs
+from tpfuse.kernels.ag_matmul import all_gather_matmul, all_gather_matmul_reference
+from tpfuse.kernels.matmul_rs import matmul_reduce_scatter, matmul_reduce_scatter_reference
+
+S, B, H, N = 12, 3, 37, 53           # sequence divisible by tp = 1, 2, 4; other dims odd
+TOL = dict(rtol=2e-5, atol=2e-5)     # see the module docstring
+ACTS = {None: lambda z: z, "relu": F.relu, "gelu": F.gelu,
+        "gelu_tanh": lambda z: F.gelu(z, approximate="tanh")}
+
+
+def _randn(seed, *shape):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _close(actual, expected, what):
+    assert actual is not None and expected is not None, f"{what}: missing gradient"
+    err = (actual - expected).abs().max().item()
+    assert torch.allclose(actual, expected, **TOL), f"{what}: max abs diff {err:.3e}"
+    return err
+
+
+@contextlib.contextmanager
+def _forbid(module, name):
+    """Make ``module.name`` raise inside the block (proves which path an op took)."""
+    original = getattr(module, name)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"{module.__name__}.{name} called on the wrong path")
+
+    setattr(module, name, refuse)
+    try:
+        yield
+    finally:
+        setattr(module, name, original)
+
+
+def _path(fused, keep_gathered):
+    """Threshold for the path, and the functions only the other path calls."""
+    if fused:
+        plain = [(ag_matmul, "reduce_scatter_first_dim"), (matmul_rs, "reduce_scatter_first_dim"),
+                 (matmul_rs, "all_gather_first_dim")]
+        if keep_gathered:                  # without the kept x, the fused backward re-gathers it
+            plain.append((ag_matmul, "all_gather_first_dim"))
+        return common.fused_min_flops(0), plain
+    return common.fused_min_flops(float("inf")), [(common, "ring_all_gather"),
+                                                  (common, "ring_reduce_scatter")]
+
+
+def _run(fn, fused, tp, keep_gathered=True):
+    threshold, forbidden = _path(fused, keep_gathered)
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(threshold)
+        if tp > 1:
+            for module, name in forbidden:
+                stack.enter_context(_forbid(module, name))
+        return fn()
+
+
+# ----------------------------------------------------------------------------- all_gather_matmul
+
+def _ag_tensors(q, bias, gathered_grad):
+    """Rank q's weight shard, bias, output grad and (optional) grad of the gathered x."""
+    w = _randn(100 + q, N, H)                                        # (n_local, h)
+    b = _randn(200 + q, N) if bias else None                         # (n_local,)
+    dy = _randn(300 + q, S, B, N)                                    # (s, b, n_local)
+    dxf = _randn(400 + q, S, B, H) if gathered_grad else None        # (s, b, h)
+    return w, b, dy, dxf
+
+
+def _ag_dense_reference(tp, r, bias, act, gathered_grad):
+    """Every rank's loss Σ_q <y_q, dy_q> (+ <x, dxf_q>) in one process → (y_r, dx_r, dw_r, db_r)."""
+    x_full = _randn(7, S, B, H).requires_grad_(True)
+    rows = S // tp
+    for q in range(tp):
+        w, b, dy, dxf = _ag_tensors(q, bias, gathered_grad)
+        w.requires_grad_(True)
+        if b is not None:
+            b.requires_grad_(True)
+        y = ACTS[act](F.linear(x_full, w, b))
+        loss = (y * dy).sum() + ((x_full * dxf).sum() if dxf is not None else 0)
+        loss.backward()
+        if q == r:
+            mine = (y.detach(), w.grad, b.grad if b is not None else None)
+    dx_shard = x_full.grad[r * rows:(r + 1) * rows]
+    return mine[0], dx_shard, mine[1], mine[2]
+
+
+def _ag_case(tp, r, group, bias, act, fused, keep, gathered_grad):
+    rows = S // tp
+    w, b, dy, dxf = _ag_tensors(r, bias, gathered_grad)
+    leaves = [_randn(7, S, B, H)[r * rows:(r + 1) * rows].clone(), w, b]
+
+    def grads_of(op):
+        x_shard, w_, b_ = [t.clone().requires_grad_(True) if t is not None else None
+                           for t in leaves]
+        y, x_full = op(x_shard, w_, b_)
+        loss = (y * dy).sum() + ((x_full * dxf).sum() if dxf is not None else 0)
+        loss.backward()
+        return y.detach(), x_shard.grad, w_.grad, (b_.grad if b_ is not None else None)
+
+    fused_op = lambda x, w_, b_: all_gather_matmul(                   # noqa: E731
+        x, w_, group, b_, act, return_gathered=True, keep_gathered=keep)
+    got = _run(lambda: grads_of(fused_op), fused, tp, keep)
+    expected = _ag_dense_reference(tp, r, bias, act, gathered_grad)
+    name = f"ag tp={tp} bias={bias} act={act} fused={fused} keep={keep} dxf={gathered_grad}"
+    errs = [_close(g, e, f"{name} {what}")
+            for g, e, what in zip(got, expected, ("y", "dx", "dw", "dbias")) if e is not None]
+    if not gathered_grad:                                            # the mappings composition
+        comp = grads_of(lambda x, w_, b_: (all_gather_matmul_reference(x, w_, group, b_, act),
+                                           torch.zeros(())))
+        errs += [_close(g, c, f"{name} vs composition {what}")
+                 for g, c, what in zip(got, comp, ("y", "dx", "dw", "dbias")) if c is not None]
+    return max(errs)
+
+
+def ag_worker(cases):
+    tp, r = dist.get_world_size(), dist.get_rank()
+    return max(_ag_case(tp, r, None, *case) for case in cases)
+
+
+def _ag_cases():
+    cases = [(bias, act, fused, True, False)
+             for bias in (False, True) for act in ACTS for fused in (True, False)]
+    cases += [(True, "gelu", fused, False, False) for fused in (True, False)]   # re-gather
+    cases += [(True, "relu", fused, keep, True) for fused in (True, False) for keep in (True, False)]
+    return cases
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_all_gather_matmul_matches_unfused(run_distributed, world_size):
+    max_err = max(run_distributed(world_size, ag_worker, _ag_cases()))
+    assert max_err < TOL["atol"]
+
+
+# ----------------------------------------------------------------------------- matmul_reduce_scatter
+
+def _rs_tensors(q):
+    return _randn(500 + q, S, B, H), _randn(600 + q, N, H), _randn(700 + q, S, B, N)
+
+
+def _rs_dense_reference(tp, r):
+    """y_full = Σ_q x_q @ w_qᵀ in one process; rank q's grad is dy_full[q rows] = its dy rows."""
+    rows = S // tp
+    xs, ws = [], []
+    for q in range(tp):
+        x, w, _ = _rs_tensors(q)
+        xs.append(x.requires_grad_(True))
+        ws.append(w.requires_grad_(True))
+    y_full = sum(F.linear(x, w) for x, w in zip(xs, ws))            # (s, b, n)
+    dy_full = torch.cat([_rs_tensors(q)[2][q * rows:(q + 1) * rows] for q in range(tp)])
+    (y_full * dy_full).sum().backward()
+    return y_full.detach()[r * rows:(r + 1) * rows], xs[r].grad, ws[r].grad
+
+
+def _rs_case(tp, r, fused):
+    rows = S // tp
+    x, w, dy = _rs_tensors(r)
+    dy_shard = dy[r * rows:(r + 1) * rows]
+
+    def grads_of(op):
+        x_, w_ = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+        y = op(x_, w_)
+        (y * dy_shard).sum().backward()
+        return y.detach(), x_.grad, w_.grad
+
+    got = _run(lambda: grads_of(lambda x_, w_: matmul_reduce_scatter(x_, w_, None)), fused, tp)
+    comp = grads_of(lambda x_, w_: matmul_reduce_scatter_reference(x_, w_, None))
+    expected = _rs_dense_reference(tp, r)
+    name = f"rs tp={tp} fused={fused}"
+    return max([_close(g, e, f"{name} {what}") for g, e, what in zip(got, expected, "y dx dw".split())]
+               + [_close(g, c, f"{name} vs composition {what}")
+                  for g, c, what in zip(got, comp, "y dx dw".split())])
+
+
+def rs_worker():
+    tp, r = dist.get_world_size(), dist.get_rank()
+    errs = [_rs_case(tp, r, fused) for fused in (True, False)]
+    if tp > 1:
+        with pytest.raises(ValueError, match=r"sequence dim 0 of size 13.*group size"):
+            matmul_reduce_scatter(torch.zeros(13, B, H), torch.zeros(N, H), None)
+    return max(errs)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_matmul_reduce_scatter_matches_unfused(run_distributed, world_size):
+    max_err = max(run_distributed(world_size, rs_worker))
+    assert max_err < TOL["atol"]
+
+
+# ----------------------------------------------------------------------------- sub-groups
+
+def subgroup_worker():
+    """tp=2 sub-groups {0, 1} and {2, 3} of a 4-rank world: ring peers are global ranks."""
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    group = groups[dist.get_rank() // 2]
+    r = dist.get_rank(group)
+    err = _ag_case(2, r, group, True, "gelu", True, True, True)
+    x, w, dy = _rs_tensors(r)
+    with common.fused_min_flops(0):
+        y = matmul_reduce_scatter(x, w, group)
+    y_full = sum(F.linear(*_rs_tensors(q)[:2]) for q in range(2))
+    return max(err, _close(y, y_full[r * 6:(r + 1) * 6], "rs sub-group y"))
+
+
+def test_fused_ops_on_sub_groups(run_distributed):
+    assert max(run_distributed(4, subgroup_worker)) < TOL["atol"]
+
+
+# ----------------------------------------------------------------------------- settings, errors
+
+def test_threshold_setting_and_env_parsing():
+    assert common.should_fuse(1e12, 2) is (1e12 >= common.get_fused_min_flops())
+    assert not common.should_fuse(1e30, 1)                           # nothing to overlap at tp=1
+    with common.fused_min_flops(0):
+        assert common.should_fuse(0, 2)
+    with common.fused_min_flops(float("inf")):
+        assert not common.should_fuse(1e30, 2)
+    assert common._parse_min_flops("1.5e9") == 1.5e9
+    with pytest.raises(ValueError, match="TPFUSE_FUSED_COMM_MIN_FLOPS.*'lots'"):
+        common._parse_min_flops("lots")
+    with pytest.raises(ValueError, match="fused_min_flops.*-1"):
+        common.set_fused_min_flops(-1)
+
+
+@pytest.mark.parametrize("args, message", [
+    (dict(w=torch.zeros(N, H + 1)), r"w must be \(n, k\) with k = .*37"),
+    (dict(bias=torch.zeros(N + 1)), r"bias must have shape \(53,\), got \(54,\)"),
+    (dict(activation="swish"), r"activation must be one of .*'swish'"),
+    (dict(x=torch.zeros(H)), r"x must be \(s, b, k\)"),
+])
+def test_bad_arguments_raise_value_errors(args, message):
+    call = dict(x=torch.zeros(S, B, H), w=torch.zeros(N, H), bias=None, activation=None)
+    call.update(args)
+    with pytest.raises(ValueError, match=message):
+        all_gather_matmul(call["x"], call["w"], None, call["bias"], call["activation"])
+    if "bias" not in args and "activation" not in args:
+        with pytest.raises(ValueError, match=message):
+            matmul_reduce_scatter(call["x"], call["w"], None)
