@@ -58,8 +58,8 @@ def chunk_of(t, state, dim):
     return torch.chunk(t, state.tp_size, dim=dim)[state.tp_rank]
 
 
-def assert_close_fp32(actual, expected, what):
-    torch.testing.assert_close(actual, expected, rtol=RTOL, atol=ATOL,
+def assert_close_fp32(actual, expected, what, rtol=RTOL, atol=ATOL):
+    torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol,
                                msg=lambda m: f"{what}: {m}")
 
 
