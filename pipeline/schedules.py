@@ -76,9 +76,16 @@ def interleaved_table(num_microbatches: int, vpp_size: int, group_size: int) -> 
 
 def warmup_forwards(pp_size: int, pp_rank: int, num_microbatches: int, vpp_size: int = 1,
                     group_size: int | None = None) -> int:
-    """Number of forwards a rank runs before its first backward is interleaved."""
+    """Forwards a rank runs before its first backward is interleaved (what build_schedule uses:
+    1F1B's for vpp 1, the interleaved one otherwise)."""
     if vpp_size == 1:
         return min(pp_size - pp_rank - 1, num_microbatches)
+    return interleaved_warmup(pp_size, pp_rank, num_microbatches, vpp_size, group_size)
+
+
+def interleaved_warmup(pp_size: int, pp_rank: int, num_microbatches: int, vpp_size: int,
+                       group_size: int | None = None) -> int:
+    """Megatron's interleaved warm-up 2·(p − r − 1) + (v − 1)·g, capped at m·v."""
     group_size = pp_size if group_size is None else group_size
     warmup = 2 * (pp_size - pp_rank - 1) + (vpp_size - 1) * group_size
     return min(warmup, num_microbatches * vpp_size)
@@ -117,6 +124,14 @@ def build_schedule(pp_size: int, num_microbatches: int, vpp_size: int = 1,
             warmup = warmup_forwards(pp_size, rank, num_microbatches)
             schedule.append(_one_f_one_b(forwards, backwards, warmup))
         return schedule
+    return build_interleaved_schedule(pp_size, num_microbatches, vpp_size, microbatch_group_size)
+
+
+def build_interleaved_schedule(pp_size: int, num_microbatches: int, vpp_size: int,
+                               microbatch_group_size: int | None = None) -> list[list[Action]]:
+    """Megatron-core's interleaved order for any vpp_size, including 1 (where it is *not* plain
+    1F1B: its warm-up is 2·(p − r − 1), capped at m)."""
+    _validate(pp_size, num_microbatches, vpp_size)
     group_size = pp_size if microbatch_group_size is None else microbatch_group_size
     check_microbatch_group_size(pp_size, num_microbatches, group_size)
     table = interleaved_table(num_microbatches, vpp_size, group_size)
@@ -124,7 +139,7 @@ def build_schedule(pp_size: int, num_microbatches: int, vpp_size: int = 1,
     backwards = [Action("B", mb, vpp_size - 1 - chunk) for mb, chunk in table]
     return [
         _one_f_one_b(forwards, backwards,
-                     warmup_forwards(pp_size, rank, num_microbatches, vpp_size, group_size))
+                     interleaved_warmup(pp_size, rank, num_microbatches, vpp_size, group_size))
         for rank in range(pp_size)
     ]
 

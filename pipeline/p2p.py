@@ -1,0 +1,133 @@
+"""Point-to-point activations and gradients between pipeline stages, in a deadlock-free order.
+
+Every rank knows every rank's action list (schedules are data), so every rank can run the same
+:func:`tpfuse.pipeline.simulate.simulate` and learn, for each message (an activation from virtual
+stage s to s + 1 or a gradient from s to s − 1), the simulated time it is sent. From that each
+rank derives one total order of *all* the messages it sends or receives: by (send time, sender's
+pp rank, sender's position). Both ends of every message compute the same key, so:
+
+1. **No swapped tensors.** Each rank issues its p2p operations strictly in that order: before
+   sending message X it posts (non-blocking) receives for every earlier message addressed to it;
+   before waiting for message Y it posts receives up to Y. So on each pair of ranks the k-th send
+   of one side and the k-th receive of the other are the same message, which is what an
+   order-matched transport needs (NCCL p2p; gloo with one tag). Megatron's batched exchange at
+   pp = 2 with interleaving, where the previous and next rank are the same peer, goes wrong
+   exactly here; in this order there is nothing to confuse — one sequence per peer.
+2. **No deadlock.** Sends are ``isend`` (never block the caller), receives are ``irecv`` posted
+   ahead; the only blocking call is waiting for a specific message Y. Every operation a rank
+   must issue before Y is either a receive (non-blocking) or a send it has already made: if a send
+   X were ordered before Y but not yet made, X's producing action would come after Y's consuming
+   action in the rank's list, and then time(Y) ≤ start(consumer) < end(producer) = time(X)
+   (every action costs > 0 in the simulation), contradicting X before Y. So a wait on Y only
+   waits for the sender to compute Y, which only waits on messages with smaller simulated time:
+   the wait-for relation strictly decreases simulated time and cannot cycle. The simulation
+   reports a deadlock for an invalid schedule before any communication happens.
+   With one in-order stream per rank (or per pair) the same argument holds: the globally
+   earliest unfinished message is at the head of both its sender's and receiver's streams.
+
+The sent tensor is a detached alias of the output, so the caller may then free the output's
+storage (Megatron's deallocation): the alias keeps the memory alive until the send completes.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .simulate import Message, simulate
+
+
+def message_order(schedule: list, pp_rank: int, num_microbatches: int, vpp_size: int) -> list:
+    """Every message pp rank ``pp_rank`` sends or receives, in the order it issues them."""
+    result = simulate(schedule, num_microbatches, vpp_size)
+    if result.deadlocked:
+        blocked = ", ".join(f"rank {r}: {a}" for r, a in sorted(result.blocked.items()))
+        raise ValueError(f"the schedule deadlocks (blocked at {blocked})")
+    keyed = []
+    for (src, dst), sent in result.send_order.items():
+        if pp_rank not in (src, dst):
+            continue
+        for position, message in enumerate(sent):
+            keyed.append((result.message_times[message], src, position, message))
+    return [message for *_, message in sorted(keyed, key=lambda k: k[:3])]
+
+
+class PipelineP2P:
+    """This rank's p2p traffic for one run of a schedule (one optimizer step).
+
+    ``pp_ranks``: global ranks of the pipeline group in pp-rank order; ``group``: its
+    ProcessGroup. All messages share ``tensor_shape`` / ``dtype`` / ``device``.
+    """
+
+    def __init__(self, schedule: list, pp_rank: int, pp_ranks: list, group, num_microbatches: int,
+                 vpp_size: int, tensor_shape, dtype=torch.float32, device="cpu"):
+        self.pp_size = len(schedule)
+        self.pp_rank = pp_rank
+        self.pp_ranks = list(pp_ranks)
+        self.group = group
+        self.tensor_shape = tuple(tensor_shape)
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self._order = message_order(schedule, pp_rank, num_microbatches, vpp_size)
+        self._position = {m: i for i, m in enumerate(self._order)}
+        self._cursor = 0                # next operation to issue in self._order
+        self._pending_recvs: dict = {}  # Message -> (work, buffer)
+        self._pending_sends: list = []  # (work, tensor alias kept alive until done)
+
+    def _rank_of(self, stage: int) -> int:
+        return stage % self.pp_size
+
+    def _is_incoming(self, message: Message) -> bool:
+        return self._rank_of(message.dst_stage) == self.pp_rank
+
+    def _post_receives_before(self, index: int) -> None:
+        """Issue every operation before ``index``; only receives may still be outstanding."""
+        while self._cursor < index:
+            message = self._order[self._cursor]
+            if not self._is_incoming(message):
+                raise RuntimeError(f"pp rank {self.pp_rank}: p2p order violated, {message} must "
+                                   f"be sent before later messages are handled")
+            buffer = torch.empty(self.tensor_shape, dtype=self.dtype, device=self.device)
+            src = self.pp_ranks[self._rank_of(message.src_stage)]
+            self._pending_recvs[message] = (dist.irecv(buffer, src=src, group=self.group), buffer)
+            self._cursor += 1
+
+    def _index_of(self, message: Message) -> int:
+        if message not in self._position:
+            raise RuntimeError(f"pp rank {self.pp_rank}: {message} is not in this schedule")
+        return self._position[message]
+
+    def send(self, message: Message, tensor: torch.Tensor) -> None:
+        """Non-blocking send of ``tensor`` (an activation or gradient) as ``message``."""
+        if tuple(tensor.shape) != self.tensor_shape:
+            raise ValueError(f"{message}: tensor shape {tuple(tensor.shape)} differs from the "
+                             f"pipeline tensor_shape {self.tensor_shape}")
+        index = self._index_of(message)
+        self._post_receives_before(index)
+        if self._cursor != index:
+            raise RuntimeError(f"pp rank {self.pp_rank}: {message} sent twice")
+        alias = tensor.detach().to(self.dtype).contiguous()
+        dst = self.pp_ranks[self._rank_of(message.dst_stage)]
+        self._pending_sends.append((dist.isend(alias, dst=dst, group=self.group), alias))
+        self._cursor += 1
+        self._drop_completed_sends()
+
+    def recv(self, message: Message) -> torch.Tensor:
+        """Wait for ``message`` (posting receives up to it first) and return its tensor."""
+        index = self._index_of(message)
+        self._post_receives_before(index + 1)
+        work, buffer = self._pending_recvs.pop(message)
+        work.wait()
+        return buffer
+
+    def _drop_completed_sends(self) -> None:
+        self._pending_sends = [(w, t) for w, t in self._pending_sends if not w.is_completed()]
+
+    def finish(self) -> None:
+        """Wait for every send; every message of the schedule must have been handled."""
+        for work, _ in self._pending_sends:
+            work.wait()
+        self._pending_sends = []
+        if self._cursor != len(self._order) or self._pending_recvs:
+            missing = self._order[self._cursor:] + list(self._pending_recvs)
+            raise RuntimeError(f"pp rank {self.pp_rank}: {len(missing)} p2p message(s) never "
+                               f"handled, first {missing[0]}")
