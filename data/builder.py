@@ -67,9 +67,10 @@ class BlendedMegatronDatasetBuilder:
             return self._build_all() if self._built_here() else (None, None, None)
         rank0 = torch.distributed.get_rank() == 0
         result, error = (None, None, None), None
-        if rank0 and self._built_here():
+        if rank0:
             try:
-                result = self._build_all()
+                if self._built_here():
+                    result = self._build_all()
             except Exception as err:  # re-raised below, after the other ranks learnt of it
                 error = err
         self._share_failure(error)
