@@ -131,8 +131,8 @@ def _grad_triton(rows, target, vocab_start, global_max, global_sum_exp, grad_los
 
 def _stats_torch(rows, target, vocab_start):
     x = rows.float()                                                          # (N, V)
-    row_max = x.max(dim=-1).values                                            # (N,)
-    sum_exp = torch.exp(x - row_max[:, None]).sum(dim=-1)                     # (N,)
+    row_max = x.amax(dim=-1)                                                  # (N,)
+    sum_exp = torch.exp(torch.logsumexp(x, dim=-1) - row_max)                 # (N,) in [1, V]
     local = target - vocab_start
     in_shard = (local >= 0) & (local < x.shape[-1])
     picked = x.gather(1, torch.where(in_shard, local, 0)[:, None]).squeeze(1)
@@ -140,14 +140,14 @@ def _stats_torch(rows, target, vocab_start):
 
 
 def _grad_torch(rows, target, vocab_start, global_max, global_sum_exp, grad_loss, ignore_index):
-    x = rows.float()                                                          # (N, V)
-    probs = torch.exp(x - global_max.float()[:, None]) / global_sum_exp.float()[:, None]
+    global_lse = global_max.float() + torch.log(global_sum_exp.float())       # (N,)
+    probs = torch.exp(rows.float() - global_lse[:, None])                     # (N, V) fresh buffer
     local = target - vocab_start
-    cols = torch.arange(x.shape[-1], device=x.device)
-    probs = probs - (cols[None, :] == local[:, None]).to(probs.dtype)         # onehot only if in shard
+    hit = torch.nonzero((local >= 0) & (local < rows.shape[-1])).squeeze(1)  # rows whose target is here
+    probs[hit, local[hit]] -= 1.0                                             # − onehot
     g = torch.where(target == ignore_index, torch.zeros_like(grad_loss, dtype=torch.float32),
                     grad_loss.float())
-    return (probs * g[:, None]).to(rows.dtype)
+    return probs.mul_(g[:, None]).to(rows.dtype)
 
 
 def cross_entropy_reference(logits, target, ignore_index=-100):
