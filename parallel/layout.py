@@ -80,6 +80,19 @@ def parse_order(order: str, sizes: dict[str, int], side: str) -> tuple[str, ...]
     return tuple(tokens) + tuple(missing)
 
 
+def check_vpp(vpp, pp: int):
+    """Validate a virtual pipeline size (None = no interleaving); returns it."""
+    if vpp is None:
+        return None
+    if isinstance(vpp, bool) or not isinstance(vpp, int) or vpp < 1:
+        raise ValueError(f"vpp (virtual pipeline size) must be an integer >= 1 or None, "
+                         f"got {vpp!r}")
+    if pp == 1:
+        raise ValueError(f"vpp={vpp} needs pipeline parallelism, but pp=1 "
+                         f"(an interleaved schedule needs pp > 1)")
+    return vpp
+
+
 def _offsets(dims: list[tuple[int, int]]) -> list[int]:
     """All sums Σ i_k·stride_k over (size_k, stride_k) in ``dims``, first dimension fastest."""
     offsets = [0]

@@ -24,7 +24,7 @@ import datetime
 import torch
 import torch.distributed as dist
 
-from .layout import DEFAULT_ORDER, GROUP_NAMES, RankLayout
+from .layout import DEFAULT_ORDER, GROUP_NAMES, RankLayout, check_vpp
 
 _EMBEDDING_KINDS = ("embedding", "position-embedding")
 
@@ -37,18 +37,6 @@ def _default_group_timeout() -> datetime.timedelta | None:
         return group._get_backend(device).options._timeout
     except (AttributeError, RuntimeError):  # pragma: no cover - depends on the torch build
         return None
-
-
-def _check_vpp(vpp_size, pp: int):
-    if vpp_size is None:
-        return None
-    if isinstance(vpp_size, bool) or not isinstance(vpp_size, int) or vpp_size < 1:
-        raise ValueError(f"vpp_size (virtual pipeline size) must be an integer >= 1 or None, "
-                         f"got {vpp_size!r}")
-    if pp == 1:
-        raise ValueError(f"vpp_size={vpp_size} needs pipeline parallelism, but pp=1 "
-                         f"(an interleaved schedule needs pp > 1)")
-    return vpp_size
 
 
 class ParallelState:
@@ -71,7 +59,7 @@ class ParallelState:
             raise ValueError(f"layout.world_size={layout.world_size} does not match the "
                              f"torch.distributed world size {world_size}")
         self.layout = layout
-        self.vpp_size = _check_vpp(vpp_size, layout.pp)
+        self.vpp_size = check_vpp(vpp_size, layout.pp)
         self.vpp_rank = 0 if self.vpp_size is not None else None
         self.rank = dist.get_rank()
         self._ranks = {name: layout.group_of(name, self.rank) or [] for name in GROUP_NAMES}
@@ -94,7 +82,7 @@ class ParallelState:
                                "(call torch.distributed.init_process_group first)")
         layout = RankLayout(dist.get_world_size(), tp=tp, pp=pp, cp=cp, ep=ep, etp=etp,
                             order=order)
-        _check_vpp(vpp, pp)
+        check_vpp(vpp, pp)
         state = cls(layout, vpp_size=vpp)
         if set_default:
             set_default_state(state)

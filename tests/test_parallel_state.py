@@ -130,8 +130,8 @@ def test_invalid_settings_raise_value_error_before_groups(run_distributed):
     messages = run_distributed(WORLD, _invalid_settings_raise_before_any_group)[0]
     assert "tp*pp*cp=3" in messages[0]
     assert "edp=4" in messages[1] and "dp=2" in messages[1]
-    assert "vpp_size=2" in messages[2] and "pp=1" in messages[2]
-    assert "vpp_size" in messages[3] and "0" in messages[3]
+    assert "vpp=2" in messages[2] and "pp=1" in messages[2]
+    assert "vpp" in messages[3] and "0" in messages[3]
 
 
 def _default_state_roundtrip():
