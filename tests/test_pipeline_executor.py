@@ -39,13 +39,16 @@ class ToyStage(nn.Module):
         self.config = SimpleNamespace(hidden_size=HIDDEN, sequence_parallel=False,
                                       params_dtype=torch.float32)
         self.input_tensor = None
+        self.outputs = []   # every forward output, to check the executor freed them
 
     def set_input_tensor(self, tensor):
         self.input_tensor = tensor
 
     def forward(self, tokens):
         hidden = tokens if self.pre_process else self.input_tensor   # (s, b, h)
-        return torch.tanh(self.linear(hidden))
+        output = torch.tanh(self.linear(hidden))
+        self.outputs.append(output)
+        return output
 
 
 def make_microbatches(num_microbatches):
@@ -112,6 +115,11 @@ def _pipeline_body(pp, vpp, m, group_size, forward_only, explicit_shape, direct)
         losses = func(forward_step, data, model, m, SEQ, MICRO_BATCH, **kwargs)
         grads = {chunk.stage: {n: p.grad for n, p in chunk.named_parameters()}
                  for chunk in chunks}
+        # sent outputs were deallocated (storage swapped for 1 element) unless forward_only
+        freed = [out.numel() == 1 for chunk in chunks if not chunk.post_process
+                 for out in chunk.outputs]
+        assert len(freed) == m * (vpp - int(state.pp_rank == pp - 1))
+        assert all(freed) if not forward_only else not any(freed)
         return {"pp_rank": state.pp_rank, "losses": [d["loss"] for d in losses],
                 "grads": grads, "func": func.__name__}
     finally:

@@ -197,3 +197,49 @@ def test_link_message_order_agrees_with_both_program_orders():
     assert sent_10 == result.send_order[(1, 0)]
     # every message exactly once: 4 mbs × (3 activations + 3 gradients) across 4 stages
     assert len(order) == len(set(order)) == 4 * 6
+
+
+# --- tpfuse-schedule -------------------------------------------------------------------------
+
+def test_cli_json_matches_build_schedule_and_formula(capsys):
+    import json
+
+    from tpfuse.pipeline.cli import main
+
+    assert main(["--pp", "2", "--vpp", "2", "--microbatches", "4", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["ranks"] == [[str(a) for a in r] for r in build_schedule(2, 4, 2)]
+    assert out["group_size"] == 2 and not out["deadlocked"]
+    assert out["simulated_bubble_fraction"] == pytest.approx(1 / 9)   # (2-1)/(2·4+2-1)
+    assert out["formula_bubble_fraction"] == pytest.approx(1 / 9)
+
+
+def test_cli_table_and_png(tmp_path, capsys):
+    from tpfuse.pipeline.cli import main
+
+    png = tmp_path / "gantt.png"
+    assert main(["--pp", "4", "--microbatches", "6", "--png", str(png)]) == 0
+    out = capsys.readouterr().out
+    assert "rank 0: F0.0 F1.0 F2.0 F3.0 B0.0 F4.0" in out
+    assert "formula (p-1)/(v*m+p-1) = 0.3333" in out   # 3 / (6 + 3)
+    assert "simulated 0.3333" in out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--pp", "4", "--vpp", "2", "--microbatches", "9"], ["num_microbatches=9", "pp_size=4"]),
+    (["--pp", "2", "--vpp", "2", "--microbatches", "4", "--group-size", "1"],
+     ["microbatch_group_size=1"]),
+    (["--pp", "0", "--microbatches", "4"], ["pp_size", "0"]),
+    (["--pp", "2", "--microbatches", "x"], ["--microbatches", "'x'"]),
+    (["--pp", "2", "--microbatches", "4", "--backward-cost", "0"], ["backward_cost", "0"]),
+])
+def test_cli_bad_input_exits_2_with_message(argv, words, capsys):
+    from tpfuse.pipeline.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    for word in words:
+        assert word in err
