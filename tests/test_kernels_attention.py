@@ -10,8 +10,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-# From the submodule: ``from tpfuse.kernels import flash_attention`` can yield the same-named module
-# once it is loaded (the lazy package __getattr__ loses to the submodule attribute).
 from tpfuse.kernels.flash_attention import attention_reference, flash_attention
 from tpfuse.kernels.flash_attention_fwd import attention_forward_triton
 

@@ -8,8 +8,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-# Imported from the submodule: ``from tpfuse.kernels import cross_entropy`` can yield the module of the
-# same name once it is loaded (the lazy package __getattr__ loses to the submodule attribute).
 from tpfuse.kernels.cross_entropy import (cross_entropy, cross_entropy_reference, cross_entropy_shard_grad,
                                           cross_entropy_shard_stats)
 
