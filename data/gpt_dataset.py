@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from .config import GPTDatasetConfig
-from .indexed import IndexedDataset
+from .indexed import IndexedDataset, publish
 from .indices import build_gpt_indices, num_epochs_needed, sample_fields, total_samples
 
 CACHE_FORMAT = 1
@@ -66,7 +66,7 @@ def _save_atomic(path: str, array: np.ndarray) -> None:
     try:
         with os.fdopen(fd, "wb") as f:
             np.save(f, array, allow_pickle=False)
-        os.replace(tmp, path)
+        publish(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
             os.remove(tmp)
@@ -160,7 +160,7 @@ class GPTDataset(torch.utils.data.Dataset):
         fd, tmp = tempfile.mkstemp(dir=self.config.path_to_cache, prefix=".tmp-", suffix=".json")
         with os.fdopen(fd, "w") as f:
             json.dump(self.description, f, indent=2, sort_keys=True)
-        os.replace(tmp, description)
+        publish(tmp, description)
 
     def _load_cache(self, paths):
         shapes = self._expected_shapes()

@@ -56,6 +56,15 @@ def bin_path(prefix: str) -> str:
     return prefix + ".bin"
 
 
+def publish(tmp_path: str, final_path: str) -> None:
+    """Gives a finished temporary file the usual permissions (mkstemp makes it 0600) and moves it
+    to its final name atomically."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp_path, 0o666 & ~umask)
+    os.replace(tmp_path, final_path)
+
+
 def exists(prefix: str) -> bool:
     return os.path.isfile(idx_path(prefix)) and os.path.isfile(bin_path(prefix))
 
@@ -116,8 +125,8 @@ class IndexedDatasetWriter:
             f.write(lengths.astype(np.int32).tobytes())
             f.write(pointers.tobytes())
             f.write(document_indices.tobytes())
-        os.replace(self._tmp_bin, bin_path(self.prefix))
-        os.replace(tmp_idx, idx_path(self.prefix))
+        publish(self._tmp_bin, bin_path(self.prefix))
+        publish(tmp_idx, idx_path(self.prefix))
         self._done = True
 
     def abort(self) -> None:
