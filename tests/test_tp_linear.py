@@ -4,11 +4,14 @@ One gloo world of 4 ranks; inside each job the TP size loops over 1, 2, 4 (Paral
 tp = 1, 2, 4 and dp = 4 / tp). Outputs, input grads and every weight grad (all-gathered from the
 shards and reassembled) are compared on every rank. Tolerance: see tests/_tp_testing.py.
 """
+import contextlib
+
 import torch
 from torch import nn
 
 from _tp_testing import (assembled, assert_close_fp32, chunk_of, expect_value_error,
                          seeded_randn, tp_layouts, tp_state)
+from tpfuse.kernels.comm_gemm_common import fused_min_flops
 from tpfuse.tp_layers import ColumnParallelLinear, RowParallelLinear
 from tpfuse.tp_layers.init import shard
 
@@ -85,28 +88,32 @@ def _row_case(state, sp, bias, input_is_parallel, skip_bias_add):
         assert_close_fp32(layer.bias.grad, dense.bias.grad, f"{tag}: db")
 
 
+COLUMN_CASES = (  # bias, gather_output, stride, activation, skip_bias_add
+    (True, False, 1, None, False), (True, True, 1, "gelu", False), (True, False, 2, "gelu", False),
+    (False, True, 2, None, False), (True, False, 1, None, True))
+ROW_CASES = ((True, True, False), (False, True, False), (True, True, True))  # bias, in_parallel, skip
+# SP modes: off; on with the kernels' default (small GEMMs fall back to collective + one GEMM);
+# on with min FLOPs 0, which forces the ring-overlapped fused comm+GEMM path for these tiny GEMMs.
+SP_MODES = ((False, None), (True, None), (True, 0))
+
+
 def _linear_against_dense():
     cases = 0
     for tp, state in tp_layouts():
-        for sp in (False, True):
-            for bias, gather, stride, act, skip in ((True, False, 1, None, False),
-                                                    (True, True, 1, "gelu", False),
-                                                    (True, False, 2, "gelu", False),
-                                                    (False, True, 2, None, False),
-                                                    (True, False, 1, None, True)):
-                _column_case(state, sp, bias, gather, stride, act, skip)
-                cases += 1
-            for bias, input_is_parallel, skip in ((True, True, False), (False, True, False),
-                                                  (True, True, True)):
-                _row_case(state, sp, bias, input_is_parallel, skip)
-                cases += 1
+        for sp, min_flops in SP_MODES:
+            with fused_min_flops(min_flops) if min_flops is not None else contextlib.nullcontext():
+                for case in COLUMN_CASES:
+                    _column_case(state, sp, *case)
+                for case in ROW_CASES:
+                    _row_case(state, sp, *case)
+            cases += len(COLUMN_CASES) + len(ROW_CASES)
         _row_case(state, False, True, False, False)  # scatter the input inside the layer
         cases += 1
     return cases
 
 
 def test_linear_layers_match_nn_linear(run_distributed):
-    assert run_distributed(4, _linear_against_dense) == [3 * 17] * 4
+    assert run_distributed(4, _linear_against_dense) == [3 * 25] * 4
 
 
 def _layout_independent_init():

@@ -3,28 +3,24 @@
 One import site, so every layer calls exactly the collectives of ``tpfuse.parallel.mappings`` and
 the ops of ``tpfuse.kernels`` (no copies of either live in tp_layers).
 """
-import importlib
+from tpfuse.kernels.ag_matmul import all_gather_matmul
+from tpfuse.kernels.bias_dropout_add import bias_dropout_add
+from tpfuse.kernels.cross_entropy import cross_entropy_shard_grad, cross_entropy_shard_stats
+from tpfuse.kernels.flash_attention import MAX_HEAD_DIM, MIN_HEAD_DIM, flash_attention
+from tpfuse.kernels.layer_norm import layer_norm
+from tpfuse.kernels.matmul import matmul
+from tpfuse.kernels.matmul_rs import matmul_reduce_scatter
+from tpfuse.kernels.rms_norm import rms_norm
+from tpfuse.parallel.mappings import (copy_to_region, gather_from_region,
+                                      gather_from_sequence_parallel_region, reduce_from_region,
+                                      reduce_scatter_to_sequence_parallel_region,
+                                      scatter_to_region, scatter_to_sequence_parallel_region)
 
-_MAPPINGS = (
-    "copy_to_region", "reduce_from_region", "scatter_to_region", "gather_from_region",
-    "scatter_to_sequence_parallel_region", "gather_from_sequence_parallel_region",
-    "reduce_scatter_to_sequence_parallel_region",
-)
-_KERNELS = (
-    "matmul", "layer_norm", "rms_norm", "flash_attention", "cross_entropy_shard_stats",
-    "cross_entropy_shard_grad", "bias_dropout_add", "all_gather_matmul", "matmul_reduce_scatter",
-)
-
-
-def _load(module, name):
-    try:
-        return getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError):  # TEMPORARY SHIM until issues 3/4 land
-        from . import _tmp_shim
-        return getattr(_tmp_shim, name)
-
-
-for _name in _MAPPINGS:
-    globals()[_name] = _load("tpfuse.parallel.mappings", _name)
-for _name in _KERNELS:
-    globals()[_name] = _load("tpfuse.kernels", _name)
+__all__ = [
+    "all_gather_matmul", "bias_dropout_add", "cross_entropy_shard_grad",
+    "cross_entropy_shard_stats", "MAX_HEAD_DIM", "MIN_HEAD_DIM", "flash_attention", "layer_norm",
+    "matmul", "matmul_reduce_scatter", "rms_norm", "copy_to_region", "gather_from_region",
+    "gather_from_sequence_parallel_region", "reduce_from_region",
+    "reduce_scatter_to_sequence_parallel_region", "scatter_to_region",
+    "scatter_to_sequence_parallel_region",
+]

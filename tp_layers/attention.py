@@ -24,8 +24,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tpfuse.kernels.flash_attention import MAX_HEAD_DIM, MIN_HEAD_DIM
-
 from . import _deps
 from ._group import resolve_tp_group
 from .init import normal_init
@@ -34,7 +32,7 @@ from .random import get_rng_tracker
 from .rope import apply_rotary, default_position_ids, rotary_cos_sin
 
 POSITION_EMBEDDINGS = ("learned_absolute", "rope")
-FLASH_HEAD_DIMS = (MIN_HEAD_DIM, MAX_HEAD_DIM)  # head dims kernels.flash_attention accepts
+FLASH_HEAD_DIMS = (_deps.MIN_HEAD_DIM, _deps.MAX_HEAD_DIM)  # head dims kernels.flash_attention accepts
 
 
 def check_heads(hidden_size: int, num_attention_heads: int, num_query_groups: int, tp: int) -> None:
