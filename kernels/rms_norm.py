@@ -11,7 +11,6 @@ File shape: Triton kernels → launchers → plain-torch reference → autograd 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -96,12 +95,30 @@ def rms_norm_reference(x, weight, eps=1e-5):
     return y.to(x.dtype)
 
 
+class _RMSNormTorch(torch.autograd.Function):
+    """The fast torch path (ATen's rms_norm is a composite on CPU): the closed-form backward of the
+    module docstring, saving only x, w and rstd (M, 1); 16-bit inputs are normalised in fp32."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        xf, wf = x.float(), weight.float()
+        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True).add_(eps))  # (..., 1) fp32
+        ctx.save_for_backward(x, weight, rstd)
+        return (xf * rstd).mul_(wf).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, rstd = ctx.saved_tensors
+        x_hat = x.float() * rstd
+        w_dy = dy.float() * weight.float()
+        mean_xhat_wdy = (x_hat * w_dy).mean(-1, keepdim=True)
+        dx = w_dy.sub_(x_hat * mean_xhat_wdy).mul_(rstd)
+        dw = (dy.float() * x_hat).reshape(-1, x.shape[-1]).sum(0)
+        return dx.to(x.dtype), dw.to(weight.dtype), None
+
+
 def rms_norm_torch(x, weight, eps):
-    """The fast torch path: ATen's rms_norm; 16-bit inputs are normalised in fp32."""
-    n = x.shape[-1]
-    if x.dtype == torch.float32:
-        return F.rms_norm(x, (n,), weight.to(x.dtype), eps)
-    return F.rms_norm(x.float(), (n,), weight.float(), eps).to(x.dtype)
+    return _RMSNormTorch.apply(x, weight, eps)
 
 
 # ----------------------------------------------------------------------------- autograd
