@@ -109,7 +109,7 @@ def _ag_dense_reference(tp, r, bias, act, gathered_grad):
     return mine[0], dx_shard, mine[1], mine[2]
 
 
-def _ag_case(tp, r, group, bias, act, fused, keep, gathered_grad):
+def _ag_case(tp, r, group, bias, act, fused, keep, gathered_grad, backend=None):
     rows = S // tp
     w, b, dy, dxf = _ag_tensors(r, bias, gathered_grad)
     leaves = [_randn(7, S, B, H)[r * rows:(r + 1) * rows].clone(), w, b]
@@ -123,13 +123,14 @@ def _ag_case(tp, r, group, bias, act, fused, keep, gathered_grad):
         return y.detach(), x_shard.grad, w_.grad, (b_.grad if b_ is not None else None)
 
     fused_op = lambda x, w_, b_: all_gather_matmul(                   # noqa: E731
-        x, w_, group, b_, act, return_gathered=True, keep_gathered=keep)
+        x, w_, group, b_, act, return_gathered=True, keep_gathered=keep, backend=backend)
     got = _run(lambda: grads_of(fused_op), fused, tp, keep)
     expected = _ag_dense_reference(tp, r, bias, act, gathered_grad)
-    name = f"ag tp={tp} bias={bias} act={act} fused={fused} keep={keep} dxf={gathered_grad}"
+    name = (f"ag tp={tp} bias={bias} act={act} fused={fused} keep={keep} dxf={gathered_grad} "
+            f"backend={backend}")
     errs = [_close(g, e, f"{name} {what}")
             for g, e, what in zip(got, expected, ("y", "dx", "dw", "dbias")) if e is not None]
-    if not gathered_grad:                                            # the mappings composition
+    if bias and act == "gelu" and keep and not gathered_grad:        # the mappings composition
         comp = grads_of(lambda x, w_, b_: (all_gather_matmul_reference(x, w_, group, b_, act),
                                            torch.zeros(())))
         errs += [_close(g, c, f"{name} vs composition {what}")
@@ -143,10 +144,13 @@ def ag_worker(cases):
 
 
 def _ag_cases():
-    cases = [(bias, act, fused, True, False)
-             for bias in (False, True) for act in ACTS for fused in (True, False)]
-    cases += [(True, "gelu", fused, False, False) for fused in (True, False)]   # re-gather
-    cases += [(True, "relu", fused, keep, True) for fused in (True, False) for keep in (True, False)]
+    """(bias, activation, fused, keep_gathered, gathered x used elsewhere): every epilogue on the
+    fused path; the fallback shares the epilogue code, so it gets two of them."""
+    cases = [(bias, act, True, True, False) for bias in (False, True) for act in ACTS]
+    cases += [(False, None, False, True, False), (True, "gelu", False, True, False)]
+    cases += [(True, "gelu", fused, False, False) for fused in (True, False)]   # re-gather x
+    cases += [(True, "relu", True, keep, True) for keep in (True, False)]
+    cases += [(True, "relu", False, True, True)]
     return cases
 
 
@@ -176,7 +180,7 @@ def _rs_dense_reference(tp, r):
     return y_full.detach()[r * rows:(r + 1) * rows], xs[r].grad, ws[r].grad
 
 
-def _rs_case(tp, r, fused):
+def _rs_case(tp, r, fused, backend=None):
     rows = S // tp
     x, w, dy = _rs_tensors(r)
     dy_shard = dy[r * rows:(r + 1) * rows]
@@ -187,10 +191,11 @@ def _rs_case(tp, r, fused):
         (y * dy_shard).sum().backward()
         return y.detach(), x_.grad, w_.grad
 
-    got = _run(lambda: grads_of(lambda x_, w_: matmul_reduce_scatter(x_, w_, None)), fused, tp)
+    got = _run(lambda: grads_of(lambda x_, w_: matmul_reduce_scatter(x_, w_, None, backend=backend)),
+               fused, tp)
     comp = grads_of(lambda x_, w_: matmul_reduce_scatter_reference(x_, w_, None))
     expected = _rs_dense_reference(tp, r)
-    name = f"rs tp={tp} fused={fused}"
+    name = f"rs tp={tp} fused={fused} backend={backend}"
     return max([_close(g, e, f"{name} {what}") for g, e, what in zip(got, expected, "y dx dw".split())]
                + [_close(g, c, f"{name} vs composition {what}")
                   for g, c, what in zip(got, comp, "y dx dw".split())])
@@ -209,6 +214,19 @@ def rs_worker():
 def test_matmul_reduce_scatter_matches_unfused(run_distributed, world_size):
     max_err = max(run_distributed(world_size, rs_worker))
     assert max_err < TOL["atol"]
+
+
+# ----------------------------------------------------------------------------- Triton GEMMs
+
+def triton_worker():
+    """The fused pipelines around tpfuse.kernels.matmul's Triton kernel (interpreter on CPU)."""
+    tp, r = dist.get_world_size(), dist.get_rank()
+    return max(_ag_case(tp, r, None, True, "gelu", True, True, True, backend="triton"),
+               _rs_case(tp, r, True, backend="triton"))
+
+
+def test_fused_ops_with_triton_gemm(run_distributed):
+    assert max(run_distributed(2, triton_worker)) < TOL["atol"]
 
 
 # ----------------------------------------------------------------------------- sub-groups
