@@ -91,6 +91,9 @@ class GPTDataset(torch.utils.data.Dataset):
         self.unique_hash = hashlib.md5(
             json.dumps(self.description, sort_keys=True).encode()).hexdigest()
         self.document_index, self.sample_index, self.shuffle_index = self._load_or_build_indices()
+        if len(self) == 0:
+            raise ValueError(f"{self.dataset_path or 'mock data'}: the {index_split} split holds fewer than "
+                             f"sequence_length + 1 = {config.sequence_length + 1} tokens")
 
     # ------------------------------------------------------------------------ construction
     @staticmethod

@@ -147,7 +147,9 @@ def preprocess(sources, output_prefix, tokenizer_spec="byte", json_key="text", a
             sizes.append(size)
             yield text, append_eod
 
-    pool = multiprocessing.Pool(workers, _init_worker, (tokenizer_spec, eod_token)) if workers > 1 else None
+    # "spawn": a forked child of a process holding torch / gloo threads can deadlock
+    pool = (multiprocessing.get_context("spawn").Pool(workers, _init_worker, (tokenizer_spec, eod_token))
+            if workers > 1 else None)
     try:
         encoded = (pool.imap(_encode_in_worker, jobs(), chunksize=16) if pool
                    else (encode(tokenizer, text, eod) for text, eod in jobs()))
@@ -157,7 +159,7 @@ def preprocess(sources, output_prefix, tokenizer_spec="byte", json_key="text", a
                 if ids.size:
                     writer.add_document(ids)
                     documents, tokens = documents + 1, tokens + int(ids.size)
-            bar.set_postfix(documents=documents, tokens=tokens)
+            bar.set_postfix_str(f"{documents} documents, {tokens} tokens")
     finally:
         bar.close()
         if pool:

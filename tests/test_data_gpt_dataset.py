@@ -155,6 +155,9 @@ def test_vocab_mismatch_and_empty_split(tmp_path):
     low = IndexedDataset(prefix)
     with pytest.raises(ValueError, match="valid split .* holds no tokens"):
         GPTDataset(low, prefix, np.array([1]), 4, "valid", _config(2))
+    with pytest.raises(ValueError, match=r"train split holds fewer than sequence_length \+ 1 = 5 tokens"):
+        GPTDataset(low, prefix, np.array([0, 1]), None, "train", _config(4))  # one epoch of 3 tokens
+    assert len(GPTDataset(low, prefix, np.array([0, 1]), 2, "train", _config(4))) == 2  # 3 epochs: 9 tokens
 
 
 def test_mock_dataset_deterministic():
