@@ -114,6 +114,9 @@ class GPTDataset(torch.utils.data.Dataset):
             "dataset_path": os.path.abspath(self.dataset_path) if self.dataset_path else None,
             "dataset_documents": int(len(self.dataset.sequence_lengths)),
             "dataset_tokens": int(self.dataset.sequence_lengths.astype(np.int64).sum()),
+            # a regenerated corpus with other document lengths must not reuse old indices
+            "dataset_lengths_md5": hashlib.md5(np.ascontiguousarray(
+                self.dataset.sequence_lengths, dtype=np.int64).tobytes()).hexdigest(),
             "index_split": self.index_split,
             "index_range": [int(self.indexed_indices[0]), int(self.indexed_indices[-1]) + 1,
                             int(self.indexed_indices.size)],

@@ -144,6 +144,12 @@ def test_cache_reuse_and_corruption(tmp_path, monkeypatch):
         assert np.array_equal(rebuilt.shuffle_index, first.shuffle_index)
         assert np.array_equal(np.load(shuffle_file), first.shuffle_index)  # rewritten
     assert not glob.glob(os.path.join(cache, ".tmp-*"))
+    # a regenerated corpus (same document count, other lengths) gets its own cache entry
+    prefix = str(tmp_path / "corpus")
+    for suffix in (".bin", ".idx"):
+        os.remove(prefix + suffix)
+    changed = _dataset(tmp_path, [d + [7] for d in docs], seq=6, num_samples=40, cache=cache)
+    assert changed.unique_hash not in (first.unique_hash, other.unique_hash)
 
 
 def test_vocab_mismatch_and_empty_split(tmp_path):
