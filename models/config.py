@@ -30,6 +30,7 @@ POSITION_EMBEDDINGS = ("learned_absolute", "rope")
 RECOMPUTE_GRANULARITIES = ("full", "selective")
 RECOMPUTE_METHODS = ("uniform", "block")
 DERIVED = ("num_query_groups", "ffn_hidden_size", "max_position_embeddings",
+           "microbatch_group_size_per_vp_stage",
            "virtual_pipeline_model_parallel_size", "params_dtype")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -82,6 +83,9 @@ class TransformerConfig:
         flag="--num-virtual-stages-per-pipeline-rank")
     num_layers_per_virtual_pipeline_stage: int | None = _f(
         "parallelism", "layers per model chunk (derives vpp = num_layers/pp / this)", None)
+    microbatch_group_size_per_vp_stage: int | None = _f(
+        "parallelism", "interleaved schedule: micro-batches per chunk group (default: = pp)", None,
+        flag="--microbatch-group-size-per-virtual-stage")
     context_parallel_size: int = _f("parallelism", "context-parallel group size cp", 1)
     expert_model_parallel_size: int = _f("parallelism", "expert-parallel group size ep", 1)
     expert_tensor_parallel_size: int | None = _f(
@@ -169,6 +173,9 @@ class TransformerConfig:
             self.virtual_pipeline_model_parallel_size = derived
         if self.virtual_pipeline_model_parallel_size == 1:
             self.virtual_pipeline_model_parallel_size = None
+        if (self.virtual_pipeline_model_parallel_size is not None
+                and self.microbatch_group_size_per_vp_stage is None):
+            self.microbatch_group_size_per_vp_stage = self.pipeline_model_parallel_size
 
     def _has_uneven_split(self) -> bool:
         return (self.decoder_first_pipeline_num_layers is not None
@@ -183,6 +190,7 @@ class TransformerConfig:
                           "tensor_model_parallel_size", "pipeline_model_parallel_size",
                           "context_parallel_size", "expert_model_parallel_size")
         _require_positive_or_none(self, "vocab_size", "expert_tensor_parallel_size",
+                                  "microbatch_group_size_per_vp_stage",
                                   "virtual_pipeline_model_parallel_size", "recompute_num_layers")
         _require_choice(self, "normalization", NORMALIZATIONS)
         _require_choice(self, "activation", ACTIVATIONS)
@@ -232,6 +240,10 @@ class TransformerConfig:
         if self._has_uneven_split() and pp == 1:
             raise ValueError("decoder_first/last_pipeline_num_layers need "
                              "pipeline_model_parallel_size > 1 (got 1)")
+        group = self.microbatch_group_size_per_vp_stage
+        if group is not None and group < pp:
+            raise ValueError(f"microbatch_group_size_per_vp_stage={group} must be >= "
+                             f"pipeline_model_parallel_size={pp} (Megatron's interleaving)")
         stage_layer_counts(self.num_layers, pp, vpp or 1, self.decoder_first_pipeline_num_layers,
                            self.decoder_last_pipeline_num_layers)
 

@@ -39,6 +39,9 @@ def test_derived_defaults_follow_megatron():
     assert make(bf16=True).params_dtype == torch.bfloat16
     assert make(pipeline_model_parallel_size=2,
                 num_layers_per_virtual_pipeline_stage=1).virtual_pipeline_model_parallel_size == 2
+    # Megatron: the interleaving group size defaults to pp
+    assert make(pipeline_model_parallel_size=2, num_layers_per_virtual_pipeline_stage=1
+                ).microbatch_group_size_per_vp_stage == 2
     # one chunk per rank is the plain schedule: normalised to None
     assert make(pipeline_model_parallel_size=2,
                 num_layers_per_virtual_pipeline_stage=2).virtual_pipeline_model_parallel_size is None
@@ -74,6 +77,8 @@ def test_sequence_parallel_without_tp_is_disabled_like_megatron():
      "num_layers_per_virtual_pipeline_stage=3"),
     (dict(pipeline_model_parallel_size=2, num_layers_per_virtual_pipeline_stage=1,
           virtual_pipeline_model_parallel_size=4), "disagrees"),
+    (dict(pipeline_model_parallel_size=4, virtual_pipeline_model_parallel_size=1,
+          microbatch_group_size_per_vp_stage=2), "microbatch_group_size_per_vp_stage=2"),
     (dict(bf16=True, fp16=True), "bf16=True and fp16=True"),
     (dict(bf16=True, params_dtype=torch.float32), "params_dtype"),
     (dict(recompute_granularity="selective"), "recompute_granularity='selective'"),
