@@ -26,17 +26,16 @@ import torch.distributed as dist
 
 from .layout import DEFAULT_ORDER, GROUP_NAMES, RankLayout, check_vpp
 
-_EMBEDDING_KINDS = ("embedding", "position-embedding")
-
-
 def _default_group_timeout() -> datetime.timedelta | None:
-    """The timeout the default (world) group was initialised with, when torch exposes it."""
-    group = dist.distributed_c10d._get_default_group()
-    device = torch.device("cuda" if dist.get_backend() == "nccl" else "cpu")
+    """The timeout the default (world) group was initialised with, when torch exposes it
+    (None: let ``new_group`` use torch's default)."""
     try:
-        return group._get_backend(device).options._timeout
-    except (AttributeError, RuntimeError):  # pragma: no cover - depends on the torch build
+        group = dist.distributed_c10d._get_default_group()
+        device = torch.device("cuda" if "nccl" in str(dist.get_backend()) else "cpu")
+        timeout = group._get_backend(device).options._timeout
+    except Exception:  # pragma: no cover - private API; depends on the torch build
         return None
+    return timeout if isinstance(timeout, datetime.timedelta) else None
 
 
 class ParallelState:

@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from tpfuse.parallel import parallel_state as mpu
+from tpfuse.parallel.launch import DEFAULT_COLLECTIVE_TIMEOUT_S
 from tpfuse.parallel.layout import GROUP_NAMES, RankLayout
 from tpfuse.parallel.state import ParallelState, get_default_state, set_default_state
 
@@ -80,6 +81,11 @@ def _size_one_groups_are_real_groups():
         dist.all_gather(out, value, group=group)
         assert out[0].item() == value.item()
     assert value.item() == 3.0 + dist.get_rank()
+    # groups inherit the world group's timeout (the pool's), not torch's 30 min default
+    cpu = torch.device("cpu")
+    world_timeout = dist.distributed_c10d._get_default_group()._get_backend(cpu).options._timeout
+    assert state.dp_group._get_backend(cpu).options._timeout == world_timeout
+    assert world_timeout.total_seconds() == DEFAULT_COLLECTIVE_TIMEOUT_S
     state.destroy()
 
 
