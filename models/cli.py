@@ -155,7 +155,10 @@ def main(argv=None):
     add_config_arguments(parser)
     args = parser.parse_args(argv)
     if args.list:
-        print(format_field_table())
+        try:
+            print(format_field_table())
+        except BrokenPipeError:        # `tpfuse-config --list | head`
+            sys.stderr.close()
         return 0
     try:
         config = config_from_args(args)
