@@ -156,13 +156,13 @@ def forward_only(actions: list[Action]) -> list[Action]:
 
 
 def bubble_fraction_formula(pp_size: int, num_microbatches: int, vpp_size: int = 1) -> float:
-    """Idle share of the step time: (p − 1) / (v·m + p − 1); v = 1 gives 1F1B's (p−1)/(m+p−1).
-
-    Derivation: each rank is busy m·(f + b) and the pipeline fill + drain adds (p − 1) stage
-    times, which with v chunks per rank are 1/v as long: bubble (p − 1)(f + b)/v.
-    """
+    """Idle share of the step time, (p − 1)/(v·m + p − 1) (1F1B: v = 1): the pipeline fill and
+    drain add (p − 1) chunk-sized steps to each rank's m·v busy ones. Delegates to
+    ``tpfuse.parallel.microbatches.bubble_fraction`` (pure, one definition in the project)."""
     _validate(pp_size, num_microbatches, vpp_size)
-    return (pp_size - 1) / (vpp_size * num_microbatches + pp_size - 1)
+    from tpfuse.parallel.microbatches import bubble_fraction
+
+    return bubble_fraction(pp_size, num_microbatches, vpp_size)
 
 
 def format_actions(actions: list[Action]) -> str:

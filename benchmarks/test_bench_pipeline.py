@@ -1,0 +1,176 @@
+"""tpfuse's interleaved pipeline vs torch.distributed.pipelining's ScheduleInterleaved1F1B.
+
+The same small GPT (tpfuse.models.GPTModel, 8 layers, one per virtual stage at pp=4, vpp=2),
+the same weights and micro-batches, CPU gloo, pp = 2 and 4, vpp = 2, m = 8; one optimizer step's
+forward + backward (no optimizer). Each job builds the model once, runs warm-up steps, then
+times steps on every rank between two barriers (so a step is the whole pipeline's time); the
+summary prints median step times and torch / tpfuse ratios (> 1: tpfuse faster) from one run.
+
+    python3 -m pytest benchmarks/test_bench_pipeline.py --benchmark-enable -q -s \
+        --benchmark-columns=median,iqr,rounds
+
+pytest-benchmark's own table times whole jobs (model build + warm-up + timed steps; both sides
+pay the same build), the summary's per-step medians are the number to quote. Both schedules must
+produce the same per-micro-batch losses and gradient norms (checked), so they do the same work.
+Without --benchmark-enable (pytest.ini disables benchmarks) each case runs once as a smoke test.
+"""
+import functools
+import statistics
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from tpfuse.parallel.launch import WorkerPool
+
+VPP, M, MICRO_BATCH = 2, 8, 2
+BASE = dict(num_layers=8, hidden_size=64, num_attention_heads=4, seq_length=32, vocab_size=256,
+            make_vocab_size_divisible_by=128, hidden_dropout=0.0, attention_dropout=0.0, seed=5)
+WARMUP_STEPS, TIMED_STEPS = 2, 6
+_RESULTS: dict = {}   # (pp, impl) -> per-rank job results
+
+
+def _micro_batches():
+    gen = torch.Generator().manual_seed(3)
+    shape = (M * MICRO_BATCH, BASE["seq_length"])
+    return (torch.randint(0, BASE["vocab_size"], shape, generator=gen),
+            torch.randint(0, BASE["vocab_size"], shape, generator=gen))     # (M·b, s) each
+
+
+def _lm_loss(logits, labels):
+    """Mean next-token cross-entropy of logits (b, s, V) against labels (b, s)."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1))
+
+
+# ------------------------------------------------------------------ tpfuse's executor
+
+def _tpfuse_forward_step(data_iterator, chunk):
+    ids, labels = next(data_iterator)
+    output = chunk(ids)   # hidden (s, b, h), or logits (b, s, V) on the last chunk
+
+    def loss_func(logits):
+        loss = _lm_loss(logits, labels)
+        return loss, {"loss": loss.detach()}
+
+    return output, loss_func
+
+
+def _tpfuse_step(chunks, state, ids, labels):
+    from tpfuse.pipeline import get_forward_backward_func
+
+    batches = list(zip(ids.split(MICRO_BATCH), labels.split(MICRO_BATCH)))
+    iterators = [iter(batches) for _ in chunks]
+    loss_dicts = get_forward_backward_func(state)(
+        _tpfuse_forward_step, iterators, chunks, M, BASE["seq_length"], MICRO_BATCH)
+    return [d["loss"].item() for d in loss_dicts]
+
+
+# ------------------------------------------------------------------ torch.distributed.pipelining
+
+class _TorchStage(nn.Module):
+    """A GPTModel chunk as a PipelineStage module: tokens in on the first stage, hidden
+    states (s, b, h) in elsewhere."""
+
+    def __init__(self, chunk):
+        super().__init__()
+        self.chunk = chunk
+
+    def forward(self, x):
+        if self.chunk.pre_process:
+            return self.chunk(x)
+        self.chunk.set_input_tensor(x)
+        return self.chunk(None)
+
+
+def _torch_schedule(chunks, state):
+    from torch.distributed.pipelining import PipelineStage, ScheduleInterleaved1F1B
+
+    pp = state.pp_size
+    stages = [PipelineStage(_TorchStage(chunk), c * pp + state.pp_rank, pp * VPP,
+                            torch.device("cpu"), group=state.pp_group)
+              for c, chunk in enumerate(chunks)]
+    return ScheduleInterleaved1F1B(stages, M, loss_fn=_lm_loss)
+
+
+def _torch_step(schedule, ids, labels):
+    losses: list = []
+    schedule.step(ids, target=labels, losses=losses)
+    return [loss.item() for loss in losses]
+
+
+# ------------------------------------------------------------------ the job on every rank
+
+def _bench_job(impl, pp):
+    from tpfuse.models import TransformerConfig
+    from tpfuse.models.gpt import build_model, make_gpt_model_provider
+    from tpfuse.parallel.state import ParallelState
+
+    state = ParallelState.initialize(pp=pp, vpp=VPP)
+    try:
+        config = TransformerConfig(**BASE, pipeline_model_parallel_size=pp,
+                                   virtual_pipeline_model_parallel_size=VPP)
+        chunks = build_model(make_gpt_model_provider(config), config, state=state)
+        ids, labels = _micro_batches()
+        if impl == "tpfuse":
+            step = functools.partial(_tpfuse_step, chunks, state, ids, labels)
+        else:
+            step = functools.partial(_torch_step, _torch_schedule(chunks, state), ids, labels)
+        times = []
+        for index in range(WARMUP_STEPS + TIMED_STEPS):
+            for chunk in chunks:
+                chunk.zero_grad(set_to_none=True)
+            dist.barrier(group=state.pp_group)
+            start = time.perf_counter()
+            losses = step()
+            dist.barrier(group=state.pp_group)
+            if index >= WARMUP_STEPS:
+                times.append(time.perf_counter() - start)
+        grad_sq = sum(float((p.grad.double() ** 2).sum())
+                      for chunk in chunks for p in chunk.parameters() if p.grad is not None)
+        return {"times": times, "losses": losses, "grad_sq": grad_sq}
+    finally:
+        state.destroy()
+
+
+@pytest.fixture(scope="module")
+def pools():
+    started = {pp: WorkerPool(pp) for pp in (2, 4)}
+    yield started
+    for pool in started.values():
+        pool.close()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ratio_summary():
+    yield
+    lines = []
+    for pp in (2, 4):
+        if {(pp, "tpfuse"), (pp, "torch")} <= _RESULTS.keys():
+            med = {impl: statistics.median(_RESULTS[(pp, impl)][0]["times"])
+                   for impl in ("tpfuse", "torch")}
+            lines.append(f"  pp={pp} vpp={VPP} m={M}: tpfuse {med['tpfuse'] * 1e3:.1f} ms, "
+                         f"torch ScheduleInterleaved1F1B {med['torch'] * 1e3:.1f} ms, "
+                         f"torch / tpfuse = {med['torch'] / med['tpfuse']:.2f}x")
+    if lines:
+        print(f"\nmedian step time over {TIMED_STEPS} steps (after {WARMUP_STEPS} warm-up), "
+              "one run, CPU gloo, 1 thread per rank:")
+        print("\n".join(lines))
+
+
+@pytest.mark.parametrize("impl", ["tpfuse", "torch"])
+@pytest.mark.parametrize("pp", [2, 4])
+def test_interleaved_step(benchmark, pools, pp, impl):
+    benchmark.group = f"interleaved GPT step pp={pp}"
+    results = benchmark.pedantic(pools[pp].run, args=(_bench_job, impl, pp), rounds=1,
+                                 iterations=1)
+    _RESULTS[(pp, impl)] = results
+    losses = results[pp - 1]["losses"]   # the last pp rank holds the last virtual stage
+    assert len(losses) == M
+    other = _RESULTS.get((pp, "tpfuse" if impl == "torch" else "torch"))
+    if other is not None:   # same model, same data: same losses and gradients (fp32 rounding)
+        assert losses == pytest.approx(other[pp - 1]["losses"], rel=1e-5)
+        for mine, theirs in zip(results, other):
+            assert mine["grad_sq"] == pytest.approx(theirs["grad_sq"], rel=1e-4)
