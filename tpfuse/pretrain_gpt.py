@@ -60,11 +60,15 @@ def train_valid_test_datasets_provider(train_val_test_num_samples):
     from tpfuse.data.tokenizer import build_tokenizer
 
     args, config = get_args(), get_config()
+    tokenizer = build_tokenizer(args.tokenizer_type)
+    if config.vocab_size is None or tokenizer.vocab_size > config.vocab_size:
+        raise ValueError(f"--vocab-size {config.vocab_size} is smaller than the vocabulary of "
+                         f"--tokenizer-type {args.tokenizer_type} ({tokenizer.vocab_size} ids)")
     dataset_config = GPTDatasetConfig(
         random_seed=config.seed, sequence_length=config.seq_length,
         reset_position_ids=args.reset_position_ids,
         reset_attention_mask=args.reset_attention_mask, eod_mask_loss=args.eod_mask_loss,
-        tokenizer=build_tokenizer(args.tokenizer_type), blend=args.data_path,
+        tokenizer=tokenizer, blend=args.data_path,
         split=args.split, path_to_cache=args.data_cache_path, mock=args.mock_data)
     dataset_cls = MockGPTDataset if args.mock_data else GPTDataset
     return BlendedMegatronDatasetBuilder(dataset_cls, train_val_test_num_samples,

@@ -92,6 +92,10 @@ def validate_training_args(args) -> None:
             raise ValueError(f"--save-interval must be >= 1, got {args.save_interval}")
         if not args.save:
             raise ValueError("--save-interval needs --save DIR")
+    decay_iters = args.lr_decay_iters or args.train_iters
+    if args.lr_warmup_iters > decay_iters:
+        raise ValueError(f"--lr-warmup-iters ({args.lr_warmup_iters}) must not exceed the decay "
+                         f"span --lr-decay-iters / --train-iters ({decay_iters})")
     if args.mock_data and args.data_path:
         raise ValueError("give either --mock-data or --data-path, not both")
     if not args.mock_data and not args.data_path:

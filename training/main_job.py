@@ -44,7 +44,7 @@ def prepare_default_data(argv: list[str]) -> list[str]:
         print(f"> preparing the default corpus: the standard library's *.py files under "
               f"{stdlib_source_dir()} -> {prefix}.bin/.idx (byte tokenizer)", flush=True)
         code = preprocess(["--input", stdlib_source_dir(), "--output-prefix", prefix,
-                           "--tokenizer", "byte", "--append-eod"])
+                           "--tokenizer", "byte", "--pattern", "*.py", "--append-eod"])
         if code:
             raise SystemExit(code)
     extra = ["--data-path", prefix]
