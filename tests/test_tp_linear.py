@@ -135,6 +135,13 @@ def _layout_independent_init():
             mine = torch.cat([blocks[state.tp_rank], blocks[state.tp_rank + 2]])
             assert torch.equal(column.weight.data, mine)
         assert column.weight.partition_dim == 0 and column.weight.partition_stride == 2
+        for sp in (False, True):  # forward(x, weight=...) (tied output layer) uses that weight
+            other = _dense(13, IN, OUT, bias=False)
+            tied = ColumnParallelLinear(IN, OUT, bias=False, sequence_parallel=sp, state=state)
+            x = seeded_randn(1, S, B, IN)
+            out = tied(chunk_of(x, state, 0) if sp else x, weight=shard(other.weight, 0, tp,
+                                                                         state.tp_rank))
+            assert_close_fp32(out, chunk_of(other(x), state, -1).detach(), f"tied tp={tp} sp={sp}")
         assert row.weight.tensor_model_parallel and not row.bias.tensor_model_parallel
     return True
 

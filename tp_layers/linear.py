@@ -111,16 +111,23 @@ class ColumnParallelLinear(nn.Module):
         """Shard an existing ``nn.Linear`` (its weight is the master; rows split over tp)."""
         return _from_dense(cls, linear, kwargs)
 
-    def forward(self, x: torch.Tensor):
+    def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None):
+        """``weight`` (optional, ``(out/tp, in)``) replaces ``self.weight`` for this call — the
+        tied output layer passes the vocab-parallel embedding table (Megatron's convention)."""
         tp, group = self.tp.size, self.tp.group
+        if weight is None:
+            weight = self.weight
+        elif tuple(weight.shape) != tuple(self.weight.shape):
+            raise ValueError(f"weight shape {tuple(weight.shape)} != this rank's "
+                             f"{tuple(self.weight.shape)}")
         bias = None if self.skip_bias_add else self.bias
         if self.sequence_parallel and tp > 1:
             # (s/tp, b, in) -> (s, b, out/tp): gather over s fused with the GEMM
-            y = _deps.all_gather_matmul(x, self.weight, group, bias=bias, activation=self.activation)
+            y = _deps.all_gather_matmul(x, weight, group, bias=bias, activation=self.activation)
         else:
             if tp > 1:
                 x = _deps.copy_to_region(x, group)  # backward: all-reduce dx
-            y = _deps.matmul(x, self.weight.t(), bias, self.activation)  # (s, b, out/tp)
+            y = _deps.matmul(x, weight.t(), bias, self.activation)  # (s, b, out/tp)
         if self.gather_output and tp > 1:
             y = _deps.gather_from_region(y, group)  # (s, b, out), rank-major blocks
             if self.stride > 1:  # undo the round-robin dealing: master column order

@@ -34,10 +34,10 @@ def _cuda_in_use() -> bool:
 
 
 class RNGStatesTracker:
-    """Named generator states (CPU, and CUDA when in use) that ``fork`` swaps in and out."""
+    """Named generator streams (CPU, and CUDA once in use) that ``fork`` swaps in and out."""
 
     def __init__(self):
-        self._states: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        self._states: dict[str, dict] = {}   # name -> {"seed", "cpu", "cuda" (None until used)}
 
     def reset(self) -> None:
         self._states = {}
@@ -48,19 +48,15 @@ class RNGStatesTracker:
     def add(self, name: str, seed: int) -> None:
         if name in self._states:
             raise ValueError(f"RNG state {name!r} already exists; reset() the tracker first")
-        cpu = torch.Generator().manual_seed(seed).get_state()
-        cuda = None
-        if _cuda_in_use():
-            gen = torch.Generator(device=f"cuda:{torch.cuda.current_device()}")
-            cuda = gen.manual_seed(seed).get_state()
-        self._states[name] = (cpu, cuda)
+        self._states[name] = {"seed": seed, "cpu": torch.Generator().manual_seed(seed).get_state(),
+                              "cuda": None}
 
     def get_states(self) -> dict:
-        """A copy of every tracked state (for checkpoints)."""
-        return {k: (c.clone(), None if g is None else g.clone()) for k, (c, g) in self._states.items()}
+        """A copy of every tracked stream (for checkpoints)."""
+        return {name: _copy_state(st) for name, st in self._states.items()}
 
     def set_states(self, states: dict) -> None:
-        self._states = {k: (c.clone(), None if g is None else g.clone()) for k, (c, g) in states.items()}
+        self._states = {name: _copy_state(st) for name, st in states.items()}
 
     @contextlib.contextmanager
     def fork(self, name: str = MODEL_PARALLEL_RNG):
@@ -69,20 +65,28 @@ class RNGStatesTracker:
             raise RuntimeError(
                 f"RNG state {name!r} is not set: call tpfuse.tp_layers.random.model_parallel_seed"
                 "(seed) before running dropout inside tensor- or sequence-parallel regions")
-        cpu_state, cuda_state = self._states[name]
+        stream = self._states[name]
+        use_cuda = _cuda_in_use()
+        if use_cuda and stream["cuda"] is None:  # CUDA initialised after seeding: start it now
+            gen = torch.Generator(device=f"cuda:{torch.cuda.current_device()}")
+            stream["cuda"] = gen.manual_seed(stream["seed"]).get_state()
         saved_cpu = torch.get_rng_state()
-        saved_cuda = torch.cuda.get_rng_state() if cuda_state is not None else None
-        torch.set_rng_state(cpu_state)
-        if cuda_state is not None:
-            torch.cuda.set_rng_state(cuda_state)
+        saved_cuda = torch.cuda.get_rng_state() if use_cuda else None
+        torch.set_rng_state(stream["cpu"])
+        if use_cuda:
+            torch.cuda.set_rng_state(stream["cuda"])
         try:
             yield
         finally:
-            new_cuda = torch.cuda.get_rng_state() if cuda_state is not None else None
-            self._states[name] = (torch.get_rng_state(), new_cuda)
+            stream["cpu"] = torch.get_rng_state()
             torch.set_rng_state(saved_cpu)
-            if saved_cuda is not None:
+            if use_cuda:
+                stream["cuda"] = torch.cuda.get_rng_state()
                 torch.cuda.set_rng_state(saved_cuda)
+
+
+def _copy_state(stream: dict) -> dict:
+    return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in stream.items()}
 
 
 _TRACKER = RNGStatesTracker()
