@@ -204,7 +204,7 @@ class RankLayout:
         return rank
 
     def group_of(self, name: str, rank: int) -> list[int] | None:
-        """The group of kind ``name`` holding ``rank`` (None for an embedding group it is not in)."""
+        """The group of kind ``name`` holding ``rank`` (None: an embedding group it is not in)."""
         self._check_rank(rank)
         for group in self.groups(name):
             if rank in group:

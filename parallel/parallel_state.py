@@ -15,7 +15,11 @@ Names and keyword arguments follow megatron-core 0.16. Differences, all delibera
 * ``check_initialized=False`` returns None before initialisation, as in Megatron; embedding
   group getters on a middle pipeline stage raise unless ``check_initialized=False`` (then None).
 * Megatron-only options (SHARP, hierarchical CP, distributed-optimizer instances, NCCL configs,
-  custom embedding ranks, ...) are accepted only at their default values.
+  custom embedding ranks, ...) are accepted only at their default values; arguments after the
+  first three are keyword-only (Megatron's 4th positional is the PP comm backend, so positional
+  use would bind silently wrong);
+* ``is_pipeline_first/last_stage(ignore_virtual=False)`` without ``vp_stage`` uses the virtual
+  rank set by ``set_virtual_pipeline_model_parallel_rank`` (Megatron asserts instead).
 
 The object behind these functions is ``tpfuse.parallel.state.get_default_state()``; new code can
 pass a ``ParallelState`` explicitly instead.
