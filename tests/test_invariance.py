@@ -20,7 +20,7 @@ TINY_MODEL = [
     "--mock-data", "--micro-batch-size", "2", "--global-batch-size", "8",
     "--train-iters", "10", "--lr-decay-iters", "10", "--lr", "3e-3", "--lr-warmup-iters", "2", "--clip-grad", "1.0",
     "--eval-interval", "1000", "--eval-iters", "1", "--log-interval", "1000",
-    "--no-progress-bar",
+    "--no-progress-bar", "--no-layout-table",
 ]
 
 

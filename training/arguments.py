@@ -58,6 +58,8 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--log-interval", type=int, default=10, help="print a log line every N steps")
     run.add_argument("--metrics-file", default=None, help="append one JSON object per iteration")
     run.add_argument("--no-progress-bar", action="store_true")
+    run.add_argument("--no-layout-table", action="store_true",
+                     help="do not print the rank layout at start-up")
 
     dist = parser.add_argument_group("distributed")
     dist.add_argument("--distributed-backend", default=None, choices=["gloo", "nccl"],

@@ -231,6 +231,11 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step,
         pipeline_model_parallel_size=config.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=config.virtual_pipeline_model_parallel_size,
         context_parallel_size=config.context_parallel_size)
+    if dist.get_rank() == 0 and not args.no_layout_table:
+        from tpfuse.parallel.report import format_layout_table
+
+        state = parallel_state.get_default_state()
+        print(format_layout_table(state.layout, vpp=state.vpp_size), flush=True)
     _fill_batch_defaults(args, parallel_state.get_data_parallel_world_size())
     _GLOBALS.update(args=args, config=config)
     from tpfuse.tp_layers.random import model_parallel_seed
