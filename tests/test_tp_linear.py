@@ -164,9 +164,33 @@ def _bad_settings():
     return True
 
 
+def _default_state_and_explicit_group():
+    """state=None uses initialize_model_parallel's default; group= takes a raw ProcessGroup."""
+    import torch.distributed as dist
+    from tpfuse.parallel import parallel_state
+
+    with_group = ColumnParallelLinear(IN, OUT, group=dist.group.WORLD)
+    assert (with_group.tp.size, with_group.tp.rank) == (4, dist.get_rank())
+    try:  # a distributed run without a default state must say so, not guess tp = 1
+        ColumnParallelLinear(IN, OUT)
+    except RuntimeError as err:
+        assert "initialize_model_parallel" in str(err)
+    else:
+        raise AssertionError("no RuntimeError without a default state")
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
+    try:
+        layer = RowParallelLinear(OUT, IN)
+        assert layer.tp.size == 2 and layer.weight.shape == (IN, OUT // 2)
+        assert layer.tp.rank == parallel_state.get_tensor_model_parallel_rank()
+    finally:
+        parallel_state.destroy_model_parallel()
+    return True
+
+
 def test_layout_independent_init_and_bad_settings(run_distributed):
     assert run_distributed(4, _layout_independent_init) == [True] * 4
     assert run_distributed(4, _bad_settings) == [True] * 4
+    assert run_distributed(4, _default_state_and_explicit_group) == [True] * 4
 
 
 def test_single_process_without_distributed_is_tp1():
