@@ -6,8 +6,14 @@ run on CPU) against the plain composition of torch ops, forward + backward, side
 
 Each group's table shows the ratio to the fastest entry in parentheses; the summary printed at the
 end gives composition / fused median ratios measured in the same run (> 1: the fused path is faster).
+On a shared, loaded machine the two sides of a group can see different load, so
+``test_interleaved_ratio`` also times fused and composition alternately and reports the median of
+the paired ratios, which drifting load affects far less.
 Without --benchmark-enable (pytest.ini disables benchmarks) every case runs once as a smoke test.
 """
+import statistics
+import time
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -102,3 +108,32 @@ def test_fwd_bwd(benchmark, group, impl):
     assert x.grad is not None and torch.isfinite(x.grad).all()
     if benchmark.stats is not None:
         _MEDIANS.setdefault(group, {})[impl] = benchmark.stats.stats.median
+
+
+@pytest.mark.parametrize("group", list(CASES))
+def test_interleaved_ratio(benchmark, group):
+    """composition / fused from alternating runs: median of 7 paired ratios (1 when disabled)."""
+    steps = {}
+    for impl in ("fused", "composition"):
+        make_inputs, fn = CASES[group][impl]
+        x, w, b, dy = make_inputs()
+        steps[impl] = _fwd_bwd(lambda fn=fn, x=x, w=w, b=b: fn(x, w, b), [x, w, b], dy)
+    pairs = 1 if benchmark.disabled else 7
+    ratios = []
+
+    def alternate():
+        for _ in range(pairs + (0 if benchmark.disabled else 1)):  # first pair warms up when enabled
+            times = {}
+            for impl in ("fused", "composition"):
+                start = time.perf_counter()
+                steps[impl]()
+                times[impl] = time.perf_counter() - start
+            ratios.append(times["composition"] / times["fused"])
+
+    benchmark.group = "interleaved (whole paired run)"
+    benchmark.pedantic(alternate, rounds=1, iterations=1)
+    paired = ratios[-pairs:]
+    assert all(r > 0 for r in paired)
+    if not benchmark.disabled:
+        print(f"\n  interleaved {group:<18} composition / fused = {statistics.median(paired):.2f}× "
+              f"(paired ratios {min(paired):.2f}–{max(paired):.2f})")
