@@ -299,7 +299,11 @@ def build_model(model_provider, config, state=None):
         kwargs = dict(pre_process=pre, post_process=post, vp_stage=None if vpp is None else c)
         if state is not None and _accepts_state(model_provider):
             kwargs["state"] = state
+        if vpp is not None:
+            resolved.vpp_rank = c        # as Megatron, for providers that read the current chunk
         chunk = model_provider(**kwargs)
         chunk.pre_process, chunk.post_process = pre, post
         chunks.append(chunk)
+    if vpp is not None:
+        resolved.vpp_rank = 0
     return chunks
