@@ -7,6 +7,7 @@ function that averages them over the loss mask.
 """
 from __future__ import annotations
 
+import os
 import sys
 from functools import partial
 
@@ -76,6 +77,14 @@ def train_valid_test_datasets_provider(train_val_test_num_samples):
 
 
 def main(argv=None) -> int:
+    from tpfuse.training.arguments import parse_args
+
+    try:  # a bad flag is a one-line message (from rank 0 only), not a traceback per rank
+        parse_args(argv, MAIN_JOB_DEFAULTS)
+    except ValueError as error:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"tpfuse.pretrain_gpt: error: {error}", file=sys.stderr)
+        return 2
     pretrain(train_valid_test_datasets_provider, model_provider, forward_step,
              args_defaults=MAIN_JOB_DEFAULTS, argv=argv)
     return 0

@@ -35,7 +35,8 @@ class TrainingLogger:
             from tqdm import tqdm
 
             self.bar = tqdm(total=train_iters, initial=start_iteration, desc="train", unit="it",
-                            file=sys.stderr, dynamic_ncols=True, leave=False)
+                            file=sys.stderr, dynamic_ncols=True, leave=False,
+                             disable=None)  # None: no bar when stderr is not a terminal
         if self.metrics_file:
             folder = os.path.dirname(os.path.abspath(self.metrics_file))
             os.makedirs(folder, exist_ok=True)
