@@ -8,6 +8,7 @@ import importlib
 _EXPORTS = {
     "Action": "schedules", "build_schedule": "schedules",
     "build_no_pipelining_schedule": "schedules", "bubble_fraction_formula": "schedules",
+    "build_zb_h1_schedule": "zero_bubble",
     "simulate": "simulate", "SimulationResult": "simulate",
     "get_forward_backward_func": "executor", "forward_backward_no_pipelining": "executor",
     "forward_backward_pipelining_without_interleaving": "executor",

@@ -16,7 +16,7 @@ def _colour(chunk: int, kind: str):
 
 def save_gantt(result: SimulationResult, path: str, title: str = "") -> None:
     """One row per pipeline rank (rank 0 on top); bars labelled ``kind micro-batch``, coloured by
-    chunk, forwards light, backwards dark."""
+    chunk, forwards light, backwards dark (ZB: I dark, W palest)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -26,10 +26,11 @@ def save_gantt(result: SimulationResult, path: str, title: str = "") -> None:
     pp_size = len(result.timelines)
     width = max(8.0, min(40.0, result.makespan * 0.35))
     fig, ax = plt.subplots(figsize=(width, 0.6 * pp_size + 1.4))
-    chunks = set()
+    chunks, kinds = set(), set()
     for rank, line in enumerate(result.timelines):
         for action, start, end in line:
             chunks.add(action.chunk)
+            kinds.add(action.kind)
             ax.barh(rank, end - start, left=start, height=0.8, edgecolor="black",
                     linewidth=0.4, color=_colour(action.chunk, action.kind))
             ax.text((start + end) / 2, rank, f"{action.kind}{action.microbatch}",
@@ -40,7 +41,7 @@ def save_gantt(result: SimulationResult, path: str, title: str = "") -> None:
     ax.set_xlabel("time (cost units)")
     ax.set_title(title, fontsize=9)
     handles = [Patch(color=_colour(c, kind), label=f"{kind} chunk {c}")
-               for c in sorted(chunks) for kind in ("F", "B")]
+               for c in sorted(chunks) for kind in ("F", "B", "I", "W") if kind in kinds]
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -243,3 +243,61 @@ def test_cli_bad_input_exits_2_with_message(argv, words, capsys):
     err = capsys.readouterr().err
     for word in words:
         assert word in err
+
+
+# --- ZB-H1 (stretch) -----------------------------------------------------------------------
+
+def test_zb_h1_p2_m3_by_hand():
+    # F = I = W = 1. Rank 1 may defer one W, rank 0 none. Times: rank 0 F0 0-1, F1 1-2, waits
+    # for grad 0 (rank 1's I0 ends at 3), I0 3-4, W0 4-5, F2 5-6, I1 6-7, W1 7-8, I2 8-9, W2
+    # 9-10; rank 1 F0 1-2, I0 2-3, F1 3-4, I1 4-5, then two W's pending > 1: W0 5-6, F2 6-7,
+    # I2 7-8, W1 8-9, W2 9-10. Makespan 10 = 3·3 + (2 − 1).
+    from tpfuse.pipeline.zero_bubble import build_zb_h1_schedule
+
+    schedule = build_zb_h1_schedule(2, 3)
+    assert format_actions(schedule[0]) == "F0.0 F1.0 I0.0 W0.0 F2.0 I1.0 W1.0 I2.0 W2.0"
+    assert format_actions(schedule[1]) == "F0.0 I0.0 F1.0 I1.0 W0.0 F2.0 I2.0 W1.0 W2.0"
+    result = simulate(schedule, 3, 1, forward_cost=1, input_grad_cost=1, weight_grad_cost=1)
+    assert result.makespan == 10
+
+
+@pytest.mark.parametrize("costs", [(1, 1, 1), (2, 1, 1), (1, 2, 0.5), (1, 1.5, 0.5)])
+def test_zb_h1_valid_same_memory_and_formula(costs):
+    from tpfuse.pipeline.zero_bubble import build_zb_h1_schedule, zb_h1_bubble_formula
+
+    f, i, w = costs
+    for p in range(1, 6):
+        for m in range(p, 11):   # the formula needs m ≥ p (and W ≤ min(F, I): a W fits a wait)
+            schedule = build_zb_h1_schedule(p, m, f, i, w)
+            one_f_one_b = build_schedule(p, m)
+            for rank, actions in enumerate(schedule):
+                validate_actions(actions, m, 1, rank)            # F < I < W for every mb
+                # F and I keep 1F1B's order (I in B's place)
+                assert [(a.kind, a.microbatch) for a in actions if a.kind != "W"] == [
+                    ("I" if a.kind == "B" else "F", a.microbatch) for a in one_f_one_b[rank]]
+                live = peak = 0
+                for a in actions:
+                    live += (a.kind == "F") - (a.kind == "W")
+                    peak = max(peak, live)
+                assert peak <= p                                  # 1F1B's peak (rank 0's)
+            result = simulate(schedule, m, 1, forward_cost=f, input_grad_cost=i,
+                              weight_grad_cost=w)
+            assert not result.deadlocked
+            assert result.makespan == pytest.approx(m * (f + i + w) + (p - 1) * (f + i - w))
+            assert result.bubble_fraction == pytest.approx(zb_h1_bubble_formula(p, m, f, i, w))
+            if p > 1:   # a third of 1F1B's bubble time at equal costs, less in general
+                plain = simulate(one_f_one_b, m, 1, forward_cost=f, backward_cost=i + w)
+                assert result.bubble_fraction < plain.bubble_fraction
+
+
+def test_cli_zb_h1(capsys):
+    from tpfuse.pipeline.cli import main
+
+    assert main(["--pp", "4", "--microbatches", "8", "--zb-h1"]) == 0
+    out = capsys.readouterr().out
+    assert "rank 3: F0.0 I0.0 F1.0 I1.0" in out
+    assert "simulated 0.1111" in out and "= 0.1111" in out   # 3 / (24 + 3)
+    with pytest.raises(SystemExit) as info:
+        main(["--pp", "4", "--vpp", "2", "--microbatches", "8", "--zb-h1"])
+    assert info.value.code == 2
+    assert "--zb-h1" in capsys.readouterr().err
