@@ -81,26 +81,27 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.re
 
 
 def all_gather_first_dim(x: torch.Tensor, group, async_op: bool = False):
-    """Concatenate every rank's ``x`` along dim 0: ``(s/tp, ...) -> (s, ...)``.
-
-    With ``async_op=True`` returns ``(out, work)``; ``out`` is valid after ``work.wait()``.
+    """Concatenate every rank's ``x`` along dim 0: ``(s/tp, ...) -> (s, ...)``. Not differentiable
+    (the autograd Functions below are); with ``async_op=True`` returns ``(out, work)``, ``out``
+    valid after ``work.wait()``.
     """
     size = group_size(group)
     if size == 1:
         return (x, None) if async_op else x
-    x = x.contiguous()
+    x = x.detach().contiguous()
     out = torch.empty((size * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
     work = _all_gather_single(out, x, group=group, async_op=async_op)
     return (out, work) if async_op else out
 
 
 def reduce_scatter_first_dim(x: torch.Tensor, group) -> torch.Tensor:
-    """Sum ``x`` over the ranks and keep this rank's dim-0 slice: ``(s, ...) -> (s/tp, ...)``."""
+    """Sum ``x`` over the ranks and keep this rank's dim-0 slice: ``(s, ...) -> (s/tp, ...)``.
+    Not differentiable (the autograd Functions below are)."""
     size = group_size(group)
     if size == 1:
         return x
     check_divisible(x, 0, size, "reduce_scatter_first_dim")
-    x = x.contiguous()
+    x = x.detach().contiguous()
     rows = x.shape[0] // size
     if _reduce_scatter_strategy == "all_reduce":
         total = x.clone()
@@ -115,7 +116,7 @@ def reduce_scatter_first_dim(x: torch.Tensor, group) -> torch.Tensor:
 def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
     if group_size(group) == 1:
         return x
-    out = x.contiguous().clone()
+    out = x.detach().contiguous().clone()
     dist.all_reduce(out, group=group)
     return out
 
