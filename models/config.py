@@ -10,6 +10,10 @@ Derived values (Megatron's argument post-processing), filled in ``__post_init__`
 ``num_layers_per_virtual_pipeline_stage``; a size of 1 is normalised to ``None``), ``params_dtype``
 (bf16 → bfloat16, fp16 → float16, else float32). ``padded_vocab_size`` is a property.
 
+``microbatch_group_size_per_vp_stage`` stays ``None`` for "= pp" (the executor's default), so it
+never goes stale. ``dataclasses.replace`` keeps the other derived values: pass them explicitly (or
+``None``) when changing what they derive from.
+
 ``sequence_parallel`` with ``tensor_model_parallel_size == 1`` is switched off with a warning, as
 Megatron does (sequence parallelism is a no-op without a TP group).
 """
@@ -30,7 +34,6 @@ POSITION_EMBEDDINGS = ("learned_absolute", "rope")
 RECOMPUTE_GRANULARITIES = ("full", "selective")
 RECOMPUTE_METHODS = ("uniform", "block")
 DERIVED = ("num_query_groups", "ffn_hidden_size", "max_position_embeddings",
-           "microbatch_group_size_per_vp_stage",
            "virtual_pipeline_model_parallel_size", "params_dtype")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -84,7 +87,7 @@ class TransformerConfig:
     num_layers_per_virtual_pipeline_stage: int | None = _f(
         "parallelism", "layers per model chunk (derives vpp = num_layers/pp / this)", None)
     microbatch_group_size_per_vp_stage: int | None = _f(
-        "parallelism", "interleaved schedule: micro-batches per chunk group (default: = pp)", None,
+        "parallelism", "interleaved schedule: micro-batches per chunk group (None: = pp)", None,
         flag="--microbatch-group-size-per-virtual-stage")
     context_parallel_size: int = _f("parallelism", "context-parallel group size cp", 1)
     expert_model_parallel_size: int = _f("parallelism", "expert-parallel group size ep", 1)
@@ -173,9 +176,6 @@ class TransformerConfig:
             self.virtual_pipeline_model_parallel_size = derived
         if self.virtual_pipeline_model_parallel_size == 1:
             self.virtual_pipeline_model_parallel_size = None
-        if (self.virtual_pipeline_model_parallel_size is not None
-                and self.microbatch_group_size_per_vp_stage is None):
-            self.microbatch_group_size_per_vp_stage = self.pipeline_model_parallel_size
 
     def _has_uneven_split(self) -> bool:
         return (self.decoder_first_pipeline_num_layers is not None

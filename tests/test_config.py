@@ -37,9 +37,9 @@ def test_derived_defaults_follow_megatron():
     assert make(bf16=True).params_dtype == torch.bfloat16
     assert make(pipeline_model_parallel_size=2,
                 num_layers_per_virtual_pipeline_stage=1).virtual_pipeline_model_parallel_size == 2
-    # Megatron: the interleaving group size defaults to pp
+    # the interleaving group size stays None, meaning pp (the executor's default, Megatron's)
     assert make(pipeline_model_parallel_size=2, num_layers_per_virtual_pipeline_stage=1
-                ).microbatch_group_size_per_vp_stage == 2
+                ).microbatch_group_size_per_vp_stage is None
     # one chunk per rank is the plain schedule: normalised to None
     assert make(pipeline_model_parallel_size=2,
                 num_layers_per_virtual_pipeline_stage=2).virtual_pipeline_model_parallel_size is None
