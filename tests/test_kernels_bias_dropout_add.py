@@ -83,6 +83,26 @@ def test_matches_reference_with_its_mask(backend, dtype, with_bias, poisoned_out
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_sequence_first_non_contiguous_inputs(backend, poisoned_outputs):
+    """x (s, b, h) as a transposed view, bias broadcast over s and b, fp32."""
+    p, seed, shape = 0.25, 77, (7, 3, HIDDEN)
+    gen = torch.Generator().manual_seed(8)
+    x = torch.randn(3, 7, HIDDEN, generator=gen).transpose(0, 1).requires_grad_()  # (s, b, h), not contiguous
+    bias = torch.randn(HIDDEN, generator=gen).requires_grad_()
+    residual = torch.randn(*shape, generator=gen).requires_grad_()
+    dy = torch.randn(*shape, generator=gen)
+    mask = keep_mask(shape, p, seed, backend)
+    out = bias_dropout_add(x, bias, residual, p, True, seed, backend=backend)
+    ref = bias_dropout_add_reference(x, bias, residual, p, mask)
+    magnitude = residual.detach().abs() + (x.detach().abs() + bias.detach().abs()) / (1 - p)
+    _close(out, ref, magnitude, torch.float32, "out")
+    grads, grads_ref = (torch.autograd.grad(o, [x, bias, residual], dy) for o in (out, ref))
+    _close(grads[0], grads_ref[0], dy.abs() / (1 - p), torch.float32, "dx")
+    _close(grads[1], grads_ref[1], dy.abs().sum((0, 1)) / (1 - p), torch.float32, "dbias", n_terms=21)
+    assert torch.equal(grads[2], dy)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_mask_reproducible_from_seed_and_seeds_differ(backend):
     first = keep_mask((ROWS, HIDDEN), 0.5, 7, backend)
     assert torch.equal(first, keep_mask((ROWS, HIDDEN), 0.5, 7, backend))

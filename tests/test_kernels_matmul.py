@@ -124,6 +124,23 @@ def test_triton_strided_batched_input_and_out_dtype(poisoned_outputs):
         _check_against_reference([x.view(M, K), b, bias], dy, "gelu", "triton", torch.float32)
 
 
+@pytest.mark.parametrize("m,n,k", [(1, 1, 1), (5, 70, 3), (2, 3, 100)])
+def test_triton_shapes_smaller_or_longer_than_one_tile(m, n, k, poisoned_outputs):
+    """Tiles larger than the whole problem (M, N, K < block) and K spanning several tiles."""
+    gen = torch.Generator().manual_seed(6)
+    a = torch.randn(m, k, generator=gen).requires_grad_()
+    b = torch.randn(k, n, generator=gen).requires_grad_()
+    bias = torch.randn(n, generator=gen).requires_grad_()
+    dy = torch.randn(m, n, generator=gen)
+    y, grads = _run(lambda a, b, bias: matmul(a, b, bias, "relu", backend="triton"), [a, b, bias], dy)
+    y_ref, grads_ref = _run(lambda a, b, bias: matmul_reference(a, b, bias, "relu"), [a, b, bias], dy)
+    _assert_within(y, y_ref, _bound(a, b, k, torch.float32, torch.float32, y_ref), "y")
+    _assert_within(grads[0], grads_ref[0], _bound(dy.abs(), b.t(), n, torch.float32, torch.float32, grads_ref[0]), "da")
+    _assert_within(grads[1], grads_ref[1], _bound(a.t(), dy.abs(), m, torch.float32, torch.float32, grads_ref[1]), "db")
+    _assert_within(grads[2], grads_ref[2], _bound(torch.ones(1, m), dy.abs(), m, torch.float32, torch.float32,
+                                                  grads_ref[2]), "dbias")
+
+
 def test_transposed_operands_are_views_not_copies():
     """The launcher passes a plain transpose (or mergeable strided batch) as strides: the matrix it
     hands the kernel shares storage with the input."""
