@@ -29,7 +29,7 @@ from tpfuse.parallel.launch import WorkerPool
 VPP, M, MICRO_BATCH = 2, 8, 2
 BASE = dict(num_layers=8, hidden_size=64, num_attention_heads=4, seq_length=32, vocab_size=256,
             make_vocab_size_divisible_by=128, hidden_dropout=0.0, attention_dropout=0.0, seed=5)
-WARMUP_STEPS, TIMED_STEPS = 2, 6
+WARMUP_STEPS, TIMED_STEPS = 2, 10
 _RESULTS: dict = {}   # (pp, impl) -> per-rank job results
 
 
