@@ -98,6 +98,9 @@ def validate_training_args(args) -> None:
     if args.lr_warmup_iters > decay_iters:
         raise ValueError(f"--lr-warmup-iters ({args.lr_warmup_iters}) must not exceed the decay "
                          f"span --lr-decay-iters / --train-iters ({decay_iters})")
+    if args.reset_attention_mask:
+        raise ValueError("--reset-attention-mask is not supported: tpfuse's attention is causal over "
+                         "the whole sample (flash attention takes no arbitrary mask)")
     if args.mock_data and args.data_path:
         raise ValueError("give either --mock-data or --data-path, not both")
     if not args.mock_data and not args.data_path:
