@@ -154,7 +154,7 @@ def all_gather_matmul(x_shard, w, group, bias=None, activation=None, return_gath
     memory). ``backend`` is passed to ``tpfuse.kernels.matmul``."""
     common.validate_linear("all_gather_matmul", x_shard, w, bias, activation)
     tp = group_size(group)
-    fused = common.should_fuse(common.gemm_flops(x_shard, w.shape[0], tp), tp)
+    fused = common.should_fuse(common.gemm_flops(x_shard, w.shape[0], tp), tp, x_shard.device.type)
     y, x_full = _AllGatherMatmul.apply(x_shard, w, bias, group, activation, fused,
                                        bool(keep_gathered), backend)
     return (y, x_full) if return_gathered else y

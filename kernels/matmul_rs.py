@@ -80,7 +80,7 @@ def matmul_reduce_scatter(x, w, group, *, backend=None):
     common.validate_linear("matmul_reduce_scatter", x, w)
     tp = group_size(group)
     check_divisible(x, 0, tp, "matmul_reduce_scatter")
-    fused = common.should_fuse(common.gemm_flops(x, w.shape[0]), tp)
+    fused = common.should_fuse(common.gemm_flops(x, w.shape[0]), tp, x.device.type)
     return _MatmulReduceScatter.apply(x, w, group, fused, backend)
 
 

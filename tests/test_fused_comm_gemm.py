@@ -251,10 +251,15 @@ def test_fused_ops_on_sub_groups(run_distributed):
 # ----------------------------------------------------------------------------- settings, errors
 
 def test_threshold_setting_and_env_parsing():
-    assert common.should_fuse(1e12, 2) is (1e12 >= common.get_fused_min_flops())
-    assert not common.should_fuse(1e30, 1)                           # nothing to overlap at tp=1
+    with common.fused_min_flops(None):                               # the per-device defaults
+        assert common.get_fused_min_flops("cpu") == common.DEFAULT_MIN_FLOPS["cpu"]
+        assert common.get_fused_min_flops("cuda") == common.DEFAULT_MIN_FLOPS["cuda"]
+        assert not common.should_fuse(common.DEFAULT_MIN_FLOPS["cpu"] / 2, 2, "cpu")
+        assert common.should_fuse(common.DEFAULT_MIN_FLOPS["cpu"], 2, "cpu")
+        assert not common.should_fuse(common.DEFAULT_MIN_FLOPS["cpu"], 2, "cuda")
+        assert not common.should_fuse(1e30, 1)                       # nothing to overlap at tp=1
     with common.fused_min_flops(0):
-        assert common.should_fuse(0, 2)
+        assert common.should_fuse(0, 2, "cuda") and common.should_fuse(0, 2, "cpu")
     with common.fused_min_flops(float("inf")):
         assert not common.should_fuse(1e30, 2)
     assert common._parse_min_flops("1.5e9") == 1.5e9
@@ -262,6 +267,20 @@ def test_threshold_setting_and_env_parsing():
         common._parse_min_flops("lots")
     with pytest.raises(ValueError, match="fused_min_flops.*-1"):
         common.set_fused_min_flops(-1)
+
+
+def threshold_worker():
+    """At the default CPU threshold the tiny test layer takes the fallback (no ring call)."""
+    x, w = _randn(1, S // 2, B, H), _randn(2, N, H)
+    with common.fused_min_flops(None), _forbid(common, "ring_all_gather"), \
+            _forbid(common, "ring_reduce_scatter"):
+        y = all_gather_matmul(x, w, None)
+        y_rs = matmul_reduce_scatter(y, _randn(3, H, N), None)
+    return tuple(y_rs.shape)
+
+
+def test_default_threshold_picks_fallback_for_small_layers(run_distributed):
+    assert run_distributed(2, threshold_worker) == [(S // 2, B, H)] * 2
 
 
 @pytest.mark.parametrize("args, message", [
