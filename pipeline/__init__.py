@@ -13,6 +13,7 @@ _EXPORTS = {
     "get_forward_backward_func": "executor", "forward_backward_no_pipelining": "executor",
     "forward_backward_pipelining_without_interleaving": "executor",
     "forward_backward_pipelining_with_interleaving": "executor",
+    "forward_backward_pipelining_zb_h1": "executor",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -156,6 +156,7 @@ class _Run:
     pp_size: int
     comm: PipelineP2P | None
     saved: dict = field(default_factory=dict)   # (mb, chunk) -> (input, output)
+    output_grads: dict = field(default_factory=dict)   # (mb, chunk) -> grad, from I until W
     losses: list = field(default_factory=list)
 
     @property
@@ -217,8 +218,7 @@ def _backward(run: _Run, mb: int, chunk: int) -> None:
         grad = run.comm.recv(Message("grad", mb, stage + 1, stage))
         if output.grad_fn is not None:
             # the engine checks grad against grad_fn's recorded (full) shape, not output.data
-            Variable._execution_engine.run_backward(
-                (output,), (grad,), False, False, (), True, True)
+            _run_engine(output, grad, False, (), True)
     if stage > 0:
         grad_in = input_tensor.grad
         if grad_in is None:  # the chunk did not use its input: its gradient is zero
@@ -226,14 +226,51 @@ def _backward(run: _Run, mb: int, chunk: int) -> None:
         run.comm.send(Message("grad", mb, stage, stage - 1), grad_in)
 
 
+def _run_engine(output, grad, keep_graph, inputs, accumulate):
+    """Backward from ``output`` with ``grad`` through the autograd engine (no shape check
+    against the possibly deallocated ``output.data``, see the module docstring)."""
+    return Variable._execution_engine.run_backward(
+        (output,), (grad,), keep_graph, False, tuple(inputs), True, accumulate)
+
+
+def _input_grad(run: _Run, mb: int, chunk: int) -> None:
+    """ZB's I: the gradient w.r.t. the chunk's input only (sent upstream at once); the graph is
+    kept for W."""
+    input_tensor, output = run.saved[(mb, chunk)]
+    stage = run.stage(chunk)
+    run.enter_chunk(chunk)
+    if stage == run.last_stage:
+        grad = torch.ones_like(output)
+    else:
+        grad = run.comm.recv(Message("grad", mb, stage + 1, stage))
+    run.output_grads[(mb, chunk)] = grad
+    if stage == 0:
+        return
+    grad_in = None
+    if output.grad_fn is not None:
+        (grad_in,) = _run_engine(output, grad, True, (input_tensor,), False)
+    if grad_in is None:   # the chunk did not use its input
+        grad_in = torch.zeros_like(input_tensor)
+    run.comm.send(Message("grad", mb, stage, stage - 1), grad_in)
+
+
+def _weight_grad(run: _Run, mb: int, chunk: int) -> None:
+    """ZB's W: accumulate the parameter gradients (the autograd engine walks the kept graph a
+    second time — correct, but without Megatron-style stored wgrad GEMMs not faster)."""
+    _, output = run.saved.pop((mb, chunk))
+    grad = run.output_grads.pop((mb, chunk))
+    run.enter_chunk(chunk)
+    params = [p for p in run.chunks[chunk].parameters() if p.requires_grad]
+    if output.grad_fn is not None and params:
+        _run_engine(output, grad, False, params, True)
+
+
+_HANDLERS = {"F": _forward, "B": _backward, "I": _input_grad, "W": _weight_grad}
+
+
 def _execute(run: _Run, actions: list) -> list:
     for action in actions:
-        if action.kind == "F":
-            _forward(run, action.microbatch, action.chunk)
-        elif action.kind == "B":
-            _backward(run, action.microbatch, action.chunk)
-        else:
-            raise ValueError(f"the executor runs F and B actions, got {action}")
+        _HANDLERS[action.kind](run, action.microbatch, action.chunk)
     if run.comm is not None:
         run.comm.finish()
     return run.losses if run.stage(len(run.chunks) - 1) == run.last_stage else []
@@ -307,5 +344,24 @@ def forward_backward_pipelining_with_interleaving(
         microbatch_group_size = getattr(config, "microbatch_group_size_per_vp_stage", None)
     schedule = build_interleaved_schedule(state.pp_size, num_microbatches, len(chunks),
                                           microbatch_group_size)
+    return _pipelined(schedule, forward_step_func, data_iterator, chunks, num_microbatches,
+                      seq_length, micro_batch_size, forward_only, state, tensor_shape)
+
+
+def forward_backward_pipelining_zb_h1(
+        forward_step_func, data_iterator, model, num_microbatches, seq_length, micro_batch_size,
+        forward_only=False, state=None, tensor_shape=None):
+    """Zero-bubble ZB-H1 (one chunk per rank): backward split into I (input gradient, sent at
+    once) and W (weight gradient, deferred); see :mod:`tpfuse.pipeline.zero_bubble`. Same
+    results as 1F1B; without split wgrad kernels W re-walks the graph, so this shows the
+    schedule running correctly rather than making a step faster."""
+    from .zero_bubble import build_zb_h1_schedule
+
+    _check_counts(num_microbatches)
+    state = _default_state(state)
+    chunks = _as_chunks(model)
+    if len(chunks) != 1:
+        raise ValueError(f"ZB-H1 runs one model chunk per rank, got {len(chunks)}")
+    schedule = build_zb_h1_schedule(state.pp_size, num_microbatches)
     return _pipelined(schedule, forward_step_func, data_iterator, chunks, num_microbatches,
                       seq_length, micro_batch_size, forward_only, state, tensor_shape)

@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 
 from tpfuse.pipeline.executor import (
-    forward_backward_pipelining_with_interleaving,
+    forward_backward_pipelining_with_interleaving, forward_backward_pipelining_zb_h1,
     forward_backward_pipelining_without_interleaving, get_forward_backward_func)
 
 HIDDEN, SEQ, MICRO_BATCH = 8, 3, 2
@@ -106,6 +106,9 @@ def _pipeline_body(pp, vpp, m, group_size, forward_only, explicit_shape, direct)
         if direct == "interleaved":
             func = forward_backward_pipelining_with_interleaving
             kwargs.update(state=state, microbatch_group_size=group_size)
+        elif direct == "zb-h1":
+            func = forward_backward_pipelining_zb_h1
+            kwargs.update(state=state)
         else:
             func = get_forward_backward_func(state)
             if group_size is not None:
@@ -197,6 +200,15 @@ def test_interleaved_function_with_one_chunk(run_distributed):
     # 1F1B, same gradients
     results = run_distributed(2, _pipeline_body, 2, 1, 4, None, False, False, "interleaved")
     _check_against_reference(results, 2, 1, 4)
+
+
+@pytest.mark.parametrize("world, m, forward_only", [(2, 3, False), (4, 6, False), (4, 4, True)])
+def test_zb_h1_matches_single_process(run_distributed, world, m, forward_only):
+    # I sends the input gradient at once, W accumulates weight gradients later (up to r
+    # deferred on rank r): same losses and gradients as the reference
+    results = run_distributed(world, _pipeline_body, world, 1, m, None, forward_only, False,
+                              "zb-h1")
+    _check_against_reference(results, world, 1, m, forward_only)
 
 
 def test_no_pipelining_world1(run_distributed):
