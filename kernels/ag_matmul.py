@@ -138,7 +138,7 @@ def _backward_fused(ctx, g, kept, w, extra):
     def tail():                                                     # during the last transfer
         if regather is not None:
             x_full, work = regather
-            work.wait()
+            common._wait([work])
             dw.add_(common.wgrad(g, x_full, backend))
 
     dx_shard = common.ring_reduce_scatter(partial_for, group, tail)  # (s/tp, b, h)

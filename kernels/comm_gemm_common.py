@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -149,6 +150,26 @@ def wgrad(g, x, backend=None):
 
 # ----------------------------------------------------------------------------- ring schedules
 
+_exposed_comm_s = 0.0          # host seconds spent blocked in ring waits (see take_exposed_comm_s)
+
+
+def _wait(works) -> None:
+    global _exposed_comm_s
+    start = time.perf_counter()
+    for work in works:
+        work.wait()
+    _exposed_comm_s += time.perf_counter() - start
+
+
+def take_exposed_comm_s() -> float:
+    """Seconds the host spent waiting for ring transfers since the last call (then reset): the
+    communication the GEMMs did not hide. Meaningful on CPU/gloo, where ``wait`` blocks until the
+    data is there; on CUDA ``wait`` only orders streams and returns at once."""
+    global _exposed_comm_s
+    seconds, _exposed_comm_s = _exposed_comm_s, 0.0
+    return seconds
+
+
 def _global(group, rank_in_group: int) -> int:
     return rank_in_group if group is None else dist.get_global_rank(group, rank_in_group)
 
@@ -173,8 +194,7 @@ def ring_all_gather(x_shard, group, on_chunk):
                    dist.P2POp(dist.irecv, chunk((src + 1) % tp), next_rank, group, tag=step)]
             works = dist.batch_isend_irecv(ops)
         on_chunk(src, chunk(src))
-        for work in works:
-            work.wait()
+        _wait(works)
     return full
 
 
@@ -189,8 +209,7 @@ def ring_reduce_scatter(partial_for, group, tail=None):
 
     def drain(acc, pending):
         works, received, _sent = pending
-        for work in works:
-            work.wait()
+        _wait(works)
         return received.float() if acc is None else acc.add_(received)
 
     for step in range(1, tp):
