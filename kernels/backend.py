@@ -94,6 +94,24 @@ def _interpreted(kernel):
     return _interpreted_cache[raw]
 
 
+def _call_helper_interpreted(helper, *args, **kwargs):
+    """Call a nested @triton.jit helper (ours, or triton's own: tl.cdiv, tl.sigmoid, tl.rand, ...)
+    inside an interpreted kernel. ``InterpretedFunction.__call__`` patches triton.language for the
+    helper and never restores it, which breaks every later GPU compile in the process; so the
+    patch is scoped to the call here."""
+    from triton.runtime import interpreter
+
+    interpreted = _interpreted(helper)
+    patch_lang = getattr(interpreter, "_patch_lang", None)
+    if patch_lang is None:  # pragma: no cover - other triton versions: their own __call__
+        return interpreted(*args, **kwargs)
+    scope = patch_lang(interpreted.fn)
+    try:
+        return interpreted.rewrite()(*args, **kwargs)
+    finally:
+        scope.restore()
+
+
 @contextlib.contextmanager
 def _jit_helpers_interpreted():
     """Inside an interpreted kernel, calls to other @triton.jit helpers must be interpreted too."""
@@ -101,7 +119,7 @@ def _jit_helpers_interpreted():
 
     with _patch_lock:
         original = JITFunction.__call__
-        JITFunction.__call__ = lambda self, *a, **k: _interpreted(self)(*a, **k)
+        JITFunction.__call__ = _call_helper_interpreted
         try:
             yield
         finally:
