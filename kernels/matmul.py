@@ -179,6 +179,13 @@ def matmul_triton(a2d, b, bias=None, activation=None, out_dtype=None, save_preac
     return y, z
 
 
+def matmul_triton_forward(a2d, b, bias, activation, out_dtype):
+    """``(y, saved)`` with saved = z for gelu*, y for relu, None otherwise (see module docstring)."""
+    save_z = activation in ("gelu", "gelu_tanh")
+    y, z = matmul_triton(a2d, b, bias, activation, out_dtype, save_preact=save_z)
+    return y, (z if save_z else y if activation == "relu" else None)
+
+
 def activation_grad_triton(dy: torch.Tensor, saved: torch.Tensor, activation: str, dtype) -> torch.Tensor:
     """g = dy ⊙ act'(z) in ``dtype`` (the GEMM operand dtype of the backward)."""
     dy, saved = dy.contiguous(), saved.contiguous()
@@ -248,17 +255,10 @@ def _gemm_triton(x, w, out_dtype):
     return matmul_triton(x.to(compute), w.to(compute), out_dtype=out_dtype)[0]
 
 
-_PATHS = {
-    "triton": (lambda a2d, b, bias, act, out_dtype: _triton_forward(a2d, b, bias, act, out_dtype),
-               activation_grad_triton, _gemm_triton),
+_PATHS = {  # path: (forward → (y, saved), g = dy ⊙ act'(z), plain GEMM for dgrad / wgrad)
+    "triton": (matmul_triton_forward, activation_grad_triton, _gemm_triton),
     "torch": (matmul_torch_forward, activation_grad_torch, _gemm_torch),
 }
-
-
-def _triton_forward(a2d, b, bias, activation, out_dtype):
-    save_z = activation in ("gelu", "gelu_tanh")
-    y, z = matmul_triton(a2d, b, bias, activation, out_dtype, save_preact=save_z)
-    return y, (z if save_z else y if activation == "relu" else None)
 
 
 # ----------------------------------------------------------------------------- autograd
