@@ -9,7 +9,7 @@ through an online softmax and never form the s×s matrix; the forward saves the 
 
     forward   O = P V,  P = exp(S − lse),  S = scale · Q Kᵀ
     dgrad     δ = rowsum(dO ⊙ O);  dS = P ⊙ (dO Vᵀ − δ);  dQ = scale · dS K
-    wgrad     dV = Σ_group Pᵀ dO;  dK = scale · Σ_group dSᵀ Q        (summed over query heads of a kv head)
+    wgrad     dV = Σ_group Pᵀ dO;  dK = scale · Σ_group dSᵀ Q     (Σ over the query heads of a kv head)
 
 File shape: kernels (fwd/bwd files) → launchers (there) → plain-torch reference → autograd Function →
 public op. The torch path (backend="torch", the CPU default) is
@@ -44,7 +44,8 @@ def _check_inputs(q, k, v, dtypes=_DTYPES):
     if kv_heads == 0 or heads % kv_heads != 0:
         raise ValueError(f"flash_attention: heads={heads} must be a multiple of kv_heads={kv_heads}")
     if not MIN_HEAD_DIM <= head_dim <= MAX_HEAD_DIM:
-        raise ValueError(f"flash_attention: head dim d={head_dim} must be in [{MIN_HEAD_DIM}, {MAX_HEAD_DIM}]")
+        raise ValueError(f"flash_attention: head dim d={head_dim} must be in "
+                         f"[{MIN_HEAD_DIM}, {MAX_HEAD_DIM}]")
     if not (q.dtype == k.dtype == v.dtype) or q.dtype not in dtypes:
         raise ValueError(f"flash_attention: q/k/v dtypes ({q.dtype}, {k.dtype}, {v.dtype}) must be equal "
                          f"and one of {dtypes}")

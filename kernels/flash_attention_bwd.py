@@ -5,7 +5,8 @@ S = scale · Q Kᵀ, P = softmax(S), O = P V and upstream dO:
 
     δ_i  = Σ_d dO_id · O_id                     (preprocess kernel; equals rowsum(P ⊙ dP))
     dV_j = Σ_i P_ijᵀ dO_i                       dP_ij = dO_i V_jᵀ
-    dS_ij = P_ij ⊙ (dP_ij − δ_i)                 dK_j = scale · Σ_i dS_ijᵀ Q_i,   dQ_i = scale · Σ_j dS_ij K_j
+    dS_ij = P_ij ⊙ (dP_ij − δ_i)                 dK_j = scale · Σ_i dS_ijᵀ Q_i
+                                                 dQ_i = scale · Σ_j dS_ij K_j
 
 Two kernels, no atomics (deterministic): one program per (key block, batch·kv head) accumulates dK, dV
 over every query block of every query head sharing that kv head (grouped-query attention sums over

@@ -68,7 +68,8 @@ def test_reference_matches_float64_sdpa(causal, heads, kv_heads):
         torch.testing.assert_close(g.double(), e, rtol=1e-5, atol=1e-5)
 
 
-# (dtype, causal, heads, kv_heads, s, d): GQA, MHA and MQA; d padded (24 → 32) and exact (16, 64);
+# (dtype, causal, heads, kv_heads, s, d): GQA, MHA and MQA; d padded (24 → 32, 100 → 128) and exact
+# (16, 64);
 # s = 67 and 37 leave ragged tails for every interpreter block size (16 and 32).
 TRITON_CASES = [
     (torch.float32, True, 4, 2, 67, 24),
@@ -77,6 +78,7 @@ TRITON_CASES = [
     (torch.float16, True, 4, 2, 67, 24),
     (torch.bfloat16, False, 2, 1, 37, 64),
     (torch.bfloat16, True, 4, 4, 37, 16),
+    (torch.float32, True, 2, 1, 5, 100),  # s below every block, d = 100 padded to 128
 ]
 
 

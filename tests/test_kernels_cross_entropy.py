@@ -96,7 +96,8 @@ def test_shard_stats_match_reference_and_zero_target_logit_outside_shard(path):
 @pytest.mark.parametrize("path", ["triton", "torch"])
 def test_custom_ignore_index_and_leading_dims(path):
     logits, target, grad_loss = _batch(torch.float32, ignore_index=7, seed=3)
-    logits3, target3, grad3 = logits[:36].reshape(4, 9, V), target[:36].reshape(4, 9), grad_loss[:36].reshape(4, 9)
+    logits3, target3 = logits[:36].reshape(4, 9, V), target[:36].reshape(4, 9)
+    grad3 = grad_loss[:36].reshape(4, 9)
     loss, grad = _loss_and_grad(cross_entropy, logits3, target3, grad3, ignore_index=7, backend=path)
     ref_loss, ref_grad = _loss_and_grad(cross_entropy_reference, logits3, target3, grad3, ignore_index=7)
     assert loss.shape == (4, 9) and grad.shape == (4, 9, V)
