@@ -224,6 +224,10 @@ def speed_matmul(rep, dev, shapes, timer):
             ours = timer(lambda: matmul(a, b, backend="triton"))
             ref = timer(lambda: torch.matmul(a, b))
         speed_row(rep, "matmul bf16", f"{M}x{N}x{K}", ours, ref, 2.0 * M * N * K, "flop", goal=0.90)
+        best = getattr(sys.modules["tpfuse.kernels.matmul"]._matmul_kernel, "best_config", None)
+        if best is not None and dev.type == "cuda":  # the autotuner's pick, for reading the numbers
+            tile = "x".join(str(best.kwargs[k]) for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K"))
+            rep.add("matmul bf16", f"  tuned tile {tile}, {best.num_stages} stages, {best.num_warps} warps")
         del a, b
 
 
