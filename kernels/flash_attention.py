@@ -9,7 +9,7 @@ through an online softmax and never form the s×s matrix; the forward saves the 
 
     forward   O = P V,  P = exp(S − lse),  S = scale · Q Kᵀ
     dgrad     δ = rowsum(dO ⊙ O);  dS = P ⊙ (dO Vᵀ − δ);  dQ = scale · dS K
-    wgrad     dV = Σ_group Pᵀ dO;  dK = scale · Σ_group dSᵀ Q     (Σ over the query heads of a kv head)
+    wgrad     dV = Σ_group Pᵀ dO;  dK = scale · Σ_group dSᵀ Q   (Σ over the query heads of a kv head)
 
 File shape: kernels (fwd/bwd files) → launchers (there) → plain-torch reference → autograd Function →
 public op. The torch path (backend="torch", the CPU default) is
@@ -75,6 +75,7 @@ def attention_reference(q, k, v, causal=True, softmax_scale=None, return_lse=Fal
 
 
 def _attention_torch(q, k, v, causal, softmax_scale):
+    """SDPA with ``enable_gqa`` (on CPU as fast as or faster than repeating kv heads, fwd and bwd)."""
     return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=softmax_scale,
                                           enable_gqa=k.shape[1] != q.shape[1])
 
