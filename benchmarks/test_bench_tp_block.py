@@ -11,6 +11,8 @@ fp32. Three implementations, same sizes and FLOPs:
   RowwiseParallel(output_layouts=Shard(1)) proj/fc2, SequenceParallel norms, PrepareModuleInput
   all-gathering into attention and MLP (the layout of PyTorch's TP tutorial); input/output
   ``(b, s/2, h)``.
+- ``tpfuse_unfused``: the same tpfuse layer with the comm+GEMM fusion switched off (one collective
+  then one GEMM: ``comm_gemm_common.fused_min_flops(inf)``), to show what the ring overlap buys.
 - ``dense``: the same plain block in one process (one thread), full sequence.
 
 Each rank is a process with one thread (2 cores for tp=2, 1 for dense). Timing is of one
@@ -46,7 +48,7 @@ HIDDEN = int(os.environ.get("TPFUSE_BENCH_HIDDEN", 1024))
 SEQ = int(os.environ.get("TPFUSE_BENCH_SEQ", 512))
 BATCH = int(os.environ.get("TPFUSE_BENCH_BATCH", 4))
 ROUNDS = int(os.environ.get("TPFUSE_BENCH_ROUNDS", 5))
-KINDS = ("tpfuse", "dtensor", "dense")
+KINDS = ("tpfuse", "tpfuse_unfused", "dtensor", "dense")
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "TP_BLOCK_RESULTS.md")
 
 
@@ -138,12 +140,18 @@ def _setup(kind):
 
 def _step(kind):
     """One forward + backward; returns this rank's seconds."""
-    if kind not in _CACHE:
-        _setup(kind)
-    block, x = _CACHE[kind]
+    import contextlib
+
+    from tpfuse.kernels.comm_gemm_common import fused_min_flops
+    built = "tpfuse" if kind == "tpfuse_unfused" else kind
+    if built not in _CACHE:
+        _setup(built)
+    block, x = _CACHE[built]
+    fusion = fused_min_flops(float("inf")) if kind == "tpfuse_unfused" else contextlib.nullcontext()
     start = time.perf_counter()
-    out = block(x)
-    out.backward(torch.ones_like(out))
+    with fusion:
+        out = block(x)
+        out.backward(torch.ones_like(out))
     elapsed = time.perf_counter() - start
     block.zero_grad(set_to_none=True)
     x.grad = None
@@ -156,7 +164,8 @@ def _step(kind):
 def pools():
     timeout = datetime.timedelta(seconds=600).total_seconds()
     with WorkerPool(TP, collective_timeout_s=timeout) as tp_pool, WorkerPool(1) as dense_pool:
-        yield {"tpfuse": tp_pool, "dtensor": tp_pool, "dense": dense_pool}
+        yield {"tpfuse": tp_pool, "tpfuse_unfused": tp_pool, "dtensor": tp_pool,
+               "dense": dense_pool}
 
 
 def _run(pools, kind):
@@ -180,15 +189,17 @@ def test_ratios(pools):
             times[kind].append(_run(pools, kind))
     median = {kind: statistics.median(t) for kind, t in times.items()}
     assert all(m > 0 for m in median.values())
+    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     lines = [
         f"GPT block fwd+bwd, hidden {HIDDEN}, {HEADS} heads, s={SEQ}, b={BATCH}, fp32, CPU gloo, "
-        f"1 thread per rank, {ROUNDS} interleaved rounds ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})",
+        f"1 thread per rank, {ROUNDS} interleaved rounds ({when})",
         "",
         "| impl | median s | min s |", "|---|---|---|",
         *(f"| {k} | {median[k]:.3f} | {min(times[k]):.3f} |" for k in KINDS),
         "",
         f"tpfuse/DTensor = {median['tpfuse'] / median['dtensor']:.3f}   "
         f"tpfuse/dense = {median['tpfuse'] / median['dense']:.3f}   "
+        f"tpfuse/tpfuse_unfused = {median['tpfuse'] / median['tpfuse_unfused']:.3f}   "
         f"(tp=2 on 2 processes vs dense on 1; < 1 is faster)",
     ]
     print("\n" + "\n".join(lines))

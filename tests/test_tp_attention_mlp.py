@@ -2,7 +2,8 @@
 
 gloo world of 4, TP size looping over 1, 2, 4 inside the job, sequence parallelism on and off.
 Multi-head attention with biases (head dim 4: the explicit-softmax path), grouped-query attention
-with rotary embeddings (head dim 16: the flash_attention path; explicit, shifted position ids), gelu MLP and SwiGLU MLP. Outputs, input grads and every parameter grad
+with rotary embeddings (head dim 16: the flash_attention path; explicit, shifted position ids),
+gelu MLP and SwiGLU MLP. Outputs, input grads and every parameter grad
 (reassembled from the shards) are compared on every rank; tolerance: tests/_tp_testing.py
 (attention adds a softmax, whose fp32 rounding is of the same order).
 """

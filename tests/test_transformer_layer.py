@@ -15,8 +15,9 @@ grad). We allow rtol = atol = 5e-5; structural bugs still give errors of order 1
 import torch
 
 from _dense_reference import (assembled_grads, dense_transformer_layer, master_params)
-from _tp_testing import (assembled, assert_close_fp32 as _close, chunk_of, expect_value_error, gather_tp,
-                         seeded_randn, tp_layouts, tp_state)
+from _tp_testing import assert_close_fp32 as _close
+from _tp_testing import (assembled, chunk_of, expect_value_error, gather_tp, seeded_randn,
+                         tp_layouts, tp_state)
 from tpfuse.tp_layers import TransformerLayer
 
 S, B = 8, 2

@@ -6,15 +6,17 @@ v_g (d)]``, groups one after another. A contiguous (stride 1) column-parallel sp
 rank whole groups — its heads' q, k and v — for any tp dividing ng, and the draw is layout
 independent. Dataflow on rank r (h_l = nh/tp heads, g_l = ng/tp groups):
 
-  x (s or s/tp, b, h) ─ColumnParallel(QKV)→ (s, b, (h_l + 2 g_l)·d) → q [b, h_l, s, d], k/v [b, g_l, s, d]
+  x (s or s/tp, b, h) ─ColumnParallel(QKV)→ (s, b, (h_l + 2 g_l)·d)
+    → q [b, h_l, s, d], k/v [b, g_l, s, d]
   ─rope(position_ids)→ ─flash_attention(causal)→ (s, b, h_l·d) ─RowParallel(proj)→ (s or s/tp, b, h)
 
 Attention dropout (``attention_dropout > 0`` in training) needs the probabilities, which the flash
 kernel never materialises: that case runs an explicit fp32 softmax → dropout → @ v path, and the
 dropout draws from the model-parallel RNG stream (``get_rng_tracker().fork()``), as this rank's
 heads are a partitioned region. The same explicit path serves head dims the flash kernel does not
-support (``kernels.flash_attention`` takes 16 ≤ d ≤ 128; tiny test models use d = 4). ``forward`` returns ``(output, bias)`` (bias added by the caller's
-bias-dropout-add; ``None`` without ``add_bias_linear``).
+support (``kernels.flash_attention`` takes 16 ≤ d ≤ 128; tiny test models use d = 4).
+``forward`` returns ``(output, bias)`` (bias added by the caller's bias-dropout-add; ``None``
+without ``add_bias_linear``).
 """
 from __future__ import annotations
 
@@ -32,7 +34,7 @@ from .random import get_rng_tracker
 from .rope import apply_rotary, default_position_ids, rotary_cos_sin
 
 POSITION_EMBEDDINGS = ("learned_absolute", "rope")
-FLASH_HEAD_DIMS = (_deps.MIN_HEAD_DIM, _deps.MAX_HEAD_DIM)  # head dims kernels.flash_attention accepts
+FLASH_HEAD_DIMS = (_deps.MIN_HEAD_DIM, _deps.MAX_HEAD_DIM)  # what kernels.flash_attention takes
 
 
 def check_heads(hidden_size: int, num_attention_heads: int, num_query_groups: int, tp: int) -> None:
