@@ -142,7 +142,7 @@ def pool():
 @pytest.mark.parametrize("op", ["ag", "rs"])
 def test_fused_vs_sequential(benchmark, pool, op, backward, mode):
     benchmark.group = f"{op} {'fwd+bwd' if backward else 'fwd'}"
-    benchmark.pedantic(pool.run, args=(time_modes, op, backward, [mode], 1), rounds=3,
+    benchmark.pedantic(pool.run, args=(time_modes, op, backward, [mode], 1), rounds=5,
                        warmup_rounds=1)
 
 
@@ -152,7 +152,7 @@ def test_overlap_breakdown(pool):
     modes = ["comm", "gemm", "sequential", "fused"]
     for op in ("ag", "rs"):
         for backward in (False, True):
-            per_rank = pool.run(time_modes, op, backward, modes, 5)
+            per_rank = pool.run(time_modes, op, backward, modes, 8)
             t = {mode: _step_seconds(per_rank, mode) for mode in modes}
             exposed = _median_of_slowest(per_rank, "fused:exposed")
             ms = lambda v: f"{1e3 * v:.1f} ms"                          # noqa: E731
@@ -162,7 +162,7 @@ def test_overlap_breakdown(pool):
                 f"{ms(exposed)} | {100 * (1 - exposed / t['comm']):.0f}% |")
             assert all(v > 0 for v in t.values())
     lines.append(
-        "\nTimes: fastest of 5 interleaved rounds, each the slower rank's. comm left exposed: "
+        "\nTimes: fastest of 8 interleaved rounds, each the slower rank's. comm left exposed: "
         "median over rounds of the host time the fused op spent blocked waiting for ring "
         "transfers (the rest of its communication ran under the GEMMs); comm hidden = 1 − "
         "exposed / comm alone.")

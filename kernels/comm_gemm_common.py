@@ -153,6 +153,16 @@ def wgrad(g, x, backend=None):
 _exposed_comm_s = 0.0          # host seconds spent blocked in ring waits (see take_exposed_comm_s)
 
 
+def _post(ops):
+    """Start the transfers (host time spent here counts as exposed: gloo may write part of a
+    message synchronously)."""
+    global _exposed_comm_s
+    start = time.perf_counter()
+    works = dist.batch_isend_irecv(ops)
+    _exposed_comm_s += time.perf_counter() - start
+    return works
+
+
 def _wait(works) -> None:
     global _exposed_comm_s
     start = time.perf_counter()
@@ -162,8 +172,8 @@ def _wait(works) -> None:
 
 
 def take_exposed_comm_s() -> float:
-    """Seconds the host spent waiting for ring transfers since the last call (then reset): the
-    communication the GEMMs did not hide. Meaningful on CPU/gloo, where ``wait`` blocks until the
+    """Seconds the host spent starting and waiting for ring transfers since the last call (then
+    reset): the communication the GEMMs did not hide. Meaningful on CPU/gloo, where ``wait`` blocks until the
     data is there; on CUDA ``wait`` only orders streams and returns at once."""
     global _exposed_comm_s
     seconds, _exposed_comm_s = _exposed_comm_s, 0.0
@@ -192,7 +202,7 @@ def ring_all_gather(x_shard, group, on_chunk):
         if step < tp - 1:
             ops = [dist.P2POp(dist.isend, chunk(src), prev_rank, group, tag=step),
                    dist.P2POp(dist.irecv, chunk((src + 1) % tp), next_rank, group, tag=step)]
-            works = dist.batch_isend_irecv(ops)
+            works = _post(ops)
         on_chunk(src, chunk(src))
         _wait(works)
     return full
@@ -218,7 +228,7 @@ def ring_reduce_scatter(partial_for, group, tail=None):
         received = torch.empty_like(part)
         ops = [dist.P2POp(dist.isend, part, _global(group, dst), group, tag=step),
                dist.P2POp(dist.irecv, received, _global(group, src), group, tag=step)]
-        works = dist.batch_isend_irecv(ops)
+        works = _post(ops)
         if pending is not None:
             acc = drain(acc, pending)
         pending = (works, received, part)
