@@ -117,18 +117,36 @@ def _matmul():
     return matmul
 
 
+def _forward_keeping_preact(x, w, bias, activation, out_dtype, backend):
+    """``(y, z)`` from one GEMM whose epilogue writes both act(z) and z, through the same Triton
+    kernel / torch path as ``matmul`` (its backend rule); None if those paths are not there."""
+    try:
+        from tpfuse.kernels.backend import resolve
+        from tpfuse.kernels.matmul import matmul_torch_forward, matmul_triton_forward
+    except ImportError:                                   # pragma: no cover - older matmul.py
+        return None
+    forward = {"triton": matmul_triton_forward, "torch": matmul_torch_forward}
+    path = resolve(backend, x, w, bias)
+    y2d, z2d = forward[path](x.reshape(-1, x.shape[-1]), w.t(), bias, activation,
+                             out_dtype or x.dtype)                  # (M, N) each
+    out_shape = tuple(x.shape[:-1]) + (w.shape[0],)
+    return y2d.view(out_shape), z2d.view(out_shape)
+
+
 def linear(x, w, bias=None, activation=None, *, save_preact=False, out_dtype=None, backend=None):
     """``act(x @ wᵀ + bias)`` → ``(y, saved)``; ``saved`` is what ``activation_grad`` needs.
 
-    Bias and activation run in the GEMM's epilogue. An exact gelu backward needs the pre-activation
-    z, which ``matmul``'s interface does not return: with ``save_preact`` (and a gelu) the GEMM
-    fuses the bias only and the gelu runs on z here. relu needs only y: ``[z > 0] = [y > 0]``.
+    Bias and activation run in the GEMM's epilogue (``tpfuse.kernels.matmul``). An exact gelu
+    backward needs the pre-activation z: with ``save_preact`` the same epilogue also writes z
+    (matmul's forward paths); relu needs only y, ``[z > 0] = [y > 0]``.
     """
-    matmul = _matmul()
     if activation in ("gelu", "gelu_tanh") and save_preact:
-        z = matmul(x, w.t(), bias, None, out_dtype, backend=backend)
+        both = _forward_keeping_preact(x, w, bias, activation, out_dtype, backend)
+        if both is not None:
+            return both
+        z = _matmul()(x, w.t(), bias, None, out_dtype, backend=backend)
         return F.gelu(z, approximate="tanh" if activation == "gelu_tanh" else "none"), z
-    y = matmul(x, w.t(), bias, activation, out_dtype, backend=backend)
+    y = _matmul()(x, w.t(), bias, activation, out_dtype, backend=backend)
     return y, (y if activation == "relu" else None)
 
 
