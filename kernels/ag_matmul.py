@@ -29,7 +29,8 @@ import os
 
 import torch
 
-from tpfuse.parallel.mappings import (all_gather_first_dim, group_size, reduce_scatter_first_dim)
+from tpfuse.parallel.mappings import (all_gather_first_dim, group_rank, group_size,
+                                      reduce_scatter_first_dim)
 
 from . import comm_gemm_common as common
 
@@ -130,18 +131,20 @@ def _backward_fused(ctx, g, kept, w, extra):
         regather = all_gather_first_dim(kept, group, async_op=True)  # (x_full, work) in flight
 
     def partial_for(dst):                                           # dgrad rows of rank dst
-        lo, hi = dst * rows, (dst + 1) * rows
-        if want_dw and ctx.keep_gathered:                           # wgrad of this chunk too
-            dw.add_(common.wgrad(g[lo:hi], kept[lo:hi], backend))
-        return _dgrad_rows(g, w, extra, lo, hi, backend)
+        return _dgrad_rows(g, w, extra, dst * rows, (dst + 1) * rows, backend)
 
-    def tail():                                                     # during the last transfer
-        if regather is not None:
+    def after_partial(dst):                     # wgrad while the dgrad partial is in flight
+        if not want_dw:
+            return
+        if ctx.keep_gathered:                                       # this chunk's share
+            lo, hi = dst * rows, (dst + 1) * rows
+            dw.add_(common.wgrad(g[lo:hi], kept[lo:hi], backend))
+        elif dst == group_rank(group):                              # last: the re-gathered x
             x_full, work = regather
             common._wait([work])
             dw.add_(common.wgrad(g, x_full, backend))
 
-    dx_shard = common.ring_reduce_scatter(partial_for, group, tail)  # (s/tp, b, h)
+    dx_shard = common.ring_reduce_scatter(partial_for, group, after_partial)  # (s/tp, b, h)
     return dx_shard, (dw.to(w.dtype) if want_dw else None)
 
 

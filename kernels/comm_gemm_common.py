@@ -226,12 +226,15 @@ def ring_all_gather(x_shard, group, on_chunk):
     return full
 
 
-def ring_reduce_scatter(partial_for, group, tail=None):
+def ring_reduce_scatter(partial_for, group, after_partial=None):
     """``Σ_ranks partial`` for this rank's chunk: ``partial_for(dst)`` returns this rank's partial
     output rows destined for rank dst. Computed for dst = r+1, r+2, ... and sent to dst while the
-    next is computed; the local one last; ``tail()`` (optional) runs while the last transfer is in
-    flight. Received partials are summed in fp32; returns the sum in the partials' dtype."""
+    next is computed; the local one last. ``after_partial(dst)`` (optional) runs right after each
+    partial is handed off (its transfer posted; for the local one, before the last wait), so extra
+    work such as a wgrad GEMM also hides the transfers. Received partials are summed in fp32;
+    returns the sum in the partials' dtype."""
     tp, r = group_size(group), group_rank(group)
+    after_partial = after_partial or (lambda dst: None)
     pending = None                                 # (works, received, sent) of the previous step
     acc = None                                     # fp32 running sum of received partials
 
@@ -247,12 +250,12 @@ def ring_reduce_scatter(partial_for, group, tail=None):
         ops = [dist.P2POp(dist.isend, part, _global(group, dst), group, tag=step),
                dist.P2POp(dist.irecv, received, _global(group, src), group, tag=step)]
         works = _post(ops)
+        after_partial(dst)
         if pending is not None:
             acc = drain(acc, pending)
         pending = (works, received, part)
     local = partial_for(r)
-    if tail is not None:
-        tail()
+    after_partial(r)
     if pending is not None:
         acc = drain(acc, pending)
     if acc is None:
