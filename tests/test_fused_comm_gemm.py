@@ -9,7 +9,7 @@ gradient (dx, dw, dbias, and the gradient through the returned gathered x) twice
 Both the fused pipeline (threshold 0) and the fallback (threshold ∞) are run, and the path taken is
 verified by making the other path's communication raise.
 
-Tolerance (fp32): the fused path sums the same products in another order (GEMMs per sequence
+Tolerance (fp32; the bf16 test explains its own): the fused path sums the same products in another order (GEMMs per sequence
 chunk, wgrad accumulated chunk by chunk, reduce-scatter partials added in ring order). Inputs are
 N(0, 1) with reductions of length ≤ 37 (h, k) or ≤ 36·4 (wgrad over s·b rows); reordering such a
 sum changes it by a few ulp of its terms' magnitude (≈ 6·2⁻²³·√len·|term| ≈ 1e-5 at
@@ -227,6 +227,57 @@ def triton_worker():
 
 def test_fused_ops_with_triton_gemm(run_distributed):
     assert max(run_distributed(2, triton_worker)) < TOL["atol"]
+
+
+# ----------------------------------------------------------------------------- bf16
+
+def bf16_worker():
+    """bf16 through both fused pipelines vs an fp32 dense reference on the same (bf16-valued)
+    inputs. Outputs and grads are rounded to bf16 (8-bit mantissa: relative step 2⁻⁸ ≈ 4e-3) and
+    the torch path's bf16 GEMM may round its products too, hence rtol = 3e-2 with atol = 3e-2 · the
+    tensor's max magnitude; a wrong chunk or a missing partial is off by O(1)."""
+    tp, r = dist.get_world_size(), dist.get_rank()
+    rows = S // tp
+    bf = lambda t: t.to(torch.bfloat16)                               # noqa: E731
+    check = lambda got, want, what: _close_scaled(got.float(), want, what)   # noqa: E731
+    x_full, w, b, dy = bf(_randn(7, S, B, H)), bf(_randn(100 + r, N, H)), bf(_randn(200 + r, N)), \
+        bf(_randn(300 + r, S, B, N))
+    with common.fused_min_flops(0):
+        x_shard = x_full[r * rows:(r + 1) * rows].clone().requires_grad_(True)
+        w_, b_ = w.clone().requires_grad_(True), b.clone().requires_grad_(True)
+        y = all_gather_matmul(x_shard, w_, None, b_, "gelu")
+        y.backward(dy)
+        ref_x = x_full.float().requires_grad_(True)                  # every rank's loss
+        for q in range(tp):
+            ref_w = bf(_randn(100 + q, N, H)).float().requires_grad_(True)
+            ref_b = bf(_randn(200 + q, N)).float().requires_grad_(True)
+            ref_y = F.gelu(F.linear(ref_x, ref_w, ref_b))
+            ref_y.backward(bf(_randn(300 + q, S, B, N)).float())
+            if q == r:
+                check(y, ref_y.detach(), "bf16 ag y")
+                check(w_.grad, ref_w.grad, "bf16 ag dw")
+                check(b_.grad, ref_b.grad, "bf16 ag dbias")
+        check(x_shard.grad, ref_x.grad[r * rows:(r + 1) * rows], "bf16 ag dx")
+        x, w2, dy2 = (bf(t) for t in _rs_tensors(r))
+        x_ = x.clone().requires_grad_(True)
+        y2 = matmul_reduce_scatter(x_, w2, None)
+        y2.backward(dy2[r * rows:(r + 1) * rows])
+        y_full = sum(F.linear(*(t.to(torch.bfloat16).float() for t in _rs_tensors(q)[:2]))
+                     for q in range(tp))
+        check(y2, y_full[r * rows:(r + 1) * rows], "bf16 rs y")
+        dy_full = torch.cat([bf(_rs_tensors(q)[2])[q * rows:(q + 1) * rows] for q in range(tp)])
+        check(x_.grad, dy_full.float() @ w2.float(), "bf16 rs dx")
+    return y.dtype == y2.dtype == torch.bfloat16
+
+
+def _close_scaled(actual, expected, what):
+    atol = 3e-2 * expected.abs().max().item()
+    err = (actual - expected).abs().max().item()
+    assert torch.allclose(actual, expected, rtol=3e-2, atol=atol), f"{what}: max abs diff {err:.3e}"
+
+
+def test_fused_ops_in_bf16(run_distributed):
+    assert all(run_distributed(2, bf16_worker))
 
 
 # ----------------------------------------------------------------------------- sub-groups
