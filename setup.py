@@ -59,7 +59,10 @@ setup(
         "matplotlib",
     ],
     extras_require={
-        "test": ["pytest", "pytest-benchmark", "pytest-timeout"],
+        # tokenizers: HuggingFace BPE tokenizers for tpfuse-preprocess (optional; the byte
+        # tokenizer is built in). The test extra carries it so that path is tested too.
+        "hf": ["tokenizers"],
+        "test": ["pytest", "pytest-benchmark", "pytest-timeout", "tokenizers"],
     },
     entry_points={"console_scripts": CONSOLE_SCRIPTS},
 )
