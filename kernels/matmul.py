@@ -282,7 +282,12 @@ class _FusedMatmul(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             da = gemm(g, b.t(), a2d.dtype)  # (M, N) @ (N, K)
         if ctx.needs_input_grad[1]:
-            db = gemm(a2d.t(), g, b.dtype)  # (K, M) @ (M, N)
+            if b.t().is_contiguous() and not b.is_contiguous():
+                # b is w.t() of a contiguous weight w (N, K): produce dw = gᵀ a (N, K) contiguous
+                # and hand back its transpose, so autograd stores w.grad without a layout copy
+                db = gemm(g.t(), a2d, b.dtype).t()  # ((N, M) @ (M, K))ᵀ
+            else:
+                db = gemm(a2d.t(), g, b.dtype)  # (K, M) @ (M, N)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             dbias = g.sum(0, dtype=torch.float32).to(ctx.bias_dtype)  # (N,)
         return da, db, dbias, None, None, None
