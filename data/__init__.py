@@ -3,7 +3,7 @@ train-valid-test builder and the data-parallel micro-batch loader.
 
 Names are imported lazily (PEP 562), so ``import tpfuse.data`` stays cheap.
 """
-import importlib
+from tpfuse._lazy import lazy_exports
 
 _EXPORTS = {
     "ByteTokenizer": "tokenizer", "NullTokenizer": "tokenizer", "HFTokenizer": "tokenizer",
@@ -17,15 +17,4 @@ _EXPORTS = {
     "MegatronPretrainingSampler": "sampler", "build_pretraining_data_loader": "sampler",
     "collate": "sampler",
 }
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'tpfuse.data' has no attribute {name!r}")
-    return getattr(importlib.import_module(f".{module}", __name__), name)
-
-
-def __dir__():
-    return __all__
+__getattr__, __dir__, __all__ = lazy_exports(__name__, _EXPORTS, globals())

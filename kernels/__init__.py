@@ -1,10 +1,9 @@
 """Triton kernels with plain-torch references (see kernels/backend.py for how one is chosen).
 
-Names are imported lazily (PEP 562), so ``import tpfuse.kernels`` stays cheap and each op's module
-is loaded on first use.
+Exports go through ``tpfuse._lazy``: an op whose module has its name (``matmul``, ``layer_norm``, ...)
+is bound at import, the others (``all_gather_matmul``, the shard pieces) on first use.
 """
-import importlib
-import importlib.util
+from tpfuse._lazy import lazy_exports
 
 _EXPORTS = {
     "set_backend": "backend", "get_backend": "backend", "use_backend": "backend",
@@ -19,23 +18,4 @@ _EXPORTS = {
     "all_gather_matmul": "ag_matmul",
     "matmul_reduce_scatter": "matmul_rs",
 }
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'tpfuse.kernels' has no attribute {name!r}")
-    return getattr(importlib.import_module(f".{module}", __name__), name)
-
-
-def __dir__():
-    return __all__
-
-
-# An op defined in a submodule of the same name (matmul.py defines matmul) would be shadowed by the
-# module object as soon as anyone imports that submodule (the import system sets the package
-# attribute), so those ops are bound eagerly whenever their file exists.
-for _name, _module in _EXPORTS.items():
-    if _name == _module and importlib.util.find_spec(f"{__name__}.{_module}") is not None:
-        globals()[_name] = getattr(importlib.import_module(f".{_module}", __name__), _name)
+__getattr__, __dir__, __all__ = lazy_exports(__name__, _EXPORTS, globals())

@@ -2,7 +2,7 @@
 
 Names are imported lazily (PEP 562) so ``TransformerConfig`` does not pull in the TP layers.
 """
-import importlib
+from tpfuse._lazy import lazy_exports
 
 _EXPORTS = {
     "TransformerConfig": "config",
@@ -12,15 +12,4 @@ _EXPORTS = {
     "build_model": "gpt", "allreduce_embedding_grads": "gpt",
     "set_global_config": "gpt", "get_global_config": "gpt",
 }
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'tpfuse.models' has no attribute {name!r}")
-    return getattr(importlib.import_module(f".{module}", __name__), name)
-
-
-def __dir__():
-    return __all__
+__getattr__, __dir__, __all__ = lazy_exports(__name__, _EXPORTS, globals())

@@ -3,23 +3,17 @@
 Names are imported lazily (PEP 562): ``RankLayout`` and ``MicrobatchCalculator`` never pull in
 ``torch.distributed``.
 """
-import importlib
+from tpfuse._lazy import lazy_exports
 
 _EXPORTS = {
     "RankLayout": "layout",
     "ParallelState": "state", "get_default_state": "state", "set_default_state": "state",
     "MicrobatchCalculator": "microbatches", "bubble_fraction": "microbatches",
     "WorkerPool": "launch", "WorkerError": "launch", "spawn": "launch",
+    "copy_to_region": "mappings", "reduce_from_region": "mappings",
+    "scatter_to_region": "mappings", "gather_from_region": "mappings",
+    "scatter_to_sequence_parallel_region": "mappings",
+    "gather_from_sequence_parallel_region": "mappings",
+    "reduce_scatter_to_sequence_parallel_region": "mappings",
 }
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'tpfuse.parallel' has no attribute {name!r}")
-    return getattr(importlib.import_module(f".{module}", __name__), name)
-
-
-def __dir__():
-    return __all__
+__getattr__, __dir__, __all__ = lazy_exports(__name__, _EXPORTS, globals())

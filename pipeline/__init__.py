@@ -3,7 +3,7 @@
 Names are imported lazily (PEP 562): the pure schedule/simulation modules never pull in
 ``torch.distributed``.
 """
-import importlib
+from tpfuse._lazy import lazy_exports
 
 _EXPORTS = {
     "Action": "schedules", "build_schedule": "schedules",
@@ -15,15 +15,4 @@ _EXPORTS = {
     "forward_backward_pipelining_with_interleaving": "executor",
     "forward_backward_pipelining_zb_h1": "executor",
 }
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'tpfuse.pipeline' has no attribute {name!r}")
-    return getattr(importlib.import_module(f".{module}", __name__), name)
-
-
-def __dir__():
-    return __all__
+__getattr__, __dir__, __all__ = lazy_exports(__name__, _EXPORTS, globals())
