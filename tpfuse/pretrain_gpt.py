@@ -23,6 +23,7 @@ MAIN_JOB_DEFAULTS = {
     "num_layers_per_virtual_pipeline_stage": 2, "sequence_parallel": True,
     "micro_batch_size": 4, "global_batch_size": 32, "train_iters": 120, "lr": 3e-3,
     "min_lr": 3e-4, "lr_warmup_iters": 10, "eval_interval": 20, "eval_iters": 4,
+    "eval_at_start": True,
     "log_interval": 10, "hidden_dropout": 0.0, "attention_dropout": 0.0,
 }
 

@@ -52,6 +52,8 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     run = parser.add_argument_group("evaluation, checkpoints and logging")
     run.add_argument("--eval-interval", type=int, default=50, help="evaluate every N steps")
     run.add_argument("--eval-iters", type=int, default=5, help="validation batches per eval")
+    run.add_argument("--eval-at-start", action="store_true",
+                     help="also evaluate once before the first step (the curve's starting point)")
     run.add_argument("--save", default=None, help="checkpoint directory to write")
     run.add_argument("--save-interval", type=int, default=None, help="save every N steps")
     run.add_argument("--load", default=None, help="checkpoint directory to resume from")

@@ -100,8 +100,10 @@ class _Run:
     # ------------------------------------------------------------------ data
     def _build_datasets(self, datasets_provider):
         args = self.args
-        evaluations = (args.train_iters // args.eval_interval + 1) if args.eval_interval else 0
-        eval_samples = evaluations * args.eval_iters * args.global_batch_size
+        # every evaluation reads the same first eval_iters global batches of the validation set,
+        # so successive validation losses are comparable
+        evaluates = bool(args.eval_interval) or args.eval_at_start
+        eval_samples = args.eval_iters * args.global_batch_size if evaluates else 0
         train_samples = args.train_iters * args.global_batch_size
         train, valid, _ = datasets_provider([train_samples, eval_samples, 0])
         return train, valid
@@ -176,6 +178,8 @@ class _Run:
         iterators = self._iterators(self.train_ds, self.consumed_samples)
         tokens_per_sample = self.config.seq_length
         try:
+            if args.eval_at_start and args.eval_interval:
+                self._evaluate_and_log(logger, result)
             while self.iteration < args.train_iters:
                 self.calculator.update(self.consumed_samples, consistency_check=True)
                 batch = self.calculator.current_global_batch_size
