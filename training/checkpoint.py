@@ -11,9 +11,13 @@ renamed), then, after every rank is done (a barrier), rank 0 renames the folder 
 replaces ``latest_checkpointed_iteration.txt`` atomically. A crash at any point leaves the last
 complete checkpoint untouched and named by the tracker file.
 
-Loading reads the tracker, checks that the checkpoint was written by the same layout (tp, pp, dp,
-vpp sizes), and loads each file with ``torch.load(..., weights_only=True)``; a missing, truncated
-or foreign file fails with a message naming it.
+Loading reads the tracker and loads files with ``torch.load(..., weights_only=True)``; a missing,
+truncated or foreign file fails with a message naming it. Written by the same layout (tp, pp, dp,
+cp, vpp sizes), each rank restores its own file exactly (model, optimizer, scheduler, RNG).
+Written by another layout, the model and optimizer are resharded (``training/reshard.py``, from
+the per-parameter metadata every file carries under ``"reshard"``): weights, Adam moments and step,
+scheduler, iteration and consumed samples carry over; RNG states do not (the freshly seeded ones
+are kept). All ranks agree on success before returning, so a failure on one rank fails them all.
 """
 from __future__ import annotations
 
@@ -22,6 +26,8 @@ import shutil
 
 import torch
 import torch.distributed as dist
+
+from tpfuse.training import reshard
 
 TRACKER = "latest_checkpointed_iteration.txt"
 FORMAT_VERSION = 1
@@ -103,6 +109,7 @@ def save_checkpoint(root: str, iteration: int, model_chunks, optimizer, schedule
         "scheduler": scheduler.state_dict(),
         "rng": _rng_state(),
         "extra": extra or {},
+        "reshard": reshard.save_metadata(model_chunks, optimizer, state),
     }
     _atomic_torch_save(payload, _rank_file(staging, rank))
     dist.barrier()
@@ -126,27 +133,60 @@ def latest_iteration(root: str) -> int | None:
     return int(text)
 
 
-def load_checkpoint(root: str, model_chunks, optimizer, scheduler, state) -> dict:
-    """Restore this rank's shards and states; returns {"iteration", "consumed_samples", "extra"}."""
-    iteration = latest_iteration(root)
-    if iteration is None:
-        raise FileNotFoundError(f"--load {root}: no {TRACKER} there (no complete checkpoint)")
-    path = _rank_file(iteration_dir(root, iteration), dist.get_rank())
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"checkpoint file {path} is missing (was it written with a "
-                                f"different world size?)")
+def _read_payload(path: str, mmap: bool = False) -> dict:
     try:
-        payload = torch.load(path, map_location="cpu", weights_only=True)
+        payload = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as error:  # truncated / not a torch file / unsafe content
         raise ValueError(f"checkpoint file {path} is corrupt or unreadable: {error}") from error
     if not isinstance(payload, dict) or payload.get("format_version") != FORMAT_VERSION:
         raise ValueError(f"checkpoint file {path} is not a tpfuse checkpoint of format "
                          f"{FORMAT_VERSION}")
+    return payload
+
+
+def _any_rank_failed(failed: bool) -> bool:
+    """Collective over the world: True when ``failed`` on any rank (so all ranks raise)."""
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    flag = torch.tensor([int(failed)], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
+
+
+def _load_other_layout(folder: str, model_chunks, optimizer, state, layout: dict) -> dict:
+    """Reshard on every rank; raise everywhere when any rank cannot."""
+    head, error = None, None
+    try:
+        head = reshard.load_resharded(folder, model_chunks, optimizer, state, layout,
+                                      _read_payload)
+    except Exception as caught:  # noqa: BLE001 — re-raised below, after every rank has agreed
+        error = caught
+    if _any_rank_failed(error is not None):
+        raise error or ValueError(f"resharding checkpoint {folder} failed on another rank "
+                                  "(see its error)")
+    return head
+
+
+def load_checkpoint(root: str, model_chunks, optimizer, scheduler, state) -> dict:
+    """Restore this rank's shards and states; returns {"iteration", "consumed_samples", "extra"}.
+
+    Collective when the checkpoint's layout differs from this run's (see the module docstring).
+    """
+    iteration = latest_iteration(root)
+    if iteration is None:
+        raise FileNotFoundError(f"--load {root}: no {TRACKER} there (no complete checkpoint)")
+    folder = iteration_dir(root, iteration)
+    path = _rank_file(folder, dist.get_rank())
     expected = layout_signature(state)
-    if payload["layout"] != expected:
-        raise ValueError(f"checkpoint {path} was written with layout {payload['layout']}, this "
-                         f"run has {expected}; loading into a different layout (resharding) is "
-                         f"not supported")
+    payload = _read_payload(path) if os.path.exists(path) else None
+    if payload is None or payload["layout"] != expected:
+        if payload is not None and payload.get("reshard") is None:
+            raise ValueError(f"checkpoint {path} was written with layout {payload['layout']}, "
+                             f"this run has {expected}; loading into a different layout "
+                             f"(resharding) needs the per-parameter metadata this file lacks")
+        payload = _load_other_layout(folder, model_chunks, optimizer, state, expected)
+        scheduler.load_state_dict(payload["scheduler"])
+        return {"iteration": payload["iteration"], "consumed_samples": payload["consumed_samples"],
+                "extra": payload["extra"]}
     if len(payload["model"]) != len(model_chunks):
         raise ValueError(f"checkpoint {path} holds {len(payload['model'])} model chunks, this "
                          f"rank has {len(model_chunks)}")

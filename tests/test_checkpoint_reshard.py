@@ -1,0 +1,114 @@
+"""Resharding: a checkpoint saved at one TP/PP/VPP/DP layout resumes at another.
+
+The pure tests check the sharding algebra against index arithmetic on a full tensor. The end-to-end
+test trains 4 iterations at tp=2 pp=2 vpp=2 + SP (SwiGLU, so fc1 has partition stride 2), saves,
+and resumes at tp=1 pp=2 dp=2 for the remaining 6: the 10 losses must equal one uninterrupted
+single-process run within the invariance test's 1e-5 relative tolerance (only the order of fp32
+sums differs between layouts; a wrongly resharded weight or Adam moment moves the loss by far
+more — the first resumed loss checks the weights, the later ones the optimizer state).
+"""
+import pytest
+import torch
+
+from test_invariance import TINY_MODEL, _losses, _parallel
+from tpfuse.training.checkpoint import _read_payload, iteration_dir
+from tpfuse.training.reshard import (assemble_global_state, full_from_shards, reshard_tensor,
+                                     shard_for)
+
+SWIGLU = ["--swiglu"]
+
+
+# -------------------------------------------------------------------- pure algebra
+def _reference_shard(full, dim, stride, tp, rank):
+    """Rank ``rank``'s slice by index arithmetic: blocks rank, rank + tp, … of size n/(tp·s)."""
+    block = full.shape[dim] // (tp * stride)
+    index = [(rank + i * tp) * block + j for i in range(stride) for j in range(block)]
+    return full.index_select(dim, torch.tensor(index))
+
+
+@pytest.mark.parametrize("dim", [0, 1])
+@pytest.mark.parametrize("stride", [1, 2])
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_shard_unshard_round_trip(dim, stride, tp):
+    full = torch.arange(16 * 24, dtype=torch.float32).reshape(16, 24)
+    shards = [shard_for(full, dim, stride, tp, r) for r in range(tp)]
+    for rank, part in enumerate(shards):
+        assert torch.equal(part, _reference_shard(full, dim, stride, tp, rank))
+    assert torch.equal(full_from_shards(shards, dim, stride), full)
+    for new_tp in (1, 2, 4):          # old layout's shards re-cut for every other tp
+        for new_rank in range(new_tp):
+            assert torch.equal(reshard_tensor(shards, dim, stride, new_tp, new_rank),
+                               _reference_shard(full, dim, stride, new_tp, new_rank))
+
+
+def test_replicated_parameter_takes_rank_zero_copy():
+    full = torch.randn(5)
+    assert torch.equal(reshard_tensor([full, full.clone()], None, 1, 4, 3), full)
+
+
+# -------------------------------------------------------------------- end to end
+@pytest.fixture(scope="module")
+def saved(run_distributed, tmp_path_factory):
+    """(checkpoint dir, losses of iterations 1-4) from tp=2 pp=2 vpp=2 + SP on 4 ranks."""
+    root = str(tmp_path_factory.mktemp("reshard") / "ckpt")
+    first = _losses(run_distributed, 4, SWIGLU + _parallel(tp=2, pp=2, vpp_layers=2, sp=True)
+                    + ["--save", root, "--save-interval", "4", "--train-iters", "4"])
+    assert len(first) == 4
+    return root, first
+
+
+def test_resume_at_another_layout_reproduces_single_process(run_distributed, saved):
+    root, first = saved
+    reference = _losses(run_distributed, 1, SWIGLU)
+    resumed = _losses(run_distributed, 4, SWIGLU + _parallel(tp=1, pp=2) + ["--load", root])
+    assert len(resumed) == 6
+    assert first + resumed == pytest.approx(reference, rel=1e-5)
+
+
+TARGETS = {  # name: (world size, flags) of the layout loading the tp=2 pp=2 vpp=2 checkpoint
+    "tp1-pp2-dp2": (4, _parallel(tp=1, pp=2)),
+    "pp2-vpp4": (2, _parallel(pp=2, vpp_layers=1)),
+    "single-process": (1, []),
+}
+
+
+@pytest.mark.parametrize("target", sorted(TARGETS))
+def test_resharded_state_is_bit_exact(run_distributed, saved, tmp_path, target):
+    """Load at another layout, save at once: every full weight, Adam moment and step is equal.
+
+    Resharding only moves values, so this is exact (torch.equal), not a tolerance.
+    """
+    root, _ = saved
+    again = str(tmp_path / "again")
+    world_size, layout = TARGETS[target]
+    _losses(run_distributed, world_size,
+            SWIGLU + layout + ["--load", root, "--save", again, "--train-iters", "4"])
+    before = assemble_global_state(iteration_dir(root, 4), _read_payload)
+    after = assemble_global_state(iteration_dir(again, 4), _read_payload)
+    assert sorted(after) == sorted(before)
+    for name, entry in before.items():
+        assert sorted(after[name]) == sorted(entry) == ["exp_avg", "exp_avg_sq", "param", "step"]
+        for key, value in entry.items():
+            assert torch.equal(after[name][key], value), f"{name} {key}"
+
+
+def _load_error(argv):
+    from tpfuse.pretrain_gpt import (forward_step, model_provider,
+                                     train_valid_test_datasets_provider)
+    from tpfuse.training.pretrain import pretrain
+
+    try:
+        pretrain(train_valid_test_datasets_provider, model_provider, forward_step,
+                 argv=TINY_MODEL + list(argv))
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+def test_different_padded_vocab_fails_on_every_rank(run_distributed, saved):
+    root, _ = saved
+    # tp=4 pads the 272-token vocab to a multiple of 8·4 = 288; the checkpoint holds 272 rows
+    messages = run_distributed(4, _load_error, SWIGLU + _parallel(tp=4) + ["--load", root])
+    for message in messages:
+        assert message is not None, "every rank must fail, none may train on"
+        assert "padded vocab size is 272" in message and "is 288" in message

@@ -1,0 +1,293 @@
+"""Loading a checkpoint into a different TP / PP / VPP / DP layout (resharding).
+
+Why it works: every tensor-parallel weight is a slice of one layout-independent master (see
+``tp_layers/init.py``), and every pipeline / virtual stage holds whole global layers. So a
+parameter of the single-process model, named by ``GPTModel.global_parameter_names()``, can be
+rebuilt from the old layout's shards and re-cut for the new one.
+
+Sharding algebra (Megatron's ``partition_stride``). The partitioned dimension of size n is cut into
+``tp·s`` blocks of n/(tp·s); TP rank r holds blocks r, r+tp, …, r+(s-1)·tp, concatenated::
+
+    shard_r(W)  = cat_i  W[(r + i·tp)·n/(tp·s) : (r + i·tp + 1)·n/(tp·s)]          i = 0..s-1
+    W           = cat_{i, r}  chunk_i(shard_r(W))       (i outer, r inner: the inverse)
+    reshard(old shards, tp_new, r_new) = shard_{r_new}(unshard(old shards))
+
+Replicated parameters (norm weights, row-parallel biases, learned positions) are identical on
+every TP rank; TP rank 0's copy is taken. DP replicas are identical, so only the old ranks with
+dp rank 0 (and cp rank 0) are read.
+
+Optimizer state: AdamW's ``exp_avg`` / ``exp_avg_sq`` have the parameter's shape and are
+resharded exactly like it; the scalar ``step`` is carried over; the group hyper-parameters (lr,
+betas, …) come from the checkpoint. The last pipeline stage's copy of the tied word embedding
+(``shared_embedding``) is rebuilt from the embedding itself: both copies always hold the same
+values and the same Adam moments (their gradients are all-reduced before every step).
+
+Padded vocabulary: ``padded_vocab_size`` is a multiple of make_vocab_size_divisible_by × tp, so it
+can change with tp. The padded rows take part in the softmax, so adding or dropping them would
+change the model; a load between different padded sizes fails with a ValueError naming both
+(choose --make-vocab-size-divisible-by so both layouts pad alike). Every rank performs this check
+before it touches its parameters, so all ranks fail together.
+
+Not resharded: RNG states (their streams depend on the layout: a resharded run keeps the freshly
+seeded generators, and ``load_resharded`` says so on rank 0). Memory: each rank maps (mmap) every
+old dp-rank-0 file, so a rank briefly holds the full tensors of the parameters it needs.
+"""
+from __future__ import annotations
+
+import glob
+import os
+
+import torch
+
+from tpfuse.tp_layers.init import shard, unshard
+
+WORD_EMBEDDING = "embedding.word_embeddings.weight"   # GPTModel's single-process name
+
+
+# -------------------------------------------------------------------- pure tensor algebra
+def full_from_shards(shards: list[torch.Tensor], dim: int | None, stride: int) -> torch.Tensor:
+    """The full tensor from the old TP ranks' shards (rank order); replicated: rank 0's copy."""
+    if dim is None:
+        return shards[0]
+    return unshard(shards, dim, stride)
+
+
+def shard_for(full: torch.Tensor, dim: int | None, stride: int, tp: int,
+              tp_rank: int) -> torch.Tensor:
+    """This TP rank's part of ``full`` (all of it for a replicated parameter)."""
+    if dim is None:
+        return full.clone()
+    return shard(full, dim, tp, tp_rank, stride)
+
+
+def reshard_tensor(old_shards: list[torch.Tensor], dim: int | None, stride: int, tp: int,
+                   tp_rank: int) -> torch.Tensor:
+    """shard_{tp_rank}(unshard(old_shards)) — the old layout's shards re-cut for (tp, tp_rank)."""
+    return shard_for(full_from_shards(old_shards, dim, stride), dim, stride, tp, tp_rank)
+
+
+# -------------------------------------------------------------------- save-time metadata
+def _partition(param) -> tuple[int | None, int]:
+    if getattr(param, "tensor_model_parallel", False):
+        return int(param.partition_dim), int(getattr(param, "partition_stride", 1))
+    return None, 1
+
+
+def _chunk_records(chunk, tp: int) -> dict:
+    """local name → {global, dim, stride, full_shape, tied_copy} for one model chunk."""
+    names = chunk.global_parameter_names()
+    records = {}
+    for local, param in chunk.named_parameters():
+        dim, stride = _partition(param)
+        full_shape = list(param.shape)
+        if dim is not None:
+            full_shape[dim] *= tp
+        records[local] = {"global": names[local], "dim": dim, "stride": stride,
+                          "full_shape": full_shape,
+                          "tied_copy": bool(getattr(param, "shared_embedding", False))}
+    return records
+
+
+def save_metadata(model_chunks, optimizer, state) -> dict | None:
+    """What a later load needs to reshard this rank's file; None for chunks without global names."""
+    if not all(hasattr(chunk, "global_parameter_names") for chunk in model_chunks):
+        return None
+    records = [_chunk_records(chunk, state.tp_size) for chunk in model_chunks]
+    global_by_id = {}
+    for chunk, chunk_records in zip(model_chunks, records):
+        for local, param in chunk.named_parameters():
+            global_by_id[id(param)] = chunk_records[local]["global"]
+    optimizer_names = [global_by_id[id(p)] for group in optimizer.param_groups
+                       for p in group["params"]]
+    coords = {"tp": state.tp_rank, "pp": state.pp_rank, "dp": state.dp_rank,
+              "cp": state.rank_in("cp") or 0}
+    return {"coords": coords, "params": records, "optimizer_names": optimizer_names}
+
+
+# -------------------------------------------------------------------- reading the old layout
+def _dp0_payloads(folder: str, read_payload) -> list[dict]:
+    """The old ranks with dp rank 0 and cp rank 0 (each holds distinct model shards)."""
+    paths = sorted(glob.glob(os.path.join(folder, "rank_*.pt")))
+    if not paths:
+        raise FileNotFoundError(f"checkpoint folder {folder} holds no rank files")
+    payloads = [read_payload(path, mmap=True) for path in paths]
+    world = payloads[0]["layout"]["world_size"]
+    if len(paths) != world:
+        raise FileNotFoundError(f"checkpoint folder {folder} holds {len(paths)} rank files, "
+                                f"its layout {payloads[0]['layout']} needs {world}")
+    for path, payload in zip(paths, payloads):
+        if payload.get("reshard") is None:
+            raise ValueError(f"checkpoint file {path} carries no resharding metadata (saved from "
+                             f"model chunks without global_parameter_names()); it can only be "
+                             f"loaded into its own layout {payload['layout']}")
+    return [p for p in payloads
+            if p["reshard"]["coords"]["dp"] == 0 and p["reshard"]["coords"]["cp"] == 0]
+
+
+def _index_old_shards(payloads: list[dict]) -> dict:
+    """global name → {"record", "weights": {tp_rank: shard}, "optim": {tp_rank: state dict}}."""
+    index = {}
+    for payload in payloads:
+        meta = payload["reshard"]
+        tp_rank = meta["coords"]["tp"]
+        for chunk_state, records in zip(payload["model"], meta["params"]):
+            for local, record in records.items():
+                if record["tied_copy"]:
+                    continue           # the embedding itself is the source of truth
+                entry = index.setdefault(record["global"], {"record": record, "weights": {},
+                                                            "optim": {}})
+                entry["weights"][tp_rank] = chunk_state[local]
+        optim_state = payload["optimizer"]["state"]
+        for position, name in enumerate(meta["optimizer_names"]):
+            if name in index and position in optim_state:
+                index[name]["optim"][tp_rank] = optim_state[position]
+    return index
+
+
+def _ordered(by_tp_rank: dict, name: str, old_tp: int) -> list:
+    missing = sorted(set(range(old_tp)) - set(by_tp_rank))
+    if missing:
+        raise ValueError(f"checkpoint lacks TP ranks {missing} of parameter {name}")
+    return [by_tp_rank[r] for r in range(old_tp)]
+
+
+def check_padded_vocab(index: dict, padded_vocab_size: int | None, old_layout: dict,
+                       new_layout: dict) -> None:
+    """ValueError when the checkpoint's padded vocabulary differs from this run's."""
+    if WORD_EMBEDDING not in index or padded_vocab_size is None:
+        return
+    old_rows = index[WORD_EMBEDDING]["record"]["full_shape"][0]
+    if old_rows != padded_vocab_size:
+        raise ValueError(
+            f"cannot reshard: the checkpoint's padded vocab size is {old_rows} (tp="
+            f"{old_layout['tp']}) but this run's is {padded_vocab_size} (tp={new_layout['tp']}); "
+            f"the padded rows enter the softmax, so choose --make-vocab-size-divisible-by such "
+            f"that both layouts pad to the same size")
+
+
+def assemble_global_state(folder: str, read_payload) -> dict:
+    """{global name: {"param": full tensor, <optimizer key>: full tensor or scalar}} of a folder.
+
+    The single-process view of any layout's checkpoint (tied copies folded into the embedding).
+    """
+    payloads = _dp0_payloads(folder, read_payload)
+    old_tp = payloads[0]["layout"]["tp"]
+    full = {}
+    for name, entry in _index_old_shards(payloads).items():
+        record = entry["record"]
+        weights = _ordered(entry["weights"], name, old_tp)
+        full[name] = {"param": full_from_shards(weights, record["dim"], record["stride"])}
+        if entry["optim"]:
+            states = _ordered(entry["optim"], name, old_tp)
+            for key, value in states[0].items():
+                if torch.is_tensor(value) and value.ndim > 0:
+                    value = full_from_shards([s[key] for s in states], record["dim"],
+                                             record["stride"])
+                full[name][key] = value
+    return full
+
+
+# -------------------------------------------------------------------- building this rank's state
+def _source_name(record: dict) -> str:
+    return WORD_EMBEDDING if record["tied_copy"] else record["global"]
+
+
+def _my_slice(entry: dict, tensors_by_tp: dict, name: str, old_tp: int, state) -> torch.Tensor:
+    record = entry["record"]
+    if record["dim"] is None:
+        return tensors_by_tp[min(tensors_by_tp)].clone()
+    return reshard_tensor(_ordered(tensors_by_tp, name, old_tp), record["dim"],
+                          record["stride"], state.tp_size, state.tp_rank)
+
+
+def _check_same_parameter(name: str, old: dict, new: dict) -> None:
+    if old["full_shape"] != new["full_shape"] or old["dim"] != new["dim"] \
+            or old["stride"] != new["stride"]:
+        raise ValueError(f"cannot reshard parameter {name}: checkpoint has full shape "
+                         f"{old['full_shape']} (partition dim {old['dim']}, stride "
+                         f"{old['stride']}), this model has {new['full_shape']} (partition dim "
+                         f"{new['dim']}, stride {new['stride']})")
+
+
+def _plan(model_chunks, index: dict, state) -> list[tuple]:
+    """[(param, source global name)] for every local parameter; raises on any mismatch."""
+    plan = []
+    for chunk in model_chunks:
+        records = _chunk_records(chunk, state.tp_size)
+        for local, param in chunk.named_parameters():
+            name = _source_name(records[local])
+            if name not in index:
+                raise ValueError(f"cannot reshard: parameter {name} is not in the checkpoint")
+            new = dict(records[local], tied_copy=False)
+            _check_same_parameter(name, index[name]["record"], new)
+            plan.append((param, name))
+    return plan
+
+
+def _load_weights(plan, index: dict, old_tp: int, state) -> None:
+    with torch.no_grad():
+        for param, name in plan:
+            entry = index[name]
+            param.copy_(_my_slice(entry, entry["weights"], name, old_tp, state))
+
+
+def _resharded_optimizer_state(position_names, index: dict, old_tp: int, state) -> dict:
+    """position → {"step": carried, moments: resharded} for the new optimizer's order."""
+    new_state = {}
+    for position, name in enumerate(position_names):
+        by_tp = index[name]["optim"]
+        if not by_tp:
+            continue                   # never stepped in the old run
+        first = by_tp[min(by_tp)]
+        entry = {}
+        for key, value in first.items():
+            if torch.is_tensor(value) and value.ndim > 0:
+                moments = {r: by_tp[r][key] for r in by_tp}
+                entry[key] = _my_slice(index[name], moments, f"{name} ({key})", old_tp, state)
+            else:
+                entry[key] = value.clone() if torch.is_tensor(value) else value
+        new_state[position] = entry
+    return new_state
+
+
+def _load_optimizer(optimizer, plan, payloads, index: dict, old_tp: int, state) -> None:
+    name_by_id = {id(param): name for param, name in plan}
+    position_names = [name_by_id[id(p)] for group in optimizer.param_groups
+                      for p in group["params"]]
+    old_groups = payloads[0]["optimizer"]["param_groups"]
+    current = optimizer.state_dict()
+    if len(old_groups) != len(current["param_groups"]):
+        raise ValueError(f"cannot reshard the optimizer: the checkpoint has {len(old_groups)} "
+                         f"parameter groups, this run has {len(current['param_groups'])}")
+    groups = [dict(old, params=new["params"])
+              for old, new in zip(old_groups, current["param_groups"])]
+    optimizer.load_state_dict({
+        "state": _resharded_optimizer_state(position_names, index, old_tp, state),
+        "param_groups": groups})
+
+
+def load_resharded(folder: str, model_chunks, optimizer, state, new_layout: dict,
+                   read_payload) -> dict:
+    """Fill this rank's parameters and optimizer from a checkpoint of another layout.
+
+    ``read_payload(path, mmap=...)`` reads and validates one rank file. Returns the old rank-0
+    payload's iteration / consumed_samples / extra / scheduler (all layout-independent).
+    """
+    payloads = _dp0_payloads(folder, read_payload)
+    old_layout = payloads[0]["layout"]
+    index = _index_old_shards(payloads)
+    config = getattr(model_chunks[0], "config", None)
+    check_padded_vocab(index, getattr(config, "padded_vocab_size", None), old_layout, new_layout)
+    plan = _plan(model_chunks, index, state)
+    _load_weights(plan, index, old_layout["tp"], state)
+    _load_optimizer(optimizer, plan, payloads, index, old_layout["tp"], state)
+    if _is_global_rank_zero():
+        print(f"> checkpoint {folder}: resharded from layout {old_layout} to {new_layout}; "
+              "RNG states are not restored (the freshly seeded generators are kept)", flush=True)
+    return min(payloads, key=lambda p: p["rank"])
+
+
+def _is_global_rank_zero() -> bool:
+    import torch.distributed as dist
+
+    return not dist.is_initialized() or dist.get_rank() == 0
