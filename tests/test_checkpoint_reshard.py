@@ -112,3 +112,30 @@ def test_different_padded_vocab_fails_on_every_rank(run_distributed, saved):
     for message in messages:
         assert message is not None, "every rank must fail, none may train on"
         assert "padded vocab size is 272" in message and "is 288" in message
+
+
+def _fail_on_rank_one(folder):
+    import torch.distributed as dist
+
+    from tpfuse.training import checkpoint, reshard
+
+    def load_resharded(*args):
+        if dist.get_rank() == 1:
+            raise KeyError("only rank 1 cannot reshard")
+        return {"iteration": 4}
+
+    original, reshard.load_resharded = reshard.load_resharded, load_resharded
+    try:
+        checkpoint._load_other_layout(folder, [], None, None, {})
+    except Exception as error:  # noqa: BLE001 — the test inspects which error each rank got
+        return f"{type(error).__name__}: {error}"
+    finally:
+        reshard.load_resharded = original
+    return None
+
+
+def test_failure_on_one_rank_fails_every_rank(run_distributed, tmp_path):
+    # a rank returning normally would go on to the training loop's collectives and hang there
+    rank0, rank1 = run_distributed(2, _fail_on_rank_one, str(tmp_path))
+    assert rank0 is not None and "failed on another rank" in rank0
+    assert rank1 == "KeyError: 'only rank 1 cannot reshard'"
