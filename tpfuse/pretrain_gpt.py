@@ -19,6 +19,7 @@ from tpfuse.training.pretrain import get_args, get_config, pretrain
 MAIN_JOB_DEFAULTS = {
     "num_layers": 8, "hidden_size": 128, "num_attention_heads": 8, "seq_length": 128,
     "max_position_embeddings": 128, "vocab_size": 257,
+    "make_vocab_size_divisible_by": 64,  # 257 pads to 384 at tp=2 (128 would give 512)
     "tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2,
     "num_layers_per_virtual_pipeline_stage": 2, "sequence_parallel": True,
     "micro_batch_size": 4, "global_batch_size": 32, "train_iters": 120, "lr": 3e-3,
