@@ -21,19 +21,6 @@ UNIT_ROUNDOFF = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp")  # σ(2u) in numpy: exp → inf → 0, as on GPU
 
 
-@pytest.fixture
-def poisoned_outputs(monkeypatch):
-    """Every torch.empty / empty_like (the launchers' output allocations) comes back full of NaN,
-    so an element the kernel fails to write shows up in the comparison."""
-    empty, empty_like = torch.empty, torch.empty_like
-
-    def poison(t):
-        return t.fill_(float("nan")) if t.is_floating_point() else t.fill_(-(2**30))
-
-    monkeypatch.setattr(torch, "empty", lambda *a, **k: poison(empty(*a, **k)))
-    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: poison(empty_like(*a, **k)))
-
-
 def _bound(a, b, k, out_dtype, operand_dtype, expected):
     """2·(γ·|A||B| + u_out·|C|) with γ = K·u32 + u_operand (the operand rounding term is 0 for fp32)."""
     magnitude = a.detach().abs().double() @ b.detach().abs().double()
