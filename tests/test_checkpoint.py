@@ -2,7 +2,6 @@
 import os
 import types
 
-import pytest
 import torch
 import torch.distributed as dist
 

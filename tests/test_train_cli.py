@@ -4,7 +4,6 @@ import os
 import subprocess
 import sys
 
-import pytest
 
 from tpfuse.training.main_job import prepare_default_data
 
