@@ -175,18 +175,27 @@ def load_checkpoint(root: str, model_chunks, optimizer, scheduler, state) -> dic
     if iteration is None:
         raise FileNotFoundError(f"--load {root}: no {TRACKER} there (no complete checkpoint)")
     folder = iteration_dir(root, iteration)
-    path = _rank_file(folder, dist.get_rank())
     expected = layout_signature(state)
-    payload = _read_payload(path) if os.path.exists(path) else None
-    if payload is None or payload["layout"] != expected:
-        if payload is not None and payload.get("reshard") is None:
-            raise ValueError(f"checkpoint {path} was written with layout {payload['layout']}, "
+    # Every rank takes the same branch: the checkpoint's layout is read from rank 0's file, which
+    # every checkpoint has, never inferred from whether this rank's own file exists.
+    first = _rank_file(folder, 0)
+    if not os.path.exists(first):
+        raise FileNotFoundError(f"checkpoint file {first} is missing")
+    saved = _read_payload(first, mmap=True)
+    if saved["layout"] != expected:
+        if saved.get("reshard") is None:
+            raise ValueError(f"checkpoint {first} was written with layout {saved['layout']}, "
                              f"this run has {expected}; loading into a different layout "
                              f"(resharding) needs the per-parameter metadata this file lacks")
         payload = _load_other_layout(folder, model_chunks, optimizer, state, expected)
         scheduler.load_state_dict(payload["scheduler"])
         return {"iteration": payload["iteration"], "consumed_samples": payload["consumed_samples"],
                 "extra": payload["extra"]}
+    path = _rank_file(folder, dist.get_rank())
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"checkpoint file {path} is missing (the checkpoint's layout "
+                                f"matches this run, so every rank's file should be there)")
+    payload = _read_payload(path)
     if len(payload["model"]) != len(model_chunks):
         raise ValueError(f"checkpoint {path} holds {len(payload['model'])} model chunks, this "
                          f"rank has {len(model_chunks)}")
