@@ -177,6 +177,12 @@ def cross_entropy_shard_stats(logits_shard, target, vocab_start, *, backend=None
     return tuple(t.reshape(target.shape) for t in impl(rows, flat_target, int(vocab_start)))
 
 
+def cross_entropy_loss_from_stats(global_max, global_sum_exp, target_logit, target, ignore_index=-100):
+    """Per-row loss from the combined stats: log Σ exp(z − max) + max − z_target; 0 where ignored."""
+    loss = torch.log(global_sum_exp) + global_max - target_logit
+    return torch.where(target == ignore_index, torch.zeros_like(loss), loss)
+
+
 def cross_entropy_shard_grad(logits_shard, target, vocab_start, global_max, global_sum_exp, grad_loss,
                              ignore_index=-100, *, backend=None):
     """d loss / d logits_shard = grad_loss · (softmax − onehot) on the shard's columns; 0 on ignored rows.
@@ -196,8 +202,7 @@ class _CrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, ignore_index, backend):
         row_max, sum_exp, target_logit = cross_entropy_shard_stats(logits, target, 0, backend=backend)
-        loss = torch.log(sum_exp) + row_max - target_logit
-        loss = torch.where(target == ignore_index, torch.zeros_like(loss), loss)
+        loss = cross_entropy_loss_from_stats(row_max, sum_exp, target_logit, target, ignore_index)
         ctx.save_for_backward(logits, target, row_max, sum_exp)
         ctx.ignore_index, ctx.backend = ignore_index, backend
         return loss

@@ -5,7 +5,8 @@ the ops of ``tpfuse.kernels`` (no copies of either live in tp_layers).
 """
 from tpfuse.kernels.ag_matmul import all_gather_matmul
 from tpfuse.kernels.bias_dropout_add import bias_dropout_add
-from tpfuse.kernels.cross_entropy import cross_entropy_shard_grad, cross_entropy_shard_stats
+from tpfuse.kernels.cross_entropy import (cross_entropy_loss_from_stats, cross_entropy_shard_grad,
+                                          cross_entropy_shard_stats)
 from tpfuse.kernels.flash_attention import MAX_HEAD_DIM, MIN_HEAD_DIM, flash_attention
 from tpfuse.kernels.layer_norm import layer_norm
 from tpfuse.kernels.matmul import matmul
@@ -17,7 +18,8 @@ from tpfuse.parallel.mappings import (copy_to_region, gather_from_region,
                                       scatter_to_region, scatter_to_sequence_parallel_region)
 
 __all__ = [
-    "all_gather_matmul", "bias_dropout_add", "cross_entropy_shard_grad",
+    "all_gather_matmul", "bias_dropout_add", "cross_entropy_loss_from_stats",
+    "cross_entropy_shard_grad",
     "cross_entropy_shard_stats", "MAX_HEAD_DIM", "MIN_HEAD_DIM", "flash_attention", "layer_norm",
     "matmul", "matmul_reduce_scatter", "rms_norm", "copy_to_region", "gather_from_region",
     "gather_from_sequence_parallel_region", "reduce_from_region",

@@ -36,8 +36,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             sum_exp, target_logit = stacked[0], stacked[1]
         else:
             global_max = row_max
-        loss = torch.log(sum_exp) + global_max - target_logit
-        loss = torch.where(target == ignore_index, torch.zeros_like(loss), loss)
+        loss = _deps.cross_entropy_loss_from_stats(global_max, sum_exp, target_logit, target,
+                                                   ignore_index)
         ctx.save_for_backward(logits_shard, target, global_max, sum_exp)
         ctx.vocab_start, ctx.ignore_index = vocab_start, ignore_index
         return loss
