@@ -6,8 +6,10 @@ With ``training=False`` (or p = 0) it is ``residual + x + bias``; with p = 1 eve
 
 The mask m depends only on (seed, element index, p), never on the values, and each backend is
 reproducible; the two backends draw different masks:
-- Triton: u = tl.rand(seed, flat index) (Philox). Backward recomputes m from the seed: no mask is
-  stored.
+- Triton: u from Philox, one ``tl.randint4x`` call per quad of consecutive columns of a row
+  (counter = row · ⌈H/4⌉ + col // 4, component col mod 4; rows = the leading dims flattened).
+  Backward recomputes m from the seed: no mask is stored. Strided inputs whose leading dims merge
+  are read through their row stride (no copy).
 - torch: u from a ``torch.Generator`` seeded with the seed (``bernoulli_``). The mask is saved for
   backward (one element per input, x's dtype): cheaper on CPU than drawing it again.
 ``seed=None`` draws a seed from torch's default CPU generator (``torch.randint``), so
@@ -28,57 +30,99 @@ _SEED_LIMIT = 2**31 - 1
 
 
 # ----------------------------------------------------------------------------- Triton kernels
+# Tiles of (BLOCK_R rows, BLOCK_Q column quads, 4): one Philox call (``tl.randint4x``) yields the
+# four uniforms of a quad of consecutive columns, keyed by counter = row · ⌈H/4⌉ + col // 4; the
+# bias is a contiguous (BLOCK_Q, 4) load per tile, broadcast over its rows (no per-element modulo).
 
 @triton.jit
-def _bias_dropout_add_fwd_kernel(x_ptr, bias_ptr, res_ptr, out_ptr, n_elements, hidden, p, scale, seed,
-                                 HAS_BIAS: tl.constexpr, DROPOUT: tl.constexpr, BLOCK: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # flat element index: the mask's key
-    mask = offs < n_elements
-    value = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+def _keep_mask(seed, rows, quads, n_quads, p, BLOCK_R: tl.constexpr, BLOCK_Q: tl.constexpr):
+    """(BLOCK_R, BLOCK_Q, 4) booleans: uniform(seed, row, col) ≥ p."""
+    counter = rows[:, None] * n_quads + quads[None, :]                          # (BR, BQ)
+    r0, r1, r2, r3 = tl.randint4x(seed, counter)
+    bits = tl.reshape(tl.join(tl.join(r0, r1), tl.join(r2, r3)), (BLOCK_R, BLOCK_Q, 4))
+    return tl.uint_to_uniform_float(bits) >= p
+
+
+@triton.jit
+def _bias_dropout_add_fwd_kernel(x_ptr, bias_ptr, res_ptr, out_ptr, n_rows, hidden,
+                                 stride_x, stride_res, stride_out, p, scale, seed,
+                                 HAS_BIAS: tl.constexpr, DROPOUT: tl.constexpr,
+                                 BLOCK_R: tl.constexpr, BLOCK_Q: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)                   # (BR,)
+    quads = tl.program_id(1) * BLOCK_Q + tl.arange(0, BLOCK_Q)                  # (BQ,)
+    cols = quads[:, None] * 4 + tl.arange(0, 4)[None, :]                        # (BQ, 4)
+    mask = (rows < n_rows)[:, None, None] & (cols < hidden)[None, :, :]
+    rows64 = rows.to(tl.int64)[:, None, None]
+    value = tl.load(x_ptr + rows64 * stride_x + cols[None, :, :], mask=mask, other=0.0).to(tl.float32)
     if HAS_BIAS:
-        value += tl.load(bias_ptr + offs % hidden, mask=mask, other=0.0).to(tl.float32)
+        value += tl.load(bias_ptr + cols, mask=cols < hidden, other=0.0).to(tl.float32)[None, :, :]
     if DROPOUT:
-        keep = tl.rand(seed, offs) >= p
+        keep = _keep_mask(seed, rows, quads, tl.cdiv(hidden, 4), p, BLOCK_R, BLOCK_Q)
         value = tl.where(keep, value * scale, 0.0)
-    out = tl.load(res_ptr + offs, mask=mask, other=0.0).to(tl.float32) + value
-    tl.store(out_ptr + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
+    out = tl.load(res_ptr + rows64 * stride_res + cols[None, :, :], mask=mask, other=0.0).to(tl.float32)
+    out += value
+    tl.store(out_ptr + rows64 * stride_out + cols[None, :, :], out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _dropout_bwd_kernel(dy_ptr, dx_ptr, n_elements, p, scale, seed, BLOCK: tl.constexpr):
-    """dx = m ⊙ dy · scale with m recomputed from (seed, index) exactly as in forward."""
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n_elements
-    dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    keep = tl.rand(seed, offs) >= p
-    tl.store(dx_ptr + offs, tl.where(keep, dy * scale, 0.0).to(dx_ptr.dtype.element_ty), mask=mask)
+def _dropout_bwd_kernel(dy_ptr, dx_ptr, n_rows, hidden, stride_dy, stride_dx, p, scale, seed,
+                        BLOCK_R: tl.constexpr, BLOCK_Q: tl.constexpr):
+    """dx = m ⊙ dy · scale with m recomputed from (seed, row, col) exactly as in forward."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    quads = tl.program_id(1) * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    cols = quads[:, None] * 4 + tl.arange(0, 4)[None, :]
+    mask = (rows < n_rows)[:, None, None] & (cols < hidden)[None, :, :]
+    rows64 = rows.to(tl.int64)[:, None, None]
+    dy = tl.load(dy_ptr + rows64 * stride_dy + cols[None, :, :], mask=mask, other=0.0).to(tl.float32)
+    keep = _keep_mask(seed, rows, quads, tl.cdiv(hidden, 4), p, BLOCK_R, BLOCK_Q)
+    dx = tl.where(keep, dy * scale, 0.0)
+    tl.store(dx_ptr + rows64 * stride_dx + cols[None, :, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
 
 
 # ----------------------------------------------------------------------------- launchers
 
-def _block(t: torch.Tensor) -> int:
-    return 1024 if t.is_cuda else 4096  # interpreted: few, wide programs
+def tile_params(hidden: int, is_cuda: bool) -> dict:
+    """Tile of ≈ 4096 elements on GPU (≤ 1024 columns, 8 warps: 16 elements per thread),
+    small ones interpreted (the tests' 61 columns span two column tiles)."""
+    cols = min(triton.next_power_of_2(max(hidden, 4)), 1024 if is_cuda else 32)
+    rows = max(1, (4096 if is_cuda else 256) // cols)
+    params = {"BLOCK_R": rows, "BLOCK_Q": cols // 4}
+    if is_cuda:
+        params["num_warps"] = 8
+    return params
 
 
-def bias_dropout_add_fwd_triton(x, bias, residual, p, scale, seed, dropout, out_dtype):
-    """Flat contiguous x, residual (n,) and bias (H,) → out (n,) in out_dtype."""
-    n = x.numel()
-    out = torch.empty(n, device=x.device, dtype=out_dtype)
-    if n:
-        block = _block(x)
-        _backend.launch(_bias_dropout_add_fwd_kernel, (triton.cdiv(n, block),), x, bias if bias is not None else x,
-                        residual, out, n, bias.numel() if bias is not None else 1, p, scale, seed,
-                        HAS_BIAS=bias is not None, DROPOUT=dropout, BLOCK=block)
+def _grid(n_rows, hidden, params):
+    return (triton.cdiv(n_rows, params["BLOCK_R"]), triton.cdiv(hidden, 4 * params["BLOCK_Q"]))
+
+
+def bias_dropout_add_fwd_triton(x2d, bias, res2d, p, scale, seed, dropout, out_dtype):
+    """x, residual (rows, H) with unit column stride, bias (H,) contiguous → out (rows, H)."""
+    n_rows, hidden = x2d.shape
+    out = torch.empty((n_rows, hidden), device=x2d.device, dtype=out_dtype)
+    if out.numel():
+        params = tile_params(hidden, x2d.is_cuda)
+        _backend.launch(_bias_dropout_add_fwd_kernel, _grid(n_rows, hidden, params), x2d,
+                        bias if bias is not None else x2d, res2d, out, n_rows, hidden,
+                        x2d.stride(0), res2d.stride(0), out.stride(0), p, scale, seed,
+                        HAS_BIAS=bias is not None, DROPOUT=dropout, **params)
     return out
 
 
-def dropout_bwd_triton(dy, p, scale, seed, dx_dtype):
-    n = dy.numel()
-    dx = torch.empty(n, device=dy.device, dtype=dx_dtype)
-    if n:
-        block = _block(dy)
-        _backend.launch(_dropout_bwd_kernel, (triton.cdiv(n, block),), dy, dx, n, p, scale, seed, BLOCK=block)
+def dropout_bwd_triton(dy2d, p, scale, seed, dx_dtype):
+    n_rows, hidden = dy2d.shape
+    dx = torch.empty((n_rows, hidden), device=dy2d.device, dtype=dx_dtype)
+    if dx.numel():
+        params = tile_params(hidden, dy2d.is_cuda)
+        _backend.launch(_dropout_bwd_kernel, _grid(n_rows, hidden, params), dy2d, dx, n_rows, hidden,
+                        dy2d.stride(0), dx.stride(0), p, scale, seed, **params)
     return dx
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """t (..., H) as (rows, H) with unit column stride: a view when the leading dims merge."""
+    t2d = t.reshape(-1, t.shape[-1])
+    return t2d if t2d.stride(-1) == 1 else t2d.contiguous()
 
 
 # ----------------------------------------------------------------------------- torch paths
@@ -128,9 +172,8 @@ class _BiasDropoutAddTriton(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, bias, residual, p, seed, dropout):
         out_dtype = torch.promote_types(x.dtype, residual.dtype)
-        flat_x, flat_res = x.contiguous().view(-1), residual.contiguous().view(-1)  # flat kernel
-        out = bias_dropout_add_fwd_triton(flat_x, bias.contiguous() if bias is not None else None, flat_res,
-                                          p, _scale(p), seed, dropout, out_dtype)
+        out = bias_dropout_add_fwd_triton(_rows(x), bias.contiguous() if bias is not None else None,
+                                          _rows(residual), p, _scale(p), seed, dropout, out_dtype)
         ctx.p, ctx.seed, ctx.dropout, ctx.has_bias = p, seed, dropout, bias is not None
         ctx.x_dtype, ctx.residual_dtype = x.dtype, residual.dtype
         ctx.bias_dtype = bias.dtype if bias is not None else None
@@ -139,7 +182,7 @@ class _BiasDropoutAddTriton(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         if ctx.dropout:  # dx kept in dy's dtype until dbias is summed, then cast to x's
-            dx = dropout_bwd_triton(dy.contiguous().view(-1), ctx.p, _scale(ctx.p), ctx.seed, dy.dtype).view(dy.shape)
+            dx = dropout_bwd_triton(_rows(dy), ctx.p, _scale(ctx.p), ctx.seed, dy.dtype).view(dy.shape)
         else:
             dx = dy
         dbias = None
@@ -181,6 +224,7 @@ def bias_dropout_add(x, bias, residual, p, training, seed=None, *, backend=None)
     seed = _draw_seed(seed) if dropout else 0
     if path == "torch":
         return _BiasDropoutAddTorch.apply(x, bias, residual, float(p), seed)
-    if x.numel() >= 2**31:
-        raise ValueError(f"bias_dropout_add: the Triton kernel indexes < 2**31 elements, got {x.numel()}")
+    if x.numel() // max(x.shape[-1], 1) * ((x.shape[-1] + 3) // 4) >= 2**31:
+        raise ValueError(f"bias_dropout_add: the Triton kernel's Philox counter (rows · ⌈H/4⌉) must "
+                         f"stay below 2**31, got shape {tuple(x.shape)}")
     return _BiasDropoutAddTriton.apply(x, bias, residual, float(p), seed, dropout)

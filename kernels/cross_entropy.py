@@ -55,10 +55,13 @@ def _shard_stats_kernel(logits_ptr, target_ptr, row_max_ptr, sum_exp_ptr, target
     cols = tl.arange(0, BLOCK_V)
     m = -float("inf")
     s = 0.0
-    for start in range(0, V, BLOCK_V):
+    for start in tl.range(0, V, BLOCK_V, num_stages=2):
         x = tl.load(row_ptr + start + cols, mask=start + cols < V, other=-float("inf")).to(tl.float32)
-        m_new = tl.maximum(m, tl.max(x, axis=0))  # finite: every block holds >= 1 real column
-        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
+        m_new = tl.maximum(m, tl.max(x, axis=0))
+        # −inf guard: while every column so far is −inf (masked vocabulary padding), exponentiate
+        # against 0 instead of m_new, so exp(−inf − (−inf)) never makes a NaN; the sum stays 0
+        m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)
+        s = s * tl.exp(m - m_safe) + tl.sum(tl.exp(x - m_safe), axis=0)
         m = m_new
     local = tl.load(target_ptr + row) - vocab_start
     in_shard = (local >= 0) & (local < V)
@@ -83,7 +86,9 @@ def _shard_grad_kernel(logits_ptr, target_ptr, global_max_ptr, global_sum_ptr, g
     g = tl.load(grad_loss_ptr + row).to(tl.float32)
     g = tl.where(target == ignore_index, 0.0, g)
     x = tl.load(logits_ptr + row * stride_row + cols, mask=in_row, other=0.0).to(tl.float32)
-    p = tl.exp(x - tl.load(global_max_ptr + row)) / tl.load(global_sum_ptr + row)
+    row_max = tl.load(global_max_ptr + row)
+    row_max = tl.where(row_max == -float("inf"), 0.0, row_max)  # all −inf row: p = 0, not NaN
+    p = tl.exp(x - row_max) / tl.load(global_sum_ptr + row)
     p = tl.where(cols == target - vocab_start, p - 1.0, p)
     dx = g * p
     tl.store(dlogits_ptr + row * stride_grad_row + cols, dx.to(dlogits_ptr.dtype.element_ty), mask=in_row)
@@ -108,7 +113,8 @@ def _as_rows(logits: torch.Tensor, target: torch.Tensor):
 
 def _stats_triton(rows, target, vocab_start):
     n, v = rows.shape
-    row_max, sum_exp, target_logit = (torch.full((n,), float("nan"), device=rows.device) for _ in range(3))
+    row_max, sum_exp, target_logit = (torch.empty((n,), device=rows.device, dtype=torch.float32)
+                                      for _ in range(3))
     if n:
         _backend.launch(_shard_stats_kernel, (n,), rows, target, row_max, sum_exp, target_logit,
                         v, rows.stride(0), vocab_start, cpu_meta={"BLOCK_V": _CPU_BLOCK_V})
@@ -117,7 +123,7 @@ def _stats_triton(rows, target, vocab_start):
 
 def _grad_triton(rows, target, vocab_start, global_max, global_sum_exp, grad_loss, ignore_index):
     n, v = rows.shape
-    dlogits = torch.full_like(rows, float("nan"), memory_format=torch.contiguous_format)
+    dlogits = torch.empty_like(rows, memory_format=torch.contiguous_format)  # every element written
     if n:
         grid = lambda meta: (n, triton.cdiv(v, meta["BLOCK_V"]))  # noqa: E731
         _backend.launch(_shard_grad_kernel, grid, rows, target, global_max.float().contiguous(),
@@ -132,7 +138,8 @@ def _grad_triton(rows, target, vocab_start, global_max, global_sum_exp, grad_los
 def _stats_torch(rows, target, vocab_start):
     x = rows.float()                                                          # (N, V)
     row_max = x.amax(dim=-1)                                                  # (N,)
-    sum_exp = torch.exp(torch.logsumexp(x, dim=-1) - row_max)                 # (N,) in [1, V]
+    finite_max = torch.where(row_max == float("-inf"), 0.0, row_max)          # −inf guard (kernel's)
+    sum_exp = torch.exp(x - finite_max[:, None]).sum(dim=-1)                  # (N,) in [1, V], 0 if all −inf
     local = target - vocab_start
     in_shard = (local >= 0) & (local < x.shape[-1])
     picked = x.gather(1, torch.where(in_shard, local, 0)[:, None]).squeeze(1)
@@ -215,14 +222,32 @@ class _CrossEntropy(torch.autograd.Function):
         return dlogits, None, None, None
 
 
+class TargetOutOfRangeError(IndexError, ValueError):
+    """A target class id outside ``[0, V)`` that is not ``ignore_index`` (torch raises IndexError;
+    tpfuse's bad-input errors are ValueErrors: this is both)."""
+
+
+def check_targets_in_range(target, vocab_size, ignore_index, op="cross_entropy"):
+    """Raise ``TargetOutOfRangeError`` naming the first offending id (one device→host read)."""
+    bad = (target != ignore_index) & ((target < 0) | (target >= vocab_size))
+    if bool(bad.any()):
+        value = int(target[bad].flatten()[0])
+        raise TargetOutOfRangeError(f"{op}: target {value} is out of bounds for a vocabulary of "
+                                    f"{vocab_size} (valid ids 0..{vocab_size - 1}, or "
+                                    f"ignore_index={ignore_index})")
+
+
 def cross_entropy(logits, target, ignore_index=-100, *, backend=None):
     """Per-row loss ``(N,)`` fp32 (target's shape), 0 where ``target == ignore_index``.
 
-    ``logits (..., V)`` fp32/bf16/fp16, ``target (...)`` integer. Differentiable w.r.t. logits.
+    ``logits (..., V)`` fp32/bf16/fp16, ``target (...)`` integer in ``[0, V)`` or ``ignore_index``
+    (anything else raises ``TargetOutOfRangeError``, an IndexError and ValueError, on both paths).
+    Differentiable w.r.t. logits.
     The torch path is ``F.cross_entropy(reduction="none")`` on fp32 logits (fastest on CPU); the
     Triton path is the shard pieces above with ``vocab_start = 0``.
     """
     _as_rows(logits, target)  # validate shapes / dtypes before choosing a path
+    check_targets_in_range(target, logits.shape[-1], ignore_index)
     if _pick(backend, logits) == "torch":
         loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), target.reshape(-1).long(),
                                ignore_index=ignore_index, reduction="none")

@@ -6,6 +6,8 @@ Backward (saved: x, w and the fp32 per-row μ and rstd, so nothing is recomputed
   dw = Σ_rows dy⊙x̂,   db = Σ_rows dy
 The backward kernel gives each program a contiguous block of rows; it writes that block's dx and its
 partial dw/db sums (fp32, one row per program), which torch then adds up: no atomics, deterministic.
+Rows wider than ``CHUNK_N`` are processed in column chunks (forward: three passes over the row;
+backward: the per-row sums c1 = mean(x̂⊙w⊙dy), c2 = mean(w⊙dy) first, then the chunks).
 
 File shape: Triton kernels → launchers → plain-torch reference → autograd Function → ``layer_norm``.
 """
@@ -19,26 +21,50 @@ import triton.language as tl
 from . import backend as _backend
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-MAX_TRITON_WIDTH = 65536  # one row lives in registers / one interpreter block
 
 
 # ----------------------------------------------------------------------------- Triton kernels
+# Rows up to CHUNK_N wide live in registers (one load per element); wider rows loop over column
+# chunks of BLOCK_N (forward: three passes over the row, which stays in L1/L2; backward: a per-row
+# statistics kernel, then a (row block, column chunk) kernel). The backward row loops are software
+# pipelined (``tl.range(..., num_stages=2)``: the next row's x and dy load while this one computes).
 
 @triton.jit
 def _layer_norm_fwd_kernel(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr,
                            stride_x, stride_y, N, eps,
-                           HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr):
+                           HAS_BIAS: tl.constexpr, ONE_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
+    x_row, y_row = x_ptr + row * stride_x, y_ptr + row * stride_y
     cols = tl.arange(0, BLOCK_N)
-    mask = cols < N
-    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    mean = tl.sum(x, axis=0) / N
-    centered = tl.where(mask, x - mean, 0.0)
-    rstd = 1.0 / tl.sqrt(tl.sum(centered * centered, axis=0) / N + eps)
-    y = centered * rstd * tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    if HAS_BIAS:
-        y += tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(y_ptr + row * stride_y + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+    if ONE_BLOCK:
+        mask = cols < N
+        x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+        mean = tl.sum(x, axis=0) / N
+        centered = tl.where(mask, x - mean, 0.0)
+        rstd = 1.0 / tl.sqrt(tl.sum(centered * centered, axis=0) / N + eps)
+        y = centered * rstd * tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            y += tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(y_row + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+    else:
+        total = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for start in range(0, N, BLOCK_N):
+            total += tl.load(x_row + start + cols, mask=start + cols < N, other=0.0).to(tl.float32)
+        mean = tl.sum(total, axis=0) / N
+        squares = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for start in range(0, N, BLOCK_N):
+            mask = start + cols < N
+            x = tl.load(x_row + start + cols, mask=mask, other=0.0).to(tl.float32)
+            centered = tl.where(mask, x - mean, 0.0)
+            squares += centered * centered
+        rstd = 1.0 / tl.sqrt(tl.sum(squares, axis=0) / N + eps)
+        for start in range(0, N, BLOCK_N):
+            mask = start + cols < N
+            x = tl.load(x_row + start + cols, mask=mask, other=0.0).to(tl.float32)
+            y = (x - mean) * rstd * tl.load(w_ptr + start + cols, mask=mask, other=0.0).to(tl.float32)
+            if HAS_BIAS:
+                y += tl.load(b_ptr + start + cols, mask=mask, other=0.0).to(tl.float32)
+            tl.store(y_row + start + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
     tl.store(mean_ptr + row, mean)
     tl.store(rstd_ptr + row, rstd)
 
@@ -47,6 +73,7 @@ def _layer_norm_fwd_kernel(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr,
 def _layer_norm_bwd_kernel(x_ptr, w_ptr, dy_ptr, dx_ptr, mean_ptr, rstd_ptr, dw_part_ptr, db_part_ptr,
                            stride_x, stride_dy, stride_dx, M, N, rows_per_program,
                            BLOCK_N: tl.constexpr):
+    """Rows [pid·rows_per_program, ...) of a width ≤ BLOCK_N: dx, and this block's dw/db sums."""
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
     mask = cols < N
@@ -55,7 +82,7 @@ def _layer_norm_bwd_kernel(x_ptr, w_ptr, dy_ptr, dx_ptr, mean_ptr, rstd_ptr, dw_
     db_acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     row_start = pid * rows_per_program
     row_end = tl.minimum(row_start + rows_per_program, M)
-    for row in range(row_start, row_end):
+    for row in tl.range(row_start, row_end, num_stages=2):
         row64 = tl.cast(row, tl.int64)  # the interpreter hands loop variables over as Python ints
         x = tl.load(x_ptr + row64 * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
         dy = tl.load(dy_ptr + row64 * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
@@ -73,13 +100,75 @@ def _layer_norm_bwd_kernel(x_ptr, w_ptr, dy_ptr, dx_ptr, mean_ptr, rstd_ptr, dw_
     tl.store(db_part_ptr + pid * N + cols, db_acc, mask=mask)
 
 
+@triton.jit
+def _layer_norm_bwd_row_sums_kernel(x_ptr, w_ptr, dy_ptr, mean_ptr, rstd_ptr, c1_ptr, c2_ptr,
+                                    stride_x, stride_dy, N, BLOCK_N: tl.constexpr):
+    """Wide rows, step 1: c1 = mean(x̂⊙w⊙dy), c2 = mean(w⊙dy) of one row, over column chunks."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_N)
+    mean = tl.load(mean_ptr + row)
+    rstd = tl.load(rstd_ptr + row)
+    sum_xhat_wdy = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    sum_wdy = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for start in tl.range(0, N, BLOCK_N, num_stages=2):
+        mask = start + cols < N
+        x = tl.load(x_ptr + row * stride_x + start + cols, mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + row * stride_dy + start + cols, mask=mask, other=0.0).to(tl.float32)
+        w_dy = tl.load(w_ptr + start + cols, mask=mask, other=0.0).to(tl.float32) * dy
+        sum_xhat_wdy += tl.where(mask, (x - mean) * rstd, 0.0) * w_dy
+        sum_wdy += w_dy
+    tl.store(c1_ptr + row, tl.sum(sum_xhat_wdy, axis=0) / N)
+    tl.store(c2_ptr + row, tl.sum(sum_wdy, axis=0) / N)
+
+
+@triton.jit
+def _layer_norm_bwd_chunk_kernel(x_ptr, w_ptr, dy_ptr, dx_ptr, mean_ptr, rstd_ptr, c1_ptr, c2_ptr,
+                                 dw_part_ptr, db_part_ptr, stride_x, stride_dy, stride_dx, M, N,
+                                 rows_per_program, BLOCK_N: tl.constexpr):
+    """Wide rows, step 2: program (row block, column chunk) writes dx of its chunk,
+    dx = rstd·(w⊙dy − x̂·c1 − c2), and the block's dw/db sums of those columns."""
+    pid = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = cols < N
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    dw_acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    db_acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    row_start = pid * rows_per_program
+    row_end = tl.minimum(row_start + rows_per_program, M)
+    for row in tl.range(row_start, row_end, num_stages=2):
+        row64 = tl.cast(row, tl.int64)
+        x = tl.load(x_ptr + row64 * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + row64 * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(rstd_ptr + row)
+        x_hat = tl.where(mask, (x - tl.load(mean_ptr + row)) * rstd, 0.0)
+        dx = (w * dy - (x_hat * tl.load(c1_ptr + row) + tl.load(c2_ptr + row))) * rstd
+        tl.store(dx_ptr + row64 * stride_dx + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+        dw_acc += dy * x_hat
+        db_acc += dy
+    tl.store(dw_part_ptr + pid * N + cols, dw_acc, mask=mask)
+    tl.store(db_part_ptr + pid * N + cols, db_acc, mask=mask)
+
+
 # ----------------------------------------------------------------------------- launchers
 
-def row_launch_params(n_cols: int, element_size: int, is_cuda: bool) -> dict:
-    """Block width (next power of two ≥ n_cols) and, on GPU, warps scaled with the row's bytes."""
-    block = triton.next_power_of_2(n_cols)
-    warps = min(max(block * element_size // 256, 1), 16)
-    return {"BLOCK_N": block, "num_warps": warps} if is_cuda else {"BLOCK_N": block}
+CHUNK_N = 16384        # widest row held in registers at once; wider rows loop over chunks
+CPU_CHUNK_N = 256      # the interpreter's chunk, small so the tests' rows cross several chunks
+
+
+def row_launch_params(n_cols: int, element_size: int, is_cuda: bool, backward: bool = False) -> dict:
+    """Block width and, on GPU, warps. The block is the next power of two ≥ n_cols up to the chunk
+    width (CHUNK_N; the backward keeps two pipelined copies of x and dy in shared memory, so its
+    chunk holds at most 32 KB of one operand's row); ``ONE_BLOCK`` tells whether a row fits in
+    one. Warps give each thread 8 (forward) to 16 (backward, more live vectors) columns at most
+    up to 16 warps: enough loads in flight without spilling the per-thread vectors."""
+    chunk = CHUNK_N if is_cuda else CPU_CHUNK_N
+    if is_cuda and backward:
+        chunk = min(chunk, 32768 // element_size)
+    block = min(triton.next_power_of_2(n_cols), chunk)
+    params = {"BLOCK_N": block}
+    if is_cuda:
+        params["num_warps"] = min(max(block // 256, 1), 16)
+    return params
 
 
 def backward_programs(n_rows: int, device: torch.device) -> int:
@@ -96,9 +185,10 @@ def layer_norm_fwd_triton(x2d, weight, bias, eps):
     mean = torch.empty((M,), device=x2d.device, dtype=torch.float32)
     rstd = torch.empty((M,), device=x2d.device, dtype=torch.float32)
     if M:
+        params = row_launch_params(N, x2d.element_size(), x2d.is_cuda)
         _backend.launch(_layer_norm_fwd_kernel, (M,), x2d, weight, bias if bias is not None else weight,
                         y, mean, rstd, x2d.stride(0), y.stride(0), N, eps, HAS_BIAS=bias is not None,
-                        **row_launch_params(N, x2d.element_size(), x2d.is_cuda))
+                        ONE_BLOCK=params["BLOCK_N"] >= N, **params)
     return y, mean, rstd
 
 
@@ -110,12 +200,22 @@ def layer_norm_bwd_triton(dy2d, x2d, weight, mean, rstd):
     rows_per_program = triton.cdiv(M, programs) if M else 1
     dw_part = torch.empty((programs, N), device=x2d.device, dtype=torch.float32)
     db_part = torch.empty((programs, N), device=x2d.device, dtype=torch.float32)
-    if M:
+    params = row_launch_params(N, x2d.element_size(), x2d.is_cuda, backward=True)
+    if not M:
+        dw_part.zero_(), db_part.zero_()
+    elif params["BLOCK_N"] >= N:
         _backend.launch(_layer_norm_bwd_kernel, (programs,), x2d, weight, dy2d, dx, mean, rstd,
                         dw_part, db_part, x2d.stride(0), dy2d.stride(0), dx.stride(0), M, N,
-                        rows_per_program, **row_launch_params(N, x2d.element_size(), x2d.is_cuda))
+                        rows_per_program, **params)
     else:
-        dw_part.zero_(), db_part.zero_()
+        c1 = torch.empty((M,), device=x2d.device, dtype=torch.float32)
+        c2 = torch.empty((M,), device=x2d.device, dtype=torch.float32)
+        _backend.launch(_layer_norm_bwd_row_sums_kernel, (M,), x2d, weight, dy2d, mean, rstd, c1, c2,
+                        x2d.stride(0), dy2d.stride(0), N, **params)
+        grid = (programs, triton.cdiv(N, params["BLOCK_N"]))
+        _backend.launch(_layer_norm_bwd_chunk_kernel, grid, x2d, weight, dy2d, dx, mean, rstd, c1, c2,
+                        dw_part, db_part, x2d.stride(0), dy2d.stride(0), dx.stride(0), M, N,
+                        rows_per_program, **params)
     return dx, dw_part.sum(0), db_part.sum(0)
 
 
@@ -191,8 +291,5 @@ def layer_norm(x, weight, bias, eps=1e-5, *, backend=None):
     validate_norm_args("layer_norm", x, weight, bias, eps)
     if _backend.resolve(backend, x, weight, bias) == "torch":
         return layer_norm_torch(x, weight, bias, eps)
-    if x.shape[-1] > MAX_TRITON_WIDTH:
-        raise ValueError(f"layer_norm: the Triton kernel handles rows up to {MAX_TRITON_WIDTH} wide, "
-                         f"got {x.shape[-1]}; use backend='torch'")
     y = _LayerNormTriton.apply(rows_view(x), weight, bias, eps)  # (M, N)
     return y.view(x.shape)

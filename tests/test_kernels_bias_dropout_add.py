@@ -150,3 +150,18 @@ def test_bad_arguments_raise_value_error(kwargs, match):
     args.update(kwargs)
     with pytest.raises(ValueError, match=match):
         bias_dropout_add(**args)
+
+
+def test_triton_row_strided_views_use_the_mask_of_their_logical_elements(poisoned_outputs):
+    """x and residual as column slices of wider buffers (row stride 70, read through the stride):
+    the mask is keyed by (row, column), so it equals the one drawn for contiguous inputs."""
+    p, seed = 0.4, 99
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(ROWS, 70, generator=gen)[:, :HIDDEN]
+    residual = torch.randn(ROWS, 70, generator=gen)[:, 3:3 + HIDDEN]
+    bias = torch.randn(2 * HIDDEN, generator=gen)[::2]                  # a strided bias
+    assert x.stride(0) == 70 and not bias.is_contiguous()
+    mask = keep_mask((ROWS, HIDDEN), p, seed, "triton")
+    out = bias_dropout_add(x, bias, residual, p, True, seed, backend="triton")
+    ref = bias_dropout_add_reference(x, bias, residual, p, mask)
+    _close(out, ref, residual.abs() + (x.abs() + bias.abs()) / (1 - p), torch.float32, "out")

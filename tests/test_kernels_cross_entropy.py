@@ -1,15 +1,15 @@
 """cross_entropy and its vocab-shard pieces: Triton (interpreter) and torch paths vs the plain-torch
 reference, and the reference vs float64 F.cross_entropy.
 
-The launchers allocate every output with NaN (poison), so an element a kernel fails to write stays
-NaN and fails ``assert_close`` (which treats NaN as unequal).
+The Triton tests poison every output allocation with NaN (``poisoned_outputs``), so an element a
+kernel fails to write stays NaN and fails ``assert_close`` (which treats NaN as unequal).
 """
 import pytest
 import torch
 import torch.nn.functional as F
 
-from tpfuse.kernels.cross_entropy import (cross_entropy, cross_entropy_reference, cross_entropy_shard_grad,
-                                          cross_entropy_shard_stats)
+from tpfuse.kernels.cross_entropy import (TargetOutOfRangeError, cross_entropy, cross_entropy_reference,
+                                          cross_entropy_shard_grad, cross_entropy_shard_stats)
 
 N, V = 37, 203  # odd sizes: several 64-wide interpreter vocab blocks with a ragged tail
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -48,7 +48,7 @@ def test_reference_matches_float64():
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("path", ["triton", "torch"])
-def test_cross_entropy_matches_reference(path, dtype):
+def test_cross_entropy_matches_reference(path, dtype, poisoned_outputs):
     logits, target, grad_loss = _batch(dtype)
     loss, grad = _loss_and_grad(cross_entropy, logits, target, grad_loss, backend=path)
     ref_loss, ref_grad = _loss_and_grad(cross_entropy_reference, logits, target, grad_loss)
@@ -60,10 +60,16 @@ def test_cross_entropy_matches_reference(path, dtype):
 
 
 @pytest.mark.parametrize("path", ["triton", "torch"])
-def test_shard_stats_of_three_shards_combine_to_full_vocab_loss(path):
-    """Fake vocab parallelism on one process: 3 uneven shards combined as docs/interfaces.md says."""
+@pytest.mark.parametrize("padded", [False, True])
+def test_shard_stats_of_three_shards_combine_to_full_vocab_loss(path, padded, poisoned_outputs):
+    """Fake vocab parallelism on one process: 3 uneven shards combined as docs/interfaces.md says.
+    ``padded``: the last shard is vocabulary padding masked to −inf (an all −inf shard must give
+    sum_exp 0 and gradient 0, never NaN); the reference is then the loss over the first 140 ids."""
     logits, target, grad_loss = _batch(torch.float32, seed=1)
     target[1:4] = torch.tensor([0, 69, 202])  # targets at shard edges (shards: 0..69, 70..139, 140..202)
+    if padded:
+        logits[:, 140:] = float("-inf")
+        target = torch.where(target >= 140, target - 140, target)
     bounds = [(0, 70), (70, 140), (140, V)]
     stats = [cross_entropy_shard_stats(logits[:, a:b], target, a, backend=path) for a, b in bounds]
     row_max = torch.stack([m for m, _, _ in stats]).amax(dim=0)                     # all-reduce MAX
@@ -71,11 +77,13 @@ def test_shard_stats_of_three_shards_combine_to_full_vocab_loss(path):
     sum_exp, target_logit = torch.stack(rescaled).sum(dim=0)                        # all-reduce SUM
     loss = torch.where(target == -100, 0.0, torch.log(sum_exp) + row_max - target_logit)
 
-    ref_loss, ref_grad = _loss_and_grad(cross_entropy_reference, logits, target, grad_loss)
+    real = 140 if padded else V
+    ref_loss, ref_grad = _loss_and_grad(cross_entropy_reference, logits[:, :real], target, grad_loss)
     torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-5)  # fp32 summation order only
     grads = [cross_entropy_shard_grad(logits[:, a:b], target, a, row_max, sum_exp, grad_loss, backend=path)
              for a, b in bounds]
-    torch.testing.assert_close(torch.cat(grads, dim=1), ref_grad, rtol=1e-5, atol=1e-6)
+    expected_grad = torch.cat([ref_grad, torch.zeros(N, V - real)], dim=1)
+    torch.testing.assert_close(torch.cat(grads, dim=1), expected_grad, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("path", ["triton", "torch"])
@@ -114,3 +122,17 @@ def test_bad_input_raises_value_error():
         cross_entropy(logits, torch.zeros(5))
     with pytest.raises(ValueError, match="float64"):
         cross_entropy(logits.double(), torch.zeros(5, dtype=torch.long))
+
+
+@pytest.mark.parametrize("path", ["triton", "torch"])
+@pytest.mark.parametrize("bad", [V, -1, 10 * V])
+def test_out_of_range_target_raises_like_torch(path, bad):
+    """torch's F.cross_entropy raises IndexError for a target outside [0, V); both paths do too
+    (with a ValueError subclass naming the id), instead of returning a finite loss."""
+    logits, target, _ = _batch(torch.float32, seed=4)
+    target[3] = bad
+    with pytest.raises(IndexError):
+        F.cross_entropy(logits, target, reduction="none")
+    with pytest.raises(TargetOutOfRangeError, match=f"target {bad} is out of bounds"):
+        cross_entropy(logits, target, backend=path)
+    assert issubclass(TargetOutOfRangeError, ValueError)

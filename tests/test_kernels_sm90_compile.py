@@ -101,7 +101,7 @@ def test_norm_kernels_compile(kind):
     bwd_types = {"x_ptr": "*bf16", "w_ptr": "*bf16", "dy_ptr": "*bf16", "dx_ptr": "*bf16", "rstd_ptr": "*fp32",
                  "dw_part_ptr": "*fp32", "stride_x": "i32", "stride_dy": "i32", "stride_dx": "i32", "M": "i32",
                  "N": "i32", "rows_per_program": "i32"}
-    fwd_const = {"BLOCK_N": launch["BLOCK_N"]}
+    fwd_const = {"BLOCK_N": launch["BLOCK_N"], "ONE_BLOCK": True}
     if kind == "layer_norm":
         fwd_types.update(b_ptr="*bf16", mean_ptr="*fp32")
         bwd_types.update(mean_ptr="*fp32", db_part_ptr="*fp32")
@@ -115,13 +115,18 @@ def test_norm_kernels_compile(kind):
 
 def test_bias_dropout_add_kernels_compile():
     module = _module("bias_dropout_add")
+    tile = module.tile_params(4096, is_cuda=True)
+    consts = {"BLOCK_R": tile["BLOCK_R"], "BLOCK_Q": tile["BLOCK_Q"]}
     fwd_ptx, _ = compile_sm90(module._bias_dropout_add_fwd_kernel,
                               {"x_ptr": "*bf16", "bias_ptr": "*bf16", "res_ptr": "*bf16", "out_ptr": "*bf16",
-                               "n_elements": "i32", "hidden": "i32", "p": "fp32", "scale": "fp32", "seed": "i32"},
-                              {"HAS_BIAS": True, "DROPOUT": True, "BLOCK": 1024},
-                              div16=["x_ptr", "bias_ptr", "res_ptr", "out_ptr"])
+                               "n_rows": "i32", "hidden": "i32", "stride_x": "i32", "stride_res": "i32",
+                               "stride_out": "i32", "p": "fp32", "scale": "fp32", "seed": "i32"},
+                              {"HAS_BIAS": True, "DROPOUT": True, **consts},
+                              div16=["x_ptr", "bias_ptr", "res_ptr", "out_ptr", "hidden", "stride_x",
+                                     "stride_res", "stride_out"], num_warps=tile["num_warps"])
     bwd_ptx, _ = compile_sm90(module._dropout_bwd_kernel,
-                              {"dy_ptr": "*bf16", "dx_ptr": "*bf16", "n_elements": "i32", "p": "fp32",
-                               "scale": "fp32", "seed": "i32"},
-                              {"BLOCK": 1024}, div16=["dy_ptr", "dx_ptr"])
+                              {"dy_ptr": "*bf16", "dx_ptr": "*bf16", "n_rows": "i32", "hidden": "i32",
+                               "stride_dy": "i32", "stride_dx": "i32", "p": "fp32", "scale": "fp32", "seed": "i32"},
+                              consts, div16=["dy_ptr", "dx_ptr", "hidden", "stride_dy", "stride_dx"],
+                              num_warps=tile["num_warps"])
     assert "st.global" in fwd_ptx and "st.global" in bwd_ptx
