@@ -1,46 +1,54 @@
-"""flash_attention: memory-efficient exact attention, forward and backward, with grouped-query heads.
+"""flash_attention: memory-efficient exact attention, forward and backward, with grouped-query heads,
+causal / sliding-window / document masks, position offsets and the logsumexp.
 
-    O = softmax(scale · Q Kᵀ + causal mask) V,   q (b, h, s, d),  k, v (b, h_kv, s, d),  h % h_kv == 0
+    O = softmax(scale · Q Kᵀ + M) V,   q (b, h, s_q, d),  k, v (b, h_kv, s_k, d),  h % h_kv == 0
 
 Query head ``i`` reads kv head ``i // (h / h_kv)`` (as ``repeat_interleave`` of k, v along heads would).
-The Triton kernels (kernels/flash_attention_fwd.py, kernels/flash_attention_bwd.py) stream key blocks
-through an online softmax and never form the s×s matrix; the forward saves the logsumexp
-``lse (b, h, s)`` fp32 and the backward recomputes P from it:
+M is 0 where key j is visible to query i and −inf elsewhere (kernels/flash_attention_mask.py): query i sits
+at position ``q_offset + i``, key j at ``k_offset + j``; ``causal`` keeps key_pos ≤ query_pos;
+``window_size=W`` keeps query_pos − key_pos < W (the last W positions including the query itself, as
+Mistral's / HF's ``sliding_window``); document ids keep equal ids only. A decode step is s_q = 1 with
+``q_offset = s_k − 1``. A query with no visible key gets out 0 and lse −inf.
 
-    forward   O = P V,  P = exp(S − lse),  S = scale · Q Kᵀ
+The logsumexp ``lse_i = log Σ_j exp(S_ij)`` (fp32) makes attention over a key range splittable: the
+attention over keys A ∪ B is ``merge_attention`` of the attentions over A and over B, and the backward
+over B needs only the merged out and lse (ring attention calls ``attention_forward`` /
+``attention_backward`` per key block):
+
+    forward   O = P V,  P = exp(S − lse),  S = scale · Q Kᵀ + M
     dgrad     δ = rowsum(dO ⊙ O);  dS = P ⊙ (dO Vᵀ − δ);  dQ = scale · dS K
     wgrad     dV = Σ_group Pᵀ dO;  dK = scale · Σ_group dSᵀ Q   (Σ over the query heads of a kv head)
 
-File shape: kernels (fwd/bwd files) → launchers (there) → plain-torch reference → autograd Function →
-public op. The torch path (backend="torch", the CPU default) is
-``F.scaled_dot_product_attention(..., enable_gqa=True)``; ``attention_reference`` is the explicit
-softmax composition that tests hold both paths against.
+File shape: Triton kernels and launchers (kernels/flash_attention_fwd.py, _bwd.py) → the torch path
+(kernels/flash_attention_torch.py, the CPU default) → the plain-torch reference here → autograd Function →
+public ops. ``attention_reference`` is the explicit masked softmax every path is tested against.
 """
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from . import backend as _backend
 from .flash_attention_bwd import attention_backward_triton
-from .flash_attention_fwd import attention_forward_triton, default_scale
+from .flash_attention_fwd import attention_forward_triton
+from .flash_attention_mask import build_mask, check_softmax_scale
+from .flash_attention_torch import attention_backward_torch, attention_forward_torch
 
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 128
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def _check_inputs(q, k, v, dtypes=_DTYPES):
-    """ValueError naming the offending setting; returns (b, heads, kv_heads, s, d)."""
+    """ValueError naming the offending setting; returns the head dim."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 4:
             raise ValueError(f"flash_attention: {name} must be [b, heads, s, d], got shape {tuple(t.shape)}")
     if k.shape != v.shape:
         raise ValueError(f"flash_attention: k shape {tuple(k.shape)} != v shape {tuple(v.shape)}")
-    b, heads, seq_len, head_dim = q.shape
+    b, heads, _, head_dim = q.shape
     kv_heads = k.shape[1]
-    if (k.shape[0], k.shape[2], k.shape[3]) != (b, seq_len, head_dim):
+    if (k.shape[0], k.shape[3]) != (b, head_dim):
         raise ValueError(f"flash_attention: k/v shape {tuple(k.shape)} must match q shape {tuple(q.shape)} "
-                         "in batch, sequence length and head dim")
+                         "in batch and head dim")
     if kv_heads == 0 or heads % kv_heads != 0:
         raise ValueError(f"flash_attention: heads={heads} must be a multiple of kv_heads={kv_heads}")
     if not MIN_HEAD_DIM <= head_dim <= MAX_HEAD_DIM:
@@ -49,62 +57,142 @@ def _check_inputs(q, k, v, dtypes=_DTYPES):
     if not (q.dtype == k.dtype == v.dtype) or q.dtype not in dtypes:
         raise ValueError(f"flash_attention: q/k/v dtypes ({q.dtype}, {k.dtype}, {v.dtype}) must be equal "
                          f"and one of {dtypes}")
-    return b, heads, kv_heads, seq_len, head_dim
+    return head_dim
+
+
+def _settings(q, k, v, causal, softmax_scale, masks, dtypes=_DTYPES):
+    """(AttentionMask, scale) after every check, so a bad call fails before any work."""
+    head_dim = _check_inputs(q, k, v, dtypes)
+    return build_mask(q, k, causal, **masks), check_softmax_scale(softmax_scale, head_dim)
 
 
 # ----------------------------------------------------------------------------- plain-torch reference
 
-def attention_reference(q, k, v, causal=True, softmax_scale=None, return_lse=False):
-    """Explicit softmax(scale · Q Kᵀ) V in fp32 (float64 stays float64), materialising s×s.
+def attention_reference(q, k, v, causal=True, softmax_scale=None, *, window_size=None, q_document_ids=None,
+                        k_document_ids=None, q_offset=0, k_offset=0, return_lse=False):
+    """Explicit masked softmax(scale · Q Kᵀ + M) V in fp32 (float64 stays float64), materialising s_q×s_k.
 
-    Returns ``out`` in q's dtype, and with ``return_lse`` also ``lse (b, h, s)`` in the compute dtype.
+    The arguments of ``flash_attention``. Returns ``out`` in q's dtype, and with ``return_lse`` also
+    ``lse (b, h, s_q)`` in the compute dtype. Empty rows: out 0, lse −inf, gradients 0.
     """
-    _, heads, kv_heads, seq_len, head_dim = _check_inputs(q, k, v, _DTYPES + (torch.float64,))
-    scale = default_scale(head_dim) if softmax_scale is None else softmax_scale
+    mask, scale = _settings(q, k, v, causal, softmax_scale, dict(
+        window_size=window_size, q_document_ids=q_document_ids, k_document_ids=k_document_ids,
+        q_offset=q_offset, k_offset=k_offset), _DTYPES + (torch.float64,))
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
-    group = heads // kv_heads
-    k_full = k.to(compute).repeat_interleave(group, dim=1)                        # (b, h, s, d)
+    group = q.shape[1] // k.shape[1]
+    k_full = k.to(compute).repeat_interleave(group, dim=1)                        # (b, h, s_k, d)
     v_full = v.to(compute).repeat_interleave(group, dim=1)
-    scores = scale * q.to(compute) @ k_full.transpose(-1, -2)                     # (b, h, s, s)
-    if causal:
-        future = torch.ones(seq_len, seq_len, dtype=torch.bool, device=q.device).triu(1)
-        scores = scores.masked_fill(future, float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)                                         # (b, h, s)
-    out = (torch.exp(scores - lse[..., None]) @ v_full).to(q.dtype)
+    scores = scale * q.to(compute) @ k_full.transpose(-1, -2)                     # (b, h, s_q, s_k)
+    visible = mask.visible(q.shape[2], k.shape[2], q.device)                      # (b | 1, 1, s_q, s_k)
+    empty = ~visible.any(dim=-1)                                                  # (b | 1, 1, s_q)
+    scores = scores.masked_fill(~visible, float("-inf"))
+    lse = torch.logsumexp(scores.masked_fill(empty[..., None], 0.0), dim=-1)      # finite everywhere
+    probs = torch.exp(scores - lse[..., None])                                    # 0 on masked entries
+    out = (probs @ v_full).to(q.dtype)
+    lse = lse.masked_fill(empty, float("-inf"))
     return (out, lse) if return_lse else out
 
 
-def _attention_torch(q, k, v, causal, softmax_scale):
-    """SDPA with ``enable_gqa`` (on CPU as fast as or faster than repeating kv heads, fwd and bwd)."""
-    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=softmax_scale,
-                                          enable_gqa=k.shape[1] != q.shape[1])
+def merge_attention(out_a, lse_a, out_b, lse_b):
+    """Attention over key sets A ∪ B from the attentions over A and over B (disjoint key sets):
+
+        lse = log(e^lse_a + e^lse_b),   out = e^(lse_a − lse) · out_a + e^(lse_b − lse) · out_b
+
+    out ``(b, h, s, d)``, lse ``(b, h, s)``; a row empty in one part takes the other's values, a row empty
+    in both stays out 0, lse −inf. Returns ``(out, lse)`` in the dtypes of out_a and lse_a.
+    """
+    compute = torch.float64 if torch.float64 in (out_a.dtype, lse_a.dtype) else torch.float32
+    lse = torch.logaddexp(lse_a.to(compute), lse_b.to(compute))                   # (b, h, s)
+    finite = lse.masked_fill(torch.isinf(lse), 0.0)   # both parts empty: weights e^(−inf − 0) = 0
+    weight_a = torch.exp(lse_a.to(compute) - finite)[..., None]
+    weight_b = torch.exp(lse_b.to(compute) - finite)[..., None]
+    out = weight_a * out_a.to(compute) + weight_b * out_b.to(compute)
+    return out.to(out_a.dtype), lse.to(lse_a.dtype)
+
+
+# ----------------------------------------------------------------------------- non-autograd building blocks
+
+def _forward(q, k, v, mask, scale, backend):
+    if _backend.resolve(backend, q, k, v) == "torch":
+        return attention_forward_torch(q, k, v, mask, scale)
+    return attention_forward_triton(q, k, v, mask, scale)
+
+
+def _backward(dout, q, k, v, out, lse, mask, scale, deterministic, backend):
+    if _backend.resolve(backend, q, k, v) == "torch":
+        return attention_backward_torch(dout, q, k, v, out, lse, mask, scale)
+    return attention_backward_triton(dout, q, k, v, out, lse, mask, scale, deterministic)
+
+
+def attention_forward(q, k, v, causal=True, softmax_scale=None, *, window_size=None, q_document_ids=None,
+                      k_document_ids=None, q_offset=0, k_offset=0, backend=None):
+    """``(out (b, h, s_q, d), lse (b, h, s_q) fp32)`` of attention over these keys only; no autograd.
+
+    The same arguments as ``flash_attention``. Partial results over disjoint key blocks combine with
+    ``merge_attention``.
+    """
+    mask, scale = _settings(q, k, v, causal, softmax_scale, dict(
+        window_size=window_size, q_document_ids=q_document_ids, k_document_ids=k_document_ids,
+        q_offset=q_offset, k_offset=k_offset))
+    return _forward(q, k, v, mask, scale, backend)
+
+
+def attention_backward(dout, q, k, v, out, lse, causal=True, softmax_scale=None, *, window_size=None,
+                       q_document_ids=None, k_document_ids=None, q_offset=0, k_offset=0,
+                       deterministic=False, backend=None):
+    """``(dq, dk, dv)`` of attention over these keys, given dout and the out / lse of the *whole*
+    attention (after every ``merge_attention``): the contribution of this key block; no autograd.
+
+    dk, dv are complete for these keys; dq sums over the key blocks. ``deterministic`` selects the
+    Triton backward without atomics (the torch path is always deterministic).
+    """
+    mask, scale = _settings(q, k, v, causal, softmax_scale, dict(
+        window_size=window_size, q_document_ids=q_document_ids, k_document_ids=k_document_ids,
+        q_offset=q_offset, k_offset=k_offset))
+    if dout.shape != q.shape or out.shape != q.shape or tuple(lse.shape) != tuple(q.shape[:3]):
+        raise ValueError(f"attention_backward: dout {tuple(dout.shape)} and out {tuple(out.shape)} must have "
+                         f"q's shape {tuple(q.shape)}, lse {tuple(lse.shape)} must be {tuple(q.shape[:3])}")
+    return _backward(dout, q, k, v, out, lse, mask, scale, bool(deterministic), backend)
 
 
 # ----------------------------------------------------------------------------- autograd Function
 
 class _FlashAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, causal, softmax_scale):
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        out, lse = attention_forward_triton(q, k, v, causal, softmax_scale)
+    def forward(ctx, q, k, v, mask, scale, deterministic, backend):
+        out, lse = _forward(q, k, v, mask, scale, backend)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.causal, ctx.softmax_scale = causal, softmax_scale
-        return out
+        ctx.settings = (mask, scale, deterministic, backend)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
 
     @staticmethod
-    def backward(ctx, grad_out):
+    def backward(ctx, grad_out, _grad_lse):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = attention_backward_triton(grad_out, q, k, v, out, lse, ctx.causal, ctx.softmax_scale)
-        return dq, dk, dv, None, None
+        dq, dk, dv = _backward(grad_out, q, k, v, out, lse, *ctx.settings)
+        return dq, dk, dv, None, None, None, None
 
 
-def flash_attention(q, k, v, causal=True, softmax_scale=None, *, backend=None):
-    """Attention ``(b, heads, s, d)`` of q ``(b, heads, s, d)`` over k, v ``(b, kv_heads, s, d)``.
+def flash_attention(q, k, v, causal=True, softmax_scale=None, *, window_size=None, q_document_ids=None,
+                    k_document_ids=None, q_offset=0, k_offset=0, return_lse=False, deterministic=False,
+                    backend=None):
+    """Attention of q ``(b, heads, s_q, d)`` over k, v ``(b, kv_heads, s_k, d)`` → ``(b, heads, s_q, d)``.
 
-    ``softmax_scale`` defaults to 1/sqrt(d); causal: query i attends keys ≤ i. Differentiable in q, k, v.
+    - ``softmax_scale``: defaults to 1/√d; must be a positive finite number.
+    - ``causal``: key_pos ≤ query_pos, positions ``q_offset + i`` and ``k_offset + j`` (so s_q ≠ s_k and a
+      query chunk attending to a key chunk elsewhere in the sequence are expressed by the offsets).
+    - ``window_size=W``: also query_pos − key_pos < W (Mistral / HF ``sliding_window``: W positions,
+      the query's own included).
+    - ``q_document_ids (b, s_q)``, ``k_document_ids (b, s_k)`` int: attend only within equal ids; ids
+      that never decrease along the sequence (packed documents) let whole tiles be skipped.
+    - ``return_lse``: also return ``lse (b, heads, s_q)`` fp32 (not differentiable); empty rows give
+      out 0 and lse −inf.
+    - ``deterministic``: the Triton backward accumulates dq without atomics (two kernels).
+
+    Differentiable in q, k, v.
     """
-    _, _, _, _, head_dim = _check_inputs(q, k, v)
-    scale = default_scale(head_dim) if softmax_scale is None else float(softmax_scale)
-    if _backend.resolve(backend, q, k, v) == "torch":
-        return _attention_torch(q, k, v, causal, scale)
-    return _FlashAttention.apply(q, k, v, bool(causal), scale)
+    mask, scale = _settings(q, k, v, causal, softmax_scale, dict(
+        window_size=window_size, q_document_ids=q_document_ids, k_document_ids=k_document_ids,
+        q_offset=q_offset, k_offset=k_offset))
+    out, lse = _FlashAttention.apply(q, k, v, mask, scale, bool(deterministic), backend)
+    return (out, lse) if return_lse else out

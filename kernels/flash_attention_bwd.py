@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from . import backend as _backend
-from .flash_attention_fwd import LOG2E, dot_in_fp32, head_block, mma
+from .flash_attention_fwd import LOG2E, check_supported, dot_in_fp32, head_block, mma
 
 _LOG2E = tl.constexpr(LOG2E)  # a global read inside @triton.jit code must be a constexpr
 CPU_DELTA_META = {"BLOCK_M": 32}
@@ -177,8 +177,10 @@ def _attn_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
     tl.store(dq_ptr + q_offsets, dq.to(dq_ptr.dtype.element_ty), mask=q_ok)
 
 
-def attention_backward_triton(grad_out, q, k, v, out, lse, causal: bool, softmax_scale: float):
-    """(dq, dk, dv) for contiguous q (b, h, s, d), k/v (b, kv_h, s, d), out, lse (b, h, s) fp32."""
+def attention_backward_triton(grad_out, q, k, v, out, lse, mask, softmax_scale: float, deterministic: bool):
+    """(dq, dk, dv) for q (b, h, s, d), k/v (b, kv_h, s, d), out, lse (b, h, s) fp32."""
+    check_supported(q, k, mask)
+    q, k, v, out, lse, causal = q.contiguous(), k.contiguous(), v.contiguous(), out.contiguous(), lse.contiguous(), mask.causal
     b, n_heads, seq_len, head_dim = q.shape
     n_kv_heads = k.shape[1]
     group = n_heads // n_kv_heads

@@ -130,8 +130,16 @@ def dot_in_fp32(t: torch.Tensor) -> bool:
     return t.dtype == torch.float32 or (t.dtype == torch.bfloat16 and not t.is_cuda)
 
 
-def attention_forward_triton(q, k, v, causal: bool, softmax_scale: float):
-    """(out (b, h, s, d) in q's dtype, lse (b, h, s) fp32). q, k, v contiguous in the head dim."""
+def check_supported(q, k, mask):
+    if mask.window_size is not None or mask.has_documents or mask.shift != 0 or q.shape[2] != k.shape[2]:
+        raise NotImplementedError("the Triton flash-attention kernels take causal or full masks with "
+                                  "s_q == s_k and q_offset == k_offset; use backend='torch'")
+
+
+def attention_forward_triton(q, k, v, mask, softmax_scale: float):
+    """(out (b, h, s, d) in q's dtype, lse (b, h, s) fp32)."""
+    check_supported(q, k, mask)
+    q, k, v, causal = q.contiguous(), k.contiguous(), v.contiguous(), mask.causal
     b, n_heads, seq_len, head_dim = q.shape
     group = n_heads // k.shape[1]
     out = torch.full_like(q, float("nan"))                                           # poisoned
@@ -145,6 +153,3 @@ def attention_forward_triton(q, k, v, causal: bool, softmax_scale: float):
                     cpu_meta=CPU_FWD_META)
     return out, lse
 
-
-def default_scale(head_dim: int) -> float:
-    return 1.0 / math.sqrt(head_dim)

@@ -1,109 +1,140 @@
 """flash_attention: the Triton kernels (interpreter) and the torch path vs the explicit-softmax
-reference, and the reference vs float64 SDPA; forward, saved logsumexp and dq, dk, dv.
+reference, and the reference vs float64 SDPA with a mask built element by element from its definition;
+forward, logsumexp and dq, dk, dv, for every mask rule (causal, window, documents, offsets, s_q ≠ s_k).
 
-The launchers allocate every output (O, lse, δ, dq, dk, dv) filled with NaN (poison), so an element a
-kernel fails to write stays NaN and fails ``assert_close`` (NaN never compares equal).
+Kernel outputs are allocated with torch.empty; the ``poisoned_outputs`` fixture fills those with NaN,
+so an element a kernel fails to write stays NaN and fails ``assert_close`` (NaN never compares equal).
 """
-import math
-
 import pytest
 import torch
 import torch.nn.functional as F
+from _attention_cases import (assert_all_close, make_inputs, mask_case, packed_document_ids, run_with_grads,
+                              visible_by_loops)
 
-from tpfuse.kernels.flash_attention import attention_reference, flash_attention
-from tpfuse.kernels.flash_attention_fwd import attention_forward_triton
+from tpfuse.kernels.flash_attention import attention_forward, attention_reference, flash_attention
 
-# Unit roundoff u of each dtype (half an ulp at 1: 2^-24 fp32, 2^-11 fp16, 2^-9 bf16).
-UNIT_ROUNDOFF = {torch.float32: 2.0 ** -24, torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -9}
-
-
-def _tolerance(dtype, reference):
-    """Absolute tolerance for a kernel result against the fp32 reference on the same rounded inputs.
-
-    fp32: both sides compute in fp32 and differ only in summation order (online softmax rescaling,
-    blocked sums over s <= 67 terms): 1e-5 relative to the largest value covers it (observed ~1e-6).
-    fp16/bf16: the kernel rounds its output (≤ u·|x|) and, like every flash attention, rounds the
-    second GEMM's operand (P for O and dV, dS for dQ and dK) to the input dtype, adding ≤ u·Σ|terms|
-    to each sum (fp32 accumulation otherwise). Σ|terms| exceeds |result| by a small factor where
-    terms cancel (dS sums to ~0 per row), so the error is a few u·max|ref|: observed ≤ 1.1 (fp16) and
-    ≤ 4.5 (bf16) on these cases; allow 8u·max|ref|.
-    """
-    scale = reference.abs().max().item()
-    return 1e-5 * scale if dtype == torch.float32 else 8 * UNIT_ROUNDOFF[dtype] * scale
+B = 2
+# name: (heads, kv_heads, s_q, s_k, mask keywords of mask_case). s = 37 / 67 leave ragged tails for every
+# interpreter block size (16 and 32); documents are 1..11 tokens long, so blocks hold several.
+CASES = {
+    "causal": (4, 2, 37, 37, dict()),
+    "full": (4, 4, 37, 37, dict(causal=False)),
+    "window": (4, 2, 37, 37, dict(window_size=5)),
+    "window_not_causal": (2, 1, 37, 37, dict(causal=False, window_size=6)),
+    "documents": (4, 2, 37, 37, dict(documents=True)),
+    "documents_window": (2, 1, 37, 37, dict(documents=True, window_size=4)),
+    "chunk_after_keys": (4, 2, 13, 29, dict(documents=True, q_offset=40, k_offset=20)),
+    "chunk_before_keys": (2, 1, 30, 29, dict(documents=True, q_offset=0, k_offset=20, max_doc=25)),
+    "decode": (4, 1, 1, 37, dict(q_offset=36, window_size=9)),
+}
 
 
-def _inputs(b, heads, kv_heads, s, d, dtype, seed=0, seq_major=False):
-    gen = torch.Generator().manual_seed(seed)
-    if seq_major:  # (b, s, h, d) storage seen as (b, h, s, d): a non-contiguous view, as layers make
-        q = torch.randn(b, s, heads, d, generator=gen).transpose(1, 2)
-    else:
-        q = torch.randn(b, heads, s, d, generator=gen)
-    k, v = (torch.randn(b, kv_heads, s, d, generator=gen) for _ in range(2))
-    grad_out = torch.randn(b, heads, s, d, generator=gen)
-    return [t.to(dtype) for t in (q, k, v)], grad_out.to(dtype)
+def _case(name, dtype, d=24, seed=0, seq_major=False):
+    heads, kv_heads, s_q, s_k, spec = CASES[name]
+    qkv, grad_out = make_inputs(B, heads, kv_heads, s_q, s_k, d, dtype, seed=seed, seq_major=seq_major)
+    return qkv, grad_out, mask_case(B, s_q, s_k, seed=seed, **spec)
 
 
-def _run(fn, qkv, grad_out, **kwargs):
-    leaves = [t.detach().clone().requires_grad_() for t in qkv]
-    out = fn(*leaves, **kwargs)
-    out.backward(grad_out)
-    return [out.detach()] + [t.grad for t in leaves]
+def _unsorted_documents():
+    """Document ids in no order (each id scattered): exact, only masked (no skipping)."""
+    qkv, grad_out = make_inputs(B, 4, 2, 37, 37, 24, torch.float32, seed=3)
+    ids = torch.randint(0, 3, (B, 37), generator=torch.Generator().manual_seed(3))
+    return qkv, grad_out, dict(causal=True, q_document_ids=ids, k_document_ids=ids)
 
 
-def _assert_all_close(got, expected, dtype):
-    for name, g, e in zip(("out", "dq", "dk", "dv"), got, expected):
-        assert g.dtype == dtype and g.shape == e.shape, name
-        atol = _tolerance(dtype, e.float())
-        torch.testing.assert_close(g.float(), e.float(), rtol=0, atol=atol, msg=lambda m: f"{name}: {m}")
-
-
-@pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (4, 4)])
-def test_reference_matches_float64_sdpa(causal, heads, kv_heads):
-    qkv, grad_out = _inputs(2, heads, kv_heads, 37, 24, torch.float32)
-    got = _run(attention_reference, qkv, grad_out, causal=causal)
-    exact = _run(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True),
-                 [t.double() for t in qkv], grad_out.double())
-    for g, e in zip(got, exact):  # fp32 against float64: summation-order noise ~1e-6
+@pytest.mark.parametrize("name", list(CASES))
+def test_reference_matches_float64_sdpa_with_mask_by_definition(name):
+    qkv, grad_out, kw = _case(name, torch.float32)
+    got = run_with_grads(attention_reference, qkv, grad_out, **kw)
+    keep = visible_by_loops(B, qkv[0].shape[2], qkv[1].shape[2], kw)
+    exact = run_with_grads(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=keep, enable_gqa=True),
+                           [t.double() for t in qkv], grad_out.double())
+    for g, e in zip(got, exact):  # fp32 against float64: summation-order noise ~1e-6; empty rows 0 in both
         torch.testing.assert_close(g.double(), e, rtol=1e-5, atol=1e-5)
 
 
-# (dtype, causal, heads, kv_heads, s, d): GQA, MHA and MQA; d padded (24 → 32, 100 → 128) and exact
-# (16, 64);
-# s = 67 and 37 leave ragged tails for every interpreter block size (16 and 32).
+def test_reference_lse_and_empty_rows():
+    qkv, grad_out, kw = _case("chunk_before_keys", torch.float32)
+    out, lse = attention_reference(*qkv, return_lse=True, **kw)
+    keep = visible_by_loops(B, 30, 29, kw)
+    empty = ~keep.any(-1)                                                     # (b, 1, s_q)
+    assert empty.any() and (~empty).any()
+    scores = qkv[0].double() @ qkv[1].double().repeat_interleave(2, 1).transpose(-1, -2) / 24 ** 0.5
+    expected = torch.logsumexp(scores.masked_fill(~keep, float("-inf")), -1)  # −inf on empty rows
+    torch.testing.assert_close(lse.double(), expected, rtol=1e-5, atol=1e-5)
+    assert (out.masked_select(empty[..., None]) == 0).all()
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_torch_path_matches_reference(name):
+    qkv, grad_out, kw = _case(name, torch.float32, seed=1)
+    got = run_with_grads(flash_attention, qkv, grad_out, backend="torch", **kw)
+    expected = run_with_grads(attention_reference, qkv, grad_out, **kw)
+    assert_all_close(got, expected, torch.float32)
+    _, lse = attention_forward(*qkv, backend="torch", **kw)
+    _, lse_expected = attention_reference(*qkv, return_lse=True, **kw)
+    torch.testing.assert_close(lse, lse_expected, rtol=1e-5, atol=1e-5)   # −inf rows compare equal
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name", ["causal", "documents_window", "chunk_after_keys"])
+def test_torch_path_half_precision(dtype, name):
+    qkv, grad_out, kw = _case(name, dtype, seed=2, seq_major=True)
+    got = run_with_grads(flash_attention, qkv, grad_out, backend="torch", **kw)
+    expected = run_with_grads(attention_reference, qkv, grad_out, **kw)
+    assert_all_close(got, expected, dtype)
+
+
+def test_torch_path_unsorted_documents():
+    qkv, grad_out, kw = _unsorted_documents()
+    got = run_with_grads(flash_attention, qkv, grad_out, backend="torch", **kw)
+    assert_all_close(got, run_with_grads(attention_reference, qkv, grad_out, **kw), torch.float32)
+
+
+def test_torch_path_long_window_is_chunked():
+    """A window much narrower than the sequence: row chunks, each reading only its keys."""
+    kw = dict(causal=True, window_size=7)
+    qkv, grad_out = make_inputs(1, 2, 1, 600, 600, 16, torch.float32, seed=4)
+    got = run_with_grads(flash_attention, qkv, grad_out, backend="torch", **kw)
+    assert_all_close(got, run_with_grads(attention_reference, qkv, grad_out, **kw), torch.float32)
+
+
+# (dtype, case, d, deterministic): GQA, MHA and MQA; d padded (24 → 32, 100 → 128) and exact (16, 64).
 TRITON_CASES = [
-    (torch.float32, True, 4, 2, 67, 24),
-    (torch.float32, False, 4, 4, 37, 64),
-    (torch.float32, True, 2, 1, 37, 16),
-    (torch.float16, True, 4, 2, 67, 24),
-    (torch.bfloat16, False, 2, 1, 37, 64),
-    (torch.bfloat16, True, 4, 4, 37, 16),
-    (torch.float32, True, 2, 1, 5, 100),  # s below every block, d = 100 padded to 128
+    (torch.float32, "causal", 24, False),
+    (torch.float32, "causal", 24, True),
+    (torch.float16, "causal", 24, False),
+    (torch.bfloat16, "full", 64, False),
 ]
 
 
-@pytest.mark.parametrize("dtype,causal,heads,kv_heads,s,d", TRITON_CASES)
-def test_triton_matches_reference(dtype, causal, heads, kv_heads, s, d):
-    qkv, grad_out = _inputs(2, heads, kv_heads, s, d, dtype, seq_major=(d == 24))
+@pytest.mark.parametrize("dtype,name,d,deterministic", TRITON_CASES)
+def test_triton_matches_reference(dtype, name, d, deterministic, poisoned_outputs):
+    qkv, grad_out, kw = _case(name, dtype, d=d, seq_major=(d == 24))
     scale = 0.3 if d == 64 else None  # a custom softmax_scale on the d = 64 cases
-    got = _run(flash_attention, qkv, grad_out, causal=causal, softmax_scale=scale, backend="triton")
-    expected = _run(attention_reference, qkv, grad_out, causal=causal, softmax_scale=scale)
-    _assert_all_close(got, expected, dtype)
+    got = run_with_grads(flash_attention, qkv, grad_out, softmax_scale=scale, backend="triton",
+                         deterministic=deterministic, **kw)
+    expected = run_with_grads(attention_reference, qkv, grad_out, softmax_scale=scale, **kw)
+    assert_all_close(got, expected, dtype)
 
 
-def test_triton_forward_saves_the_logsumexp():
-    qkv, _ = _inputs(2, 4, 2, 37, 24, torch.float32, seed=1)
-    _, lse = attention_forward_triton(*qkv, causal=True, softmax_scale=1 / math.sqrt(24))
-    _, expected = attention_reference(*qkv, causal=True, return_lse=True)
+def test_triton_small_sequence_wide_head(poisoned_outputs):
+    """s below every block, d = 100 padded to 128, MQA."""
+    qkv, grad_out = make_inputs(B, 2, 1, 5, 5, 100, torch.float32)
+    got = run_with_grads(flash_attention, qkv, grad_out, backend="triton")
+    assert_all_close(got, run_with_grads(attention_reference, qkv, grad_out), torch.float32)
+
+
+def test_triton_forward_saves_the_logsumexp(poisoned_outputs):
+    qkv, _, kw = _case("causal", torch.float32, seed=1)
+    _, lse = attention_forward(*qkv, backend="triton", **kw)
+    _, expected = attention_reference(*qkv, return_lse=True, **kw)
     torch.testing.assert_close(lse, expected, rtol=1e-5, atol=1e-5)  # fp32 summation order only
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_torch_path_matches_reference(dtype):
-    qkv, grad_out = _inputs(2, 4, 2, 67, 24, dtype, seed=2)
-    got = _run(flash_attention, qkv, grad_out, causal=True, backend="torch")
-    expected = _run(attention_reference, qkv, grad_out, causal=True)
-    _assert_all_close(got, expected, dtype)
+def test_packed_document_ids_are_sorted_runs():
+    ids = packed_document_ids(3, 50, seed=0)
+    assert ids.shape == (3, 50) and (ids.diff(dim=1) >= 0).all() and (ids.diff(dim=1) <= 1).all()
 
 
 def test_bad_inputs_raise_value_error():
@@ -114,7 +145,22 @@ def test_bad_inputs_raise_value_error():
         t = torch.randn(1, 2, 8, d)
         with pytest.raises(ValueError, match=f"head dim d={d}"):
             flash_attention(t, t, t)
-    with pytest.raises(ValueError, match="sequence length"):
-        flash_attention(q, torch.randn(1, 2, 9, 16), torch.randn(1, 2, 9, 16))
+    with pytest.raises(ValueError, match="batch and head dim"):
+        flash_attention(q, torch.randn(2, 2, 9, 16), torch.randn(2, 2, 9, 16))
     with pytest.raises(ValueError, match="dtypes"):
         flash_attention(q, k[:, :2].double(), k[:, :2].double())
+    kv = torch.randn(1, 2, 8, 16)
+    for scale in (float("nan"), 0.0, -0.5, float("inf")):
+        with pytest.raises(ValueError, match=f"softmax_scale must be a positive finite number, got {scale}"):
+            flash_attention(q, kv, kv, softmax_scale=scale)
+    with pytest.raises(ValueError, match="window_size must be >= 1, got 0"):
+        flash_attention(q, kv, kv, window_size=0)
+    with pytest.raises(ValueError, match="q_offset must be an int"):
+        flash_attention(q, kv, kv, q_offset=1.5)
+    ids = torch.zeros(1, 8, dtype=torch.long)
+    with pytest.raises(ValueError, match="must be given together"):
+        flash_attention(q, kv, kv, q_document_ids=ids)
+    with pytest.raises(ValueError, match=r"k_document_ids shape \(1, 7\) must be \(b, s\) = \(1, 8\)"):
+        flash_attention(q, kv, kv, q_document_ids=ids, k_document_ids=ids[:, :7])
+    with pytest.raises(ValueError, match="q_document_ids must be an integer tensor"):
+        flash_attention(q, kv, kv, q_document_ids=ids.float(), k_document_ids=ids)
