@@ -277,14 +277,16 @@ def _virtual_pipeline_via_facade():
     mpu.initialize_model_parallel(tensor_model_parallel_size=2, pipeline_model_parallel_size=4,
                                   virtual_pipeline_model_parallel_size=2)
     stage = mpu.get_pipeline_model_parallel_rank()
-    mpu.set_virtual_pipeline_model_parallel_rank(1)
+    with pytest.warns(DeprecationWarning, match="vp_stage"):
+        mpu.set_virtual_pipeline_model_parallel_rank(1)
     assert mpu.get_virtual_pipeline_model_parallel_rank() == 1
     assert not mpu.is_pipeline_first_stage(ignore_virtual=False)
     assert mpu.is_pipeline_last_stage(ignore_virtual=False) == (stage == 3)
     assert mpu.is_pipeline_first_stage(ignore_virtual=False, vp_stage=0) == (stage == 0)
     assert mpu.is_rank_in_embedding_group(ignore_virtual=False, vp_stage=1) == (stage == 3)
     assert mpu.is_rank_in_embedding_group(ignore_virtual=False, vp_stage=0) == (stage == 0)
-    with pytest.raises(ValueError, match="virtual pipeline rank"):
+    with pytest.raises(ValueError, match="virtual pipeline rank"), \
+            pytest.warns(DeprecationWarning):
         mpu.set_virtual_pipeline_model_parallel_rank(2)
     mpu.set_virtual_pipeline_model_parallel_world_size(4)
     assert mpu.get_virtual_pipeline_model_parallel_world_size() == 4
@@ -302,7 +304,7 @@ GETTERS_BEFORE_INIT = [
     ("get_expert_model_parallel_world_size", ()), ("get_expert_data_parallel_rank", ()),
     ("get_expert_tensor_parallel_group", ()), ("get_model_parallel_group", ()),
     ("get_embedding_group", ()), ("is_pipeline_first_stage", ()), ("is_pipeline_last_stage", ()),
-    ("is_rank_in_embedding_group", ()), ("get_virtual_pipeline_model_parallel_world_size", ()),
+    ("is_rank_in_embedding_group", ()), ("get_global_memory_buffer", ()),
     ("get_pipeline_model_parallel_next_rank", ()), ("get_tensor_model_parallel_src_rank", ()),
 ]
 
