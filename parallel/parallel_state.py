@@ -70,7 +70,8 @@ from .parallel_state_ranks import (  # noqa: F401  (Megatron's names, re-exporte
     set_tensor_model_parallel_world_size, set_virtual_pipeline_model_parallel_rank,
     set_virtual_pipeline_model_parallel_world_size)
 from .parallel_state_ranks import state as _state
-from .state import ParallelState, destroy_all_states, has_default_state, set_default_state
+from .state import (ParallelState, destroy_all_states, get_default_state,  # noqa: F401
+                    has_default_state, set_default_state)
 
 class _Facade:
     """What initialize_model_parallel built beyond the ParallelState (destroyed with it)."""
