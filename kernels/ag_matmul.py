@@ -33,6 +33,7 @@ from tpfuse.parallel.mappings import (all_gather_first_dim, group_rank, group_si
                                       reduce_scatter_first_dim)
 
 from . import comm_gemm_common as common
+from .wgrad import accumulate_wgrad, weight_grad, wgrad_accumulator, wgrad_for_autograd
 
 _use_symm_mem = os.environ.get("TPFUSE_SYMM_MEM", "0") == "1"
 
@@ -116,7 +117,7 @@ def _backward_plain(ctx, g, kept, w, extra):
     x_full = kept if ctx.keep_gathered else all_gather_first_dim(kept, ctx.group)
     dx_full = _dgrad_rows(g, w, extra, 0, g.shape[0], ctx.backend)  # (s, b, h)
     dx_shard = reduce_scatter_first_dim(dx_full, ctx.group)         # (s/tp, b, h)
-    dw = common.wgrad(g, x_full, ctx.backend).to(w.dtype) if ctx.needs_input_grad[1] else None
+    dw = weight_grad(w, g, x_full, backend=ctx.backend) if ctx.needs_input_grad[1] else None
     return dx_shard, dw
 
 
@@ -125,7 +126,7 @@ def _backward_fused(ctx, g, kept, w, extra):
     tp = group_size(group)
     rows = g.shape[0] // tp
     want_dw = ctx.needs_input_grad[1]
-    dw = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if want_dw else None
+    dw = wgrad_accumulator(w) if want_dw else None                  # main_grad or fp32 zeros
     regather = None
     if want_dw and not ctx.keep_gathered:
         regather = all_gather_first_dim(kept, group, async_op=True)  # (x_full, work) in flight
@@ -138,14 +139,14 @@ def _backward_fused(ctx, g, kept, w, extra):
             return
         if ctx.keep_gathered:                                       # this chunk's share
             lo, hi = dst * rows, (dst + 1) * rows
-            dw.add_(common.wgrad(g[lo:hi], kept[lo:hi], backend))
+            accumulate_wgrad(dw, g[lo:hi], kept[lo:hi], backend=backend)
         elif dst == group_rank(group):                              # last: the re-gathered x
             x_full, work = regather
             common._wait([work])
-            dw.add_(common.wgrad(g, x_full, backend))
+            accumulate_wgrad(dw, g, x_full, backend=backend)
 
     dx_shard = common.ring_reduce_scatter(partial_for, group, after_partial)  # (s/tp, b, h)
-    return dx_shard, (dw.to(w.dtype) if want_dw else None)
+    return dx_shard, (wgrad_for_autograd(w, dw) if want_dw else None)
 
 
 def all_gather_matmul(x_shard, w, group, bias=None, activation=None, return_gathered=False, *,

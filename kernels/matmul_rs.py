@@ -24,6 +24,7 @@ from tpfuse.parallel.mappings import (all_gather_first_dim, check_divisible, gro
                                       reduce_scatter_first_dim)
 
 from . import comm_gemm_common as common
+from .wgrad import accumulate_wgrad, weight_grad, wgrad_accumulator, wgrad_for_autograd
 
 
 class _MatmulReduceScatter(torch.autograd.Function):
@@ -54,7 +55,7 @@ class _MatmulReduceScatter(torch.autograd.Function):
 def _backward_plain(ctx, dy_shard, x, w):
     dy = all_gather_first_dim(dy_shard, ctx.group)                  # (s, b, n)
     dx = common.linear(dy, w.t(), backend=ctx.backend)[0]           # (s, b, k_local)
-    dw = common.wgrad(dy, x, ctx.backend).to(w.dtype) if ctx.needs_input_grad[1] else None
+    dw = weight_grad(w, dy, x, backend=ctx.backend) if ctx.needs_input_grad[1] else None
     return dx, dw
 
 
@@ -62,16 +63,16 @@ def _backward_fused(ctx, dy_shard, x, w):
     rows = dy_shard.shape[0]
     want_dw = ctx.needs_input_grad[1]
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)       # (s, b, k_local)
-    dw = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if want_dw else None
+    dw = wgrad_accumulator(w) if want_dw else None                  # main_grad or fp32 zeros
 
     def on_chunk(src, dy_chunk):                                    # dy_chunk (s/tp, b, n)
         lo, hi = src * rows, (src + 1) * rows
         dx[lo:hi] = common.linear(dy_chunk, w.t(), backend=ctx.backend)[0]
         if want_dw:
-            dw.add_(common.wgrad(dy_chunk, x[lo:hi], ctx.backend))
+            accumulate_wgrad(dw, dy_chunk, x[lo:hi], backend=ctx.backend)
 
     common.ring_all_gather(dy_shard, ctx.group, on_chunk)
-    return dx, (dw.to(w.dtype) if want_dw else None)
+    return dx, (wgrad_for_autograd(w, dw) if want_dw else None)
 
 
 def matmul_reduce_scatter(x, w, group, *, backend=None):

@@ -3,9 +3,7 @@ import math
 
 import pytest
 import torch
-import torch.distributed as dist
 
-from tpfuse.training.grad_sync import DataParallelGradSync
 from tpfuse.training.scheduler import LRScheduler
 
 
@@ -44,36 +42,3 @@ def test_lr_scheduler_sets_param_groups_and_resumes():
 def test_lr_scheduler_rejects_bad_settings(kwargs, name):
     with pytest.raises(ValueError, match=name):
         LRScheduler(_optimizer(), **kwargs)
-
-
-def _grad_sync_body(overlap):
-    torch.manual_seed(0)  # same model on every rank
-    model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3),
-                                torch.nn.Tanh(), torch.nn.Linear(3, 2))
-    params = list(model.parameters())
-    sync = DataParallelGradSync(params, dist.group.WORLD, bucket_numel=20, overlap=overlap)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    gen = torch.Generator().manual_seed(100 + rank)  # different data on every rank
-    batches = [torch.randn(4, 5, generator=gen) for _ in range(3)]
-    sync.begin_step(len(batches))
-    for x in batches:
-        model(x).square().sum().backward()
-    launched_during_backward = sync._next_to_launch
-    local = [p.grad.clone() for p in params]
-    sync.finish()
-    # reference: the mean over ranks of the locally accumulated gradients
-    for mine, param in zip(local, params):
-        gathered = [torch.empty_like(mine) for _ in range(world)]
-        dist.all_gather(gathered, mine)
-        torch.testing.assert_close(param.grad, torch.stack(gathered).mean(0), rtol=1e-6,
-                                   atol=1e-7)
-    return launched_during_backward, len(sync.buckets)
-
-
-@pytest.mark.parametrize("overlap", [True, False])
-def test_dp_grad_sync_averages_and_overlaps(run_distributed, overlap):
-    results = run_distributed(4, _grad_sync_body, overlap)
-    launched, buckets = results[0]
-    assert buckets > 1  # bucket_numel=20 splits the 80 parameters
-    # with overlap every bucket is already in flight when backward ends; without, none is
-    assert launched == (buckets if overlap else 0)

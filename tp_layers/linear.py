@@ -21,6 +21,10 @@ RowParallelLinear — ``W`` split by columns (input features): rank r holds ``W_
   autograd*, and every TP rank ends backward with the same full bias gradient (the replicated
   parameter is marked ``param.sequence_parallel = True``; do not reduce it again).
 
+Weight gradients (every path, plain and fused comm-GEMM) go through ``kernels/wgrad.weight_grad``:
+accumulated in fp32 into ``weight.main_grad`` when the trainer set one (gradient-accumulation
+fusion), else returned to autograd in the weight's dtype.
+
 Initialisation is layout-independent (see ``init.py``); ``from_dense`` shards an existing layer.
 """
 from __future__ import annotations
@@ -127,7 +131,7 @@ class ColumnParallelLinear(nn.Module):
         else:
             if tp > 1:
                 x = _deps.copy_to_region(x, group)  # backward: all-reduce dx
-            y = _deps.matmul(x, weight.t(), bias, self.activation)  # (s, b, out/tp)
+            y = _deps.linear_with_grad_accumulation(x, weight, bias, self.activation)  # (s, b, out/tp)
         if self.gather_output and tp > 1:
             y = _deps.gather_from_region(y, group)  # (s, b, out), rank-major blocks
             if self.stride > 1:  # undo the round-robin dealing: master column order
@@ -184,7 +188,7 @@ class RowParallelLinear(nn.Module):
             check_sequence_divisible(x.shape[0], tp)
             y = _deps.matmul_reduce_scatter(x, self.weight, group)  # (s/tp, b, out)
         else:
-            y = _deps.matmul(x, self.weight.t())  # (s, b, out) partial sum
+            y = _deps.linear_with_grad_accumulation(x, self.weight)  # (s, b, out) partial sum
             if tp > 1:
                 y = _deps.reduce_from_region(y, group)
         bias = self.bias

@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 
 from tpfuse.models.cli import add_config_arguments, config_from_args
+from tpfuse.training.precision_args import (add_precision_and_ddp_arguments,
+                                            validate_precision_and_ddp_args)
 
 
 def add_training_arguments(parser: argparse.ArgumentParser) -> None:
@@ -68,10 +70,7 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
                       help="default: nccl when CUDA is available, else gloo")
     dist.add_argument("--distributed-timeout-minutes", type=float, default=10.0,
                       help="a collective waiting longer than this fails the job")
-    dist.add_argument("--grad-bucket-numel", type=int, default=2_000_000,
-                      help="elements per data-parallel gradient all-reduce bucket")
-    dist.add_argument("--no-overlap-grad-reduce", action="store_true",
-                      help="all-reduce DP gradients after backward instead of during it")
+    add_precision_and_ddp_arguments(parser)
 
 
 def build_parser(prog: str = "tpfuse.pretrain_gpt") -> argparse.ArgumentParser:
@@ -107,6 +106,7 @@ def validate_training_args(args) -> None:
         raise ValueError("give either --mock-data or --data-path, not both")
     if not args.mock_data and not args.data_path:
         raise ValueError("no data: give --data-path PREFIX (see tpfuse-preprocess) or --mock-data")
+    validate_precision_and_ddp_args(args)
 
 
 def parse_args(argv=None, defaults: dict | None = None):

@@ -13,11 +13,12 @@ complete checkpoint untouched and named by the tracker file.
 
 Loading reads the tracker and loads files with ``torch.load(..., weights_only=True)``; a missing,
 truncated or foreign file fails with a message naming it. Written by the same layout (tp, pp, dp,
-cp, vpp sizes), each rank restores its own file exactly (model, optimizer, scheduler, RNG).
-Written by another layout, the model and optimizer are resharded (``training/reshard.py``, from
-the per-parameter metadata every file carries under ``"reshard"``): weights, Adam moments and step,
-scheduler, iteration and consumed samples carry over; RNG states do not (the freshly seeded ones
-are kept). All ranks agree on success before returning, so a failure on one rank fails them all.
+cp, vpp sizes, distributed optimizer or not), each rank restores its own file exactly (model,
+optimizer — with the distributed optimizer its own shard of the fp32 main parameters and Adam
+moments —, loss scaler, scheduler, RNG). Written by another layout, the model and optimizer are
+resharded (``training/reshard.py``, from the per-parameter metadata every file carries under
+``"reshard"``): weights, fp32 main copies, Adam moments and step, loss scaler, scheduler,
+iteration and consumed samples carry over; RNG states do not (the freshly seeded ones are kept). All ranks agree on success before returning, so a failure on one rank fails them all.
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ import torch.distributed as dist
 from tpfuse.training import reshard
 
 TRACKER = "latest_checkpointed_iteration.txt"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2             # 2: the mixed-precision optimizer's per-parameter pieces
 
 
 def iteration_dir(root: str, iteration: int) -> str:
@@ -59,9 +60,11 @@ def _atomic_torch_save(obj, path: str) -> None:
     os.replace(tmp, path)
 
 
-def layout_signature(state) -> dict:
+def layout_signature(state, optimizer=None) -> dict:
+    """What must match for a rank to restore its own file as is (else: resharding)."""
     return {"world_size": dist.get_world_size(), "tp": state.tp_size, "pp": state.pp_size,
-            "dp": state.dp_size, "cp": state.size("cp"), "vpp": state.vpp_size or 1}
+            "dp": state.dp_size, "cp": state.size("cp"), "vpp": state.vpp_size or 1,
+            "distributed_optimizer": bool(getattr(optimizer, "distributed", False))}
 
 
 def _rng_state() -> dict:
@@ -102,7 +105,7 @@ def save_checkpoint(root: str, iteration: int, model_chunks, optimizer, schedule
         "format_version": FORMAT_VERSION,
         "iteration": iteration,
         "consumed_samples": consumed_samples,
-        "layout": layout_signature(state),
+        "layout": layout_signature(state, optimizer),
         "rank": rank,
         "model": [chunk.state_dict() for chunk in model_chunks],
         "optimizer": optimizer.state_dict(),
@@ -175,7 +178,7 @@ def load_checkpoint(root: str, model_chunks, optimizer, scheduler, state) -> dic
     if iteration is None:
         raise FileNotFoundError(f"--load {root}: no {TRACKER} there (no complete checkpoint)")
     folder = iteration_dir(root, iteration)
-    expected = layout_signature(state)
+    expected = layout_signature(state, optimizer)
     # Every rank takes the same branch: the checkpoint's layout is read from rank 0's file, which
     # every checkpoint has, never inferred from whether this rank's own file exists.
     first = _rank_file(folder, 0)

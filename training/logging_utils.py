@@ -18,9 +18,16 @@ def format_log_line(iteration: int, train_iters: int, record: dict) -> str:
         f"learning rate: {record['lr']:.6E}",
         f"global batch size: {record['global_batch_size']:5d}",
         f"lm loss: {record['loss']:.6E}",
-        f"grad norm: {record['grad_norm']:.3f}",
-        f"tokens/s: {record['tokens_per_s']:.0f}",
     ]
+    if "loss_scale" in record:
+        parts.append(f"loss scale: {record['loss_scale']:.1f}")
+    grad_norm = record["grad_norm"]
+    parts.append(f"grad norm: {grad_norm:.3f}" if grad_norm is not None else "grad norm: nan")
+    if record.get("skipped_iterations"):
+        parts.append(f"number of skipped iterations: {record['skipped_iterations']:3d}")
+    if "peak_memory_mib" in record:
+        parts.append(f"peak allocated memory (MiB): {record['peak_memory_mib']:.1f}")
+    parts.append(f"tokens/s: {record['tokens_per_s']:.0f}")
     return " | ".join(parts) + " |"
 
 

@@ -1,74 +1,258 @@
-"""AdamW over a rank's model chunks, and gradient clipping by the global norm across every group.
+"""AdamW on fp32 main parameters (Megatron's MixedPrecisionOptimizer / FP32Optimizer /
+DistributedOptimizer), with loss-scale handling, global-norm clipping and non-finite detection.
+
+What the optimizer steps on is a list of *pieces*: the elements ``[start, end)`` of one model
+parameter (flattened) that this rank updates, each with
+
+- ``main``: the fp32 main parameter of those elements: the model parameter itself (or a view of it)
+  when that is fp32 already, else an fp32 copy that persists across steps (bf16/fp16 training);
+- its gradient: the matching part of ``param.main_grad`` (fp32; upcast when gradients are reduced
+  in 16 bits).
+
+Without the distributed optimizer a piece is the whole parameter. With it (``--use-distributed-
+optimizer``) the pieces are the parameters' intersections with this rank's shard of every bucket
+(``training/grad_buffers.py``): main parameters and Adam moments exist for 1/dp of the elements.
+
+One step (``step``)::
+
+    grads  ← main_grad pieces (fp32)                     [the reduced gradients]
+    grads  ← grads / loss_scale                          (fp16)
+    ‖g‖    ← global norm (one all-reduce, one host sync; training/grad_norm.py)
+    if ‖g‖ or the loss is inf/nan: skip (no update; the loss scale backs off)
+    grads  ← grads · min(1, clip / (‖g‖ + 1e-6))
+    AdamW on the main pieces (moments fp32), then model ← main (cast), and with the distributed
+    optimizer the updated shards are all-gathered back into every rank's parameters.
 
 Parameter groups follow Megatron: biases and 1-D parameters (norm weights) get no weight decay.
-
-Global gradient norm, counted once per distinct parameter element::
-
-    ‖g‖² = Σ_pp Σ_tp  Σ_{p on this rank, counted}  ‖g_p‖²
-
-A parameter is counted on a rank if it is sharded over TP (``tensor_model_parallel``), or, when
-replicated across the TP group, only on TP rank 0; the last stage's copy of the tied embedding
-(``shared_embedding``) is skipped. The sum is all-reduced over the model-parallel (tp × pp) group;
-data-parallel replicas already hold identical (all-reduced) gradients, so DP adds nothing.
 """
 from __future__ import annotations
 
-import math
+from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
+
+from .data_parallel import is_expert
+from .grad_norm import counted_on_this_rank, global_norm_stats, norm_from_squares
 
 
-def parameter_groups(model_chunks, weight_decay: float) -> list[dict]:
-    decay, no_decay = [], []
-    for chunk in model_chunks:
-        for name, param in chunk.named_parameters():
-            if not param.requires_grad:
-                continue
-            (no_decay if param.ndim == 1 or name.endswith(".bias") else decay).append(param)
-    return [{"params": decay, "weight_decay": weight_decay},
-            {"params": no_decay, "weight_decay": 0.0}]
+@dataclass
+class Piece:
+    """Elements ``[start, end)`` of ``model_param.view(-1)`` updated on this rank."""
+    model_param: torch.nn.Parameter
+    position: int               # index of model_param in the optimizer's model_params
+    start: int
+    end: int
+    main: torch.Tensor          # fp32 main parameter of these elements
+    counted: bool               # in this rank's share of the global grad norm
+    expert: bool
+
+    @property
+    def separate_main(self) -> bool:
+        return self.main.untyped_storage().data_ptr() != \
+            self.model_param.untyped_storage().data_ptr()
+
+    def model_view(self) -> torch.Tensor:
+        flat = self.model_param.data.view(-1)[self.start:self.end]
+        return flat.view(self.main.shape)
+
+    def grad_view(self) -> torch.Tensor:
+        flat = self.model_param.main_grad.view(-1)[self.start:self.end]
+        return flat.view(self.main.shape)
 
 
-def build_optimizer(model_chunks, lr: float, weight_decay: float = 0.01,
-                    betas=(0.9, 0.999), eps: float = 1e-8) -> torch.optim.AdamW:
-    return torch.optim.AdamW(parameter_groups(model_chunks, weight_decay), lr=lr, betas=betas,
-                             eps=eps, weight_decay=weight_decay)
+@dataclass
+class StepResult:
+    success: bool               # False: skipped (non-finite gradients or loss)
+    grad_norm: float            # before clipping (inf / nan when skipped for that reason)
+    loss_nonfinite: bool
 
 
-def _counted_on_this_rank(param, tp_rank: int) -> bool:
-    if getattr(param, "shared_embedding", False):
-        return False
-    return bool(getattr(param, "tensor_model_parallel", False)) or tp_rank == 0
+def _main_for(view: torch.Tensor) -> torch.Tensor:
+    return view if view.dtype == torch.float32 else view.detach().float().clone()
 
 
-def global_grad_norm(params, state) -> float:
-    """The L2 norm of the whole model's gradient (every layout gives the same number)."""
-    squares = torch.zeros(1, dtype=torch.float64)
-    for param in params:
-        if param.grad is not None and _counted_on_this_rank(param, state.tp_rank):
-            squares += param.grad.detach().double().pow(2).sum().cpu()
-    group = state.group("tp-pp")
-    if dist.get_world_size(group) > 1:
-        device = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
-        squares = squares.to(device)
-        dist.all_reduce(squares, group=group)
-    return math.sqrt(squares.item())
+def _whole_pieces(params, state) -> list:
+    pieces = []
+    for position, param in enumerate(params):
+        pieces.append(Piece(param, position, 0, param.numel(), _main_for(param.data),
+                            counted_on_this_rank(param, state, sharded=False), is_expert(param)))
+    return pieces
 
 
-def clip_grad_norm(params, max_norm: float, state) -> float:
-    """Scale gradients so their global norm is at most ``max_norm`` (0 = no clipping).
+def _shard_pieces(params, buffers, state) -> list:
+    """The parameters' intersections with this rank's shard of each bucket (flat pieces)."""
+    pieces = []
+    for position, param in enumerate(params):
+        buffer = buffers.buffer_of(param)
+        param_start, param_end = buffer.range_of[id(param)]
+        shard_start, shard_end = buffers.bucket_of(param).shard_range(buffer.dp_rank)
+        lo, hi = max(param_start, shard_start), min(param_end, shard_end)
+        if lo >= hi:
+            continue
+        start, end = lo - param_start, hi - param_start
+        main = _main_for(param.data.view(-1)[start:end])
+        pieces.append(Piece(param, position, start, end, main,
+                            counted_on_this_rank(param, state, sharded=True), is_expert(param)))
+    return pieces
 
-    Returns the norm before clipping; raises when it is not finite (a silent NaN step would
-    corrupt every later iteration).
+
+def decays(name: str, param) -> bool:
+    """Megatron's rule: no weight decay for biases and 1-D parameters (norm weights)."""
+    return not (param.ndim == 1 or name.endswith(".bias"))
+
+
+class MixedPrecisionOptimizer:
+    """AdamW over fp32 main pieces of ``buffers.params`` (see the module docstring).
+
+    ``buffers``: the DataParallelBuffers of the model chunks (main_grad, shards, param gather);
+    ``grad_scaler``: a training/grad_scaler.py scaler, or None; ``clip_grad``: 0 disables.
     """
-    params = [p for p in params if p.grad is not None]
-    norm = global_grad_norm(params, state)
-    if not math.isfinite(norm):
-        raise FloatingPointError(f"the global gradient norm is {norm}: the loss diverged")
-    if max_norm > 0:
-        coeff = max_norm / (norm + 1e-6)
-        if coeff < 1.0:
-            for param in params:
-                param.grad.mul_(coeff)
-    return norm
+
+    def __init__(self, model_chunks, buffers, state, *, lr: float, weight_decay: float,
+                 betas=(0.9, 0.999), eps: float = 1e-8, clip_grad: float = 0.0,
+                 grad_scaler=None):
+        self.buffers, self.state = buffers, state
+        self.model_params = buffers.params
+        self.clip_grad, self.grad_scaler = clip_grad, grad_scaler
+        self.distributed = buffers.config.use_distributed_optimizer
+        self.pieces = (_shard_pieces(self.model_params, buffers, state) if self.distributed
+                       else _whole_pieces(self.model_params, state))
+        names = {id(p): n for chunk in model_chunks for n, p in chunk.named_parameters()}
+        decay = [p.main for p in self.pieces if decays(names[id(p.model_param)], p.model_param)]
+        no_decay = [p.main for p in self.pieces
+                    if not decays(names[id(p.model_param)], p.model_param)]
+        self.adam = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": weight_decay},
+             {"params": no_decay, "weight_decay": 0.0}],
+            lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+        self._init_adam_state()
+        self._piece_of_main = {id(p.main): p for p in self.pieces}
+
+    def _init_adam_state(self) -> None:
+        """Allocate the moments now (torch allocates them at the first step): memory is known
+        before training, and a checkpoint of a fresh run has every entry."""
+        for piece in self.pieces:
+            self.adam.state[piece.main] = {
+                "step": torch.tensor(0.0, dtype=torch.float32),
+                "exp_avg": torch.zeros_like(piece.main, memory_format=torch.preserve_format),
+                "exp_avg_sq": torch.zeros_like(piece.main, memory_format=torch.preserve_format)}
+
+    @property
+    def param_groups(self) -> list:
+        """AdamW's groups (the lr scheduler sets ``lr`` on them)."""
+        return self.adam.param_groups
+
+    @property
+    def loss_scale(self) -> float:
+        return self.grad_scaler.scale if self.grad_scaler is not None else 1.0
+
+    # ------------------------------------------------------------------ one step
+    def _main_grads(self) -> list:
+        grads = []
+        for piece in self.pieces:
+            grad = piece.grad_view()
+            piece.main.grad = grad if grad.dtype == torch.float32 else grad.float()
+            grads.append(piece.main.grad)
+        return grads
+
+    def _clear_grads(self) -> None:
+        for piece in self.pieces:
+            piece.main.grad = None
+
+    def step(self, loss_nonfinite: torch.Tensor | None = None) -> StepResult:
+        """Unscale, measure, clip and apply this step's reduced gradients (or skip them)."""
+        grads = self._main_grads()
+        if self.grad_scaler is not None and grads:
+            torch._foreach_mul_(grads, 1.0 / self.grad_scaler.scale)
+        device = grads[0].device if grads else self.model_params[0].device
+        dense_sq, expert_sq, bad_loss = global_norm_stats(
+            [p.main.grad for p in self.pieces if p.counted and not p.expert],
+            [p.main.grad for p in self.pieces if p.counted and p.expert], loss_nonfinite, device)
+        norm = norm_from_squares(dense_sq, expert_sq)
+        found_inf = bad_loss or not norm < float("inf")          # inf, or nan
+        if self.grad_scaler is not None:
+            self.grad_scaler.update(found_inf)
+        if found_inf:
+            self._clear_grads()
+            return StepResult(False, norm, bad_loss)
+        if self.clip_grad > 0 and grads:
+            coeff = self.clip_grad / (norm + 1e-6)
+            if coeff < 1.0:
+                torch._foreach_mul_(grads, coeff)
+        self.adam.step()
+        self._clear_grads()
+        self._copy_main_to_model()
+        self.buffers.start_param_sync()
+        return StepResult(True, norm, False)
+
+    @torch.no_grad()
+    def _copy_main_to_model(self) -> None:
+        for piece in self.pieces:
+            if piece.separate_main:
+                piece.model_view().copy_(piece.main)
+
+    # ------------------------------------------------------------------ memory
+    def memory_bytes(self) -> dict:
+        """Bytes this rank holds for parameters, fp32 main copies, gradients and Adam state."""
+        def nbytes(t):
+            return t.numel() * t.element_size()
+        if self.distributed:
+            parameters = sum(nbytes(b.param_data) for b in self.buffers.buffers)
+        else:
+            parameters = sum(nbytes(p) for p in self.model_params)
+        moments = [t for s in self.adam.state.values() for k, t in s.items() if k != "step"]
+        return {"parameters": parameters,
+                "main_parameters": sum(nbytes(p.main) for p in self.pieces if p.separate_main),
+                "gradients": sum(nbytes(b.grad_data) for b in self.buffers.buffers),
+                "optimizer_state": sum(nbytes(t) for t in moments)}
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict:
+        """Per model parameter position: this rank's piece ``[start, end)`` with its flat fp32
+        main copy (when separate), Adam moments and step; plus hyper-parameters and the scaler."""
+        entries = [None] * len(self.model_params)
+        for piece in self.pieces:
+            adam_state = self.adam.state[piece.main]
+            entry = {"start": piece.start, "end": piece.end, "step": adam_state["step"],
+                     "exp_avg": adam_state["exp_avg"].reshape(-1),
+                     "exp_avg_sq": adam_state["exp_avg_sq"].reshape(-1)}
+            if piece.separate_main:
+                entry["main_param"] = piece.main.reshape(-1)
+            entries[piece.position] = entry
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in self.adam.param_groups]
+        return {"format": "tpfuse-mixed-precision-adamw", "params": entries,
+                "param_groups": groups,
+                "grad_scaler": None if self.grad_scaler is None else self.grad_scaler.state_dict()}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict) -> None:
+        """Restore from ``state_dict()`` of the same layout and sharding (pieces must match)."""
+        if state.get("format") != "tpfuse-mixed-precision-adamw":
+            raise ValueError("optimizer state is not a tpfuse mixed-precision AdamW state "
+                             f"(format {state.get('format')!r})")
+        if len(state["params"]) != len(self.model_params):
+            raise ValueError(f"optimizer state has {len(state['params'])} parameters, this model "
+                             f"{len(self.model_params)}")
+        for group, saved in zip(self.adam.param_groups, state["param_groups"]):
+            group.update(saved)
+        for piece in self.pieces:
+            self.load_piece(piece, state["params"][piece.position])
+        if self.grad_scaler is not None and state.get("grad_scaler") is not None:
+            self.grad_scaler.load_state_dict(state["grad_scaler"])
+
+    def load_piece(self, piece: Piece, entry: dict | None) -> None:
+        """Fill one piece's main copy and moments from a saved entry of the same range; main
+        falls back to the (already loaded) model parameter when the entry has no fp32 copy."""
+        if entry is None or (entry["start"], entry["end"]) != (piece.start, piece.end):
+            saved = None if entry is None else (entry["start"], entry["end"])
+            raise ValueError(f"optimizer state of parameter {piece.position} covers {saved}, this "
+                             f"rank optimizes [{piece.start}, {piece.end}): saved with another "
+                             f"sharding (load through the resharding path)")
+        adam_state = self.adam.state[piece.main]
+        adam_state["step"] = entry["step"].clone().float()
+        adam_state["exp_avg"].copy_(entry["exp_avg"].view(piece.main.shape))
+        adam_state["exp_avg_sq"].copy_(entry["exp_avg_sq"].view(piece.main.shape))
+        if piece.separate_main:
+            source = entry.get("main_param")
+            piece.main.copy_(source.view(piece.main.shape) if source is not None
+                             else piece.model_view().float())

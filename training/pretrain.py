@@ -10,14 +10,17 @@ The user supplies three callbacks, as in Megatron:
 One optimizer step::
 
     m = micro-batch calculator(consumed samples)                   (ramp-up aware)
-    forward_backward_func(...)      # pipeline schedule over m micro-batches; loss / m
-    DP gradient all-reduce          # bucketed, launched during the last micro-batch's backward
+    forward_backward_func(...)      # pipeline schedule over m micro-batches; loss · scale / m
+    DP gradient reduction           # main_grad buffers, bucketed (training/data_parallel.py)
     tied-embedding gradient sync    # first ↔ last pipeline stage
-    clip by the global norm         # across tp × pp
-    AdamW step, lr schedule step
+    optimizer step                  # unscale, global norm, clip, AdamW on fp32 main params
+    lr schedule step                # not on a skipped (non-finite) step
+
+(training/train_step.py holds the optimizer side of the step.)
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -28,12 +31,12 @@ from tpfuse.parallel import parallel_state
 from tpfuse.parallel.microbatches import MicrobatchCalculator
 from tpfuse.training import checkpoint as ckpt
 from tpfuse.training.arguments import parse_args
-from tpfuse.training.grad_sync import DataParallelGradSync
 from tpfuse.training.initialize import (check_layout, device_for_backend,
                                         initialize_distributed)
 from tpfuse.training.logging_utils import TrainingLogger
-from tpfuse.training.optimizer import build_optimizer, clip_grad_norm
 from tpfuse.training.scheduler import LRScheduler
+from tpfuse.training.train_step import (NonFinitePolicy, build_buffers_and_optimizer,
+                                        loss_nonfinite, loss_scaled)
 
 _GLOBALS: dict = {}
 
@@ -76,14 +79,13 @@ class _Run:
         self.device = device_for_backend()
         self.model = [chunk.to(self.device) for chunk in build_model(model_provider, config)]
         self.params = [p for chunk in self.model for p in chunk.parameters() if p.requires_grad]
-        self.optimizer = build_optimizer(self.model, args.lr, args.weight_decay,
-                                         (args.adam_beta1, args.adam_beta2), args.adam_eps)
+        self.ddp, self.optimizer = build_buffers_and_optimizer(self.model, args, config,
+                                                               self.state)
+        self.nonfinite = NonFinitePolicy(self.optimizer.grad_scaler is not None,
+                                         args.skip_nonfinite)
         self.scheduler = LRScheduler(self.optimizer, args.lr, args.min_lr, args.lr_warmup_iters,
                                      args.lr_decay_iters or args.train_iters,
                                      args.lr_decay_style)
-        self.grad_sync = DataParallelGradSync(self.params, self.state.dp_group,
-                                              args.grad_bucket_numel,
-                                              overlap=not args.no_overlap_grad_reduce)
         self.forward_backward = get_forward_backward_func(self.state)
         self.calculator = MicrobatchCalculator(
             args.global_batch_size, args.micro_batch_size, self.state.dp_size,
@@ -127,24 +129,26 @@ class _Run:
             dist.all_reduce(total, group=self.state.dp_group)
         return (total[0] / total[1]).item()
 
-    def train_step(self, iterators) -> tuple[float | None, float]:
+    def train_step(self, iterators):
+        """One optimizer step → (mean loss or None, the optimizer's StepResult)."""
         from tpfuse.models import allreduce_embedding_grads
 
         for chunk in self.model:
             chunk.train()
-        self.optimizer.zero_grad(set_to_none=True)
         num_microbatches = self.calculator.num_microbatches
-        self.grad_sync.begin_step(num_microbatches)
+        self.ddp.zero_grad_buffer()
+        self.ddp.begin_step(num_microbatches)
         loss_dicts = self.forward_backward(
-            forward_step_func=self.forward_step, data_iterator=iterators, model=self.model,
+            forward_step_func=loss_scaled(self.forward_step, self.optimizer),
+            data_iterator=iterators, model=self.model,
             num_microbatches=num_microbatches, seq_length=self.config.seq_length,
             micro_batch_size=self.args.micro_batch_size, forward_only=False, state=self.state)
-        self.grad_sync.finish()
+        self.ddp.finish_grad_sync()
         allreduce_embedding_grads(self.model, self.state)
-        grad_norm = clip_grad_norm(self.params, self.args.clip_grad, self.state)
-        self.optimizer.step()
-        self.scheduler.step()
-        return self._mean_loss(loss_dicts), grad_norm
+        result = self.optimizer.step(loss_nonfinite(loss_dicts, self.device))
+        if result.success:
+            self.scheduler.step()
+        return self._mean_loss(loss_dicts), result
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
@@ -165,6 +169,7 @@ class _Run:
         return None if losses[0] is None else sum(losses) / len(losses)
 
     def save(self) -> None:
+        self.ddp.finish_param_sync()
         ckpt.save_checkpoint(self.args.save, self.iteration, self.model, self.optimizer,
                              self.scheduler, self.state, self.consumed_samples)
 
@@ -185,14 +190,20 @@ class _Run:
                 batch = self.calculator.current_global_batch_size
                 lr = self.scheduler.lr
                 start = time.perf_counter()
-                loss, grad_norm = self.train_step(iterators)
+                loss, step = self.train_step(iterators)
                 elapsed = time.perf_counter() - start
                 self.iteration += 1
                 self.consumed_samples += batch
+                skipped = self.nonfinite.after_step(self.iteration, step)
+                grad_norm = step.grad_norm if math.isfinite(step.grad_norm) else None
                 record = {"loss": loss, "lr": lr, "grad_norm": grad_norm,
                           "consumed_samples": self.consumed_samples, "global_batch_size": batch,
                           "ms_per_iter": 1000 * elapsed,
-                          "tokens_per_s": batch * tokens_per_sample / elapsed}
+                          "tokens_per_s": batch * tokens_per_sample / elapsed,
+                          "skipped": skipped,
+                          "skipped_iterations": self.nonfinite.skipped_iterations}
+                if self.optimizer.grad_scaler is not None:
+                    record["loss_scale"] = self.optimizer.loss_scale
                 if self.is_logger:
                     result.iterations.append(self.iteration)
                     result.train_losses.append(loss)
@@ -207,6 +218,7 @@ class _Run:
                 self.save()
         finally:
             logger.close()
+        self.ddp.finish_param_sync()
         result.consumed_samples = self.consumed_samples
         return result
 

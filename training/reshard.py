@@ -13,14 +13,20 @@ Sharding algebra (Megatron's ``partition_stride``). The partitioned dimension of
     reshard(old shards, tp_new, r_new) = shard_{r_new}(unshard(old shards))
 
 Replicated parameters (norm weights, row-parallel biases, learned positions) are identical on
-every TP rank; TP rank 0's copy is taken. DP replicas are identical, so only the old ranks with
-dp rank 0 (and cp rank 0) are read.
+every TP rank; TP rank 0's copy is taken. DP replicas are identical, so the weights are read from
+the old ranks with dp rank 0 (and cp rank 0).
 
-Optimizer state: AdamW's ``exp_avg`` / ``exp_avg_sq`` have the parameter's shape and are
-resharded exactly like it; the scalar ``step`` is carried over; the group hyper-parameters (lr,
-betas, …) come from the checkpoint. The last pipeline stage's copy of the tied word embedding
-(``shared_embedding``) is rebuilt from the embedding itself: both copies always hold the same
-values and the same Adam moments (their gradients are all-reduced before every step).
+Optimizer state (``training/optimizer.py``'s ``state_dict``): per model parameter, each rank saved
+the flat elements ``[start, end)`` it optimizes — all of them, or with the distributed optimizer
+its shard — with the Adam moments and, for bf16/fp16, the fp32 main copy. Reading every old rank's
+file and placing each piece at its offsets rebuilds the whole flattened state of every TP shard;
+those must cover every element (else the checkpoint is incomplete: a ValueError). Then the moments
+and main copies (parameter-shaped) are resharded exactly like the weights, and each new rank takes
+the elements of its own pieces: a change of DP size (with or without the distributed optimizer)
+redistributes the shards. The scalar ``step`` is carried over; the group hyper-parameters (lr,
+betas, …) and the loss scaler come from the checkpoint. The last pipeline stage's copy of the tied
+word embedding (``shared_embedding``) is rebuilt from the embedding itself: both copies always hold
+the same values and the same Adam moments (their gradients are all-reduced before every step).
 
 Padded vocabulary: ``padded_vocab_size`` is a multiple of make_vocab_size_divisible_by × tp, so it
 can change with tp. The padded rows take part in the softmax, so adding or dropping them would
@@ -30,7 +36,7 @@ before it touches its parameters, so all ranks fail together.
 
 Not resharded: RNG states (their streams depend on the layout: a resharded run keeps the freshly
 seeded generators, and ``load_resharded`` says so on rank 0). Memory: each rank maps (mmap) every
-old dp-rank-0 file, so a rank briefly holds the full tensors of the parameters it needs.
+old file, so a rank briefly holds the full tensors of the parameters it needs.
 """
 from __future__ import annotations
 
@@ -89,7 +95,9 @@ def _chunk_records(chunk, tp: int) -> dict:
 
 
 def save_metadata(model_chunks, optimizer, state) -> dict | None:
-    """What a later load needs to reshard this rank's file; None for chunks without global names."""
+    """What a later load needs to reshard this rank's file; None for chunks without global names.
+
+    ``optimizer_names[i]`` is the global name of ``optimizer.model_params[i]``."""
     if not all(hasattr(chunk, "global_parameter_names") for chunk in model_chunks):
         return None
     records = [_chunk_records(chunk, state.tp_size) for chunk in model_chunks]
@@ -97,16 +105,15 @@ def save_metadata(model_chunks, optimizer, state) -> dict | None:
     for chunk, chunk_records in zip(model_chunks, records):
         for local, param in chunk.named_parameters():
             global_by_id[id(param)] = chunk_records[local]["global"]
-    optimizer_names = [global_by_id[id(p)] for group in optimizer.param_groups
-                       for p in group["params"]]
+    optimizer_names = [global_by_id[id(p)] for p in optimizer.model_params]
     coords = {"tp": state.tp_rank, "pp": state.pp_rank, "dp": state.dp_rank,
               "cp": state.rank_in("cp") or 0}
     return {"coords": coords, "params": records, "optimizer_names": optimizer_names}
 
 
 # -------------------------------------------------------------------- reading the old layout
-def _dp0_payloads(folder: str, read_payload) -> list[dict]:
-    """The old ranks with dp rank 0 and cp rank 0 (each holds distinct model shards)."""
+def _all_payloads(folder: str, read_payload) -> list[dict]:
+    """Every old rank's file (mapped), checked for completeness and resharding metadata."""
     paths = sorted(glob.glob(os.path.join(folder, "rank_*.pt")))
     if not paths:
         raise FileNotFoundError(f"checkpoint folder {folder} holds no rank files")
@@ -120,14 +127,20 @@ def _dp0_payloads(folder: str, read_payload) -> list[dict]:
             raise ValueError(f"checkpoint file {path} carries no resharding metadata (saved from "
                              f"model chunks without global_parameter_names()); it can only be "
                              f"loaded into its own layout {payload['layout']}")
-    return [p for p in payloads
-            if p["reshard"]["coords"]["dp"] == 0 and p["reshard"]["coords"]["cp"] == 0]
+    return payloads
+
+
+def _is_dp0(payload: dict) -> bool:
+    return payload["reshard"]["coords"]["dp"] == 0 and payload["reshard"]["coords"]["cp"] == 0
 
 
 def _index_old_shards(payloads: list[dict]) -> dict:
-    """global name → {"record", "weights": {tp_rank: shard}, "optim": {tp_rank: state dict}}."""
+    """global name → {"record", "weights": {tp_rank: shard}, "optim": {tp_rank: state dict}}.
+
+    Weights come from the dp-rank-0 files; optimizer pieces from every file (see the module
+    docstring), assembled into parameter-shaped moments / main copies per TP shard."""
     index = {}
-    for payload in payloads:
+    for payload in filter(_is_dp0, payloads):
         meta = payload["reshard"]
         tp_rank = meta["coords"]["tp"]
         for chunk_state, records in zip(payload["model"], meta["params"]):
@@ -137,11 +150,48 @@ def _index_old_shards(payloads: list[dict]) -> dict:
                 entry = index.setdefault(record["global"], {"record": record, "weights": {},
                                                             "optim": {}})
                 entry["weights"][tp_rank] = chunk_state[local]
-        optim_state = payload["optimizer"]["state"]
+    flat = {}                          # (name, tp_rank) → {"step", key: flat tensor, "covered"}
+    for payload in payloads:
+        meta = payload["reshard"]
         for position, name in enumerate(meta["optimizer_names"]):
-            if name in index and position in optim_state:
-                index[name]["optim"][tp_rank] = optim_state[position]
+            piece = payload["optimizer"]["params"][position]
+            if name in index and piece is not None:
+                _place_piece(flat, index[name], name, meta["coords"]["tp"], piece)
+    for (name, tp_rank), state in flat.items():
+        index[name]["optim"][tp_rank] = _shaped_optimizer_state(index[name], name, state)
     return index
+
+
+def _shard_shape(record: dict, tp: int) -> list:
+    shape = list(record["full_shape"])
+    if record["dim"] is not None:
+        shape[record["dim"]] //= tp
+    return shape
+
+
+def _place_piece(flat: dict, entry: dict, name: str, tp_rank: int, piece: dict) -> None:
+    """Copy one saved piece ``[start, end)`` into the flat state of (name, tp_rank)."""
+    weight = entry["weights"].get(tp_rank, next(iter(entry["weights"].values())))
+    numel = weight.numel()
+    state = flat.setdefault((name, tp_rank), {"step": piece["step"],
+                                              "covered": torch.zeros(numel, dtype=torch.bool)})
+    start, end = piece["start"], piece["end"]
+    for key in ("exp_avg", "exp_avg_sq", "main_param"):
+        if key in piece:
+            target = state.setdefault(key, torch.zeros(numel, dtype=piece[key].dtype))
+            target[start:end] = piece[key]
+    state["covered"][start:end] = True
+
+
+def _shaped_optimizer_state(entry: dict, name: str, state: dict) -> dict:
+    if not bool(state["covered"].all()):
+        missing = int((~state["covered"]).sum())
+        raise ValueError(f"checkpoint optimizer state of {name} misses {missing} elements (a "
+                         f"rank file of the distributed optimizer's shards is absent or foreign)")
+    shape = next(iter(entry["weights"].values())).shape
+    shaped = {key: value.view(shape) for key, value in state.items()
+              if key not in ("step", "covered")}
+    return dict(shaped, step=state["step"])
 
 
 def _ordered(by_tp_rank: dict, name: str, old_tp: int) -> list:
@@ -170,7 +220,7 @@ def assemble_global_state(folder: str, read_payload) -> dict:
 
     The single-process view of any layout's checkpoint (tied copies folded into the embedding).
     """
-    payloads = _dp0_payloads(folder, read_payload)
+    payloads = _all_payloads(folder, read_payload)
     old_tp = payloads[0]["layout"]["tp"]
     full = {}
     for name, entry in _index_old_shards(payloads).items():
@@ -231,39 +281,36 @@ def _load_weights(plan, index: dict, old_tp: int, state) -> None:
             param.copy_(_my_slice(entry, entry["weights"], name, old_tp, state))
 
 
-def _resharded_optimizer_state(position_names, index: dict, old_tp: int, state) -> dict:
-    """position → {"step": carried, moments: resharded} for the new optimizer's order."""
-    new_state = {}
-    for position, name in enumerate(position_names):
-        by_tp = index[name]["optim"]
-        if not by_tp:
-            continue                   # never stepped in the old run
-        first = by_tp[min(by_tp)]
-        entry = {}
-        for key, value in first.items():
-            if torch.is_tensor(value) and value.ndim > 0:
-                moments = {r: by_tp[r][key] for r in by_tp}
-                entry[key] = _my_slice(index[name], moments, f"{name} ({key})", old_tp, state)
-            else:
-                entry[key] = value.clone() if torch.is_tensor(value) else value
-        new_state[position] = entry
-    return new_state
+def _resharded_piece(piece, name: str, index: dict, old_tp: int, state) -> dict:
+    """The saved-state entry of one new piece: this rank's TP slice of every parameter-shaped
+    tensor, flattened and cut to the piece's ``[start, end)``; ``step`` carried over."""
+    by_tp = index[name]["optim"]
+    if not by_tp:
+        raise ValueError(f"cannot reshard: the checkpoint has no optimizer state for {name}")
+    first = by_tp[min(by_tp)]
+    entry = {"start": piece.start, "end": piece.end, "step": first["step"]}
+    for key, value in first.items():
+        if key != "step":
+            full = _my_slice(index[name], {r: by_tp[r][key] for r in by_tp},
+                             f"{name} ({key})", old_tp, state)
+            entry[key] = full.reshape(-1)[piece.start:piece.end]
+    return entry
 
 
 def _load_optimizer(optimizer, plan, payloads, index: dict, old_tp: int, state) -> None:
     name_by_id = {id(param): name for param, name in plan}
-    position_names = [name_by_id[id(p)] for group in optimizer.param_groups
-                      for p in group["params"]]
-    old_groups = payloads[0]["optimizer"]["param_groups"]
-    current = optimizer.state_dict()
-    if len(old_groups) != len(current["param_groups"]):
-        raise ValueError(f"cannot reshard the optimizer: the checkpoint has {len(old_groups)} "
-                         f"parameter groups, this run has {len(current['param_groups'])}")
-    groups = [dict(old, params=new["params"])
-              for old, new in zip(old_groups, current["param_groups"])]
-    optimizer.load_state_dict({
-        "state": _resharded_optimizer_state(position_names, index, old_tp, state),
-        "param_groups": groups})
+    saved = payloads[0]["optimizer"]
+    if len(saved["param_groups"]) != len(optimizer.param_groups):
+        raise ValueError(f"cannot reshard the optimizer: the checkpoint has "
+                         f"{len(saved['param_groups'])} parameter groups, this run has "
+                         f"{len(optimizer.param_groups)}")
+    for group, hyper in zip(optimizer.param_groups, saved["param_groups"]):
+        group.update(hyper)
+    for piece in optimizer.pieces:
+        name = name_by_id[id(piece.model_param)]
+        optimizer.load_piece(piece, _resharded_piece(piece, name, index, old_tp, state))
+    if optimizer.grad_scaler is not None and saved.get("grad_scaler") is not None:
+        optimizer.grad_scaler.load_state_dict(saved["grad_scaler"])
 
 
 def load_resharded(folder: str, model_chunks, optimizer, state, new_layout: dict,
@@ -273,7 +320,7 @@ def load_resharded(folder: str, model_chunks, optimizer, state, new_layout: dict
     ``read_payload(path, mmap=...)`` reads and validates one rank file. Returns the old rank-0
     payload's iteration / consumed_samples / extra / scheduler (all layout-independent).
     """
-    payloads = _dp0_payloads(folder, read_payload)
+    payloads = _all_payloads(folder, read_payload)
     old_layout = payloads[0]["layout"]
     index = _index_old_shards(payloads)
     config = getattr(model_chunks[0], "config", None)

@@ -1,0 +1,84 @@
+"""The optimizer side of a training step: building the gradient buffers and the optimizer from the
+flags, scaling the loss, and what happens to a step whose loss or gradients are inf/nan.
+
+    buffers.zero_grad_buffer(); buffers.begin_step(m)
+    forward_backward(loss_scaled(forward_step, optimizer), ...)    # loss · scale / m backward
+    buffers.finish_grad_sync()                                     # DP reduce (bucketed)
+    tied-embedding gradient sum                                    # first ↔ last stage
+    result = optimizer.step(loss_nonfinite(loss_dicts))            # unscale, norm, clip, AdamW
+    policy.after_step(iteration, result)                           # skip / stop on inf, nan
+
+Non-finite steps: with a loss scaler (fp16, or ``--loss-scale``) an overflow is expected and the
+step is skipped (the scale backs off); otherwise (bf16/fp32) training stops with a
+FloatingPointError naming the iteration, unless ``--skip-nonfinite`` asks to skip and count such
+steps. Every rank reaches the same decision (the norm and the loss flag are all-reduced over the
+world), so no rank goes on alone into a collective. A skipped step changes no parameter, moment or
+lr, so nothing non-finite can reach a checkpoint.
+"""
+from __future__ import annotations
+
+import torch
+
+from .data_parallel import DataParallelBuffers
+from .grad_scaler import build_grad_scaler
+from .optimizer import MixedPrecisionOptimizer
+from .precision_args import ddp_config_from_args
+
+
+def build_buffers_and_optimizer(model_chunks, args, config, state):
+    """(DataParallelBuffers, MixedPrecisionOptimizer) for ``model_chunks`` from the flags."""
+    buffers = DataParallelBuffers(model_chunks, ddp_config_from_args(args, config), state)
+    scaler = build_grad_scaler(config.fp16, args.loss_scale, args.initial_loss_scale,
+                               args.min_loss_scale, args.loss_scale_window, args.hysteresis)
+    optimizer = MixedPrecisionOptimizer(
+        model_chunks, buffers, state, lr=args.lr, weight_decay=args.weight_decay,
+        betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps, clip_grad=args.clip_grad,
+        grad_scaler=scaler)
+    return buffers, optimizer
+
+
+def loss_scaled(forward_step, optimizer):
+    """``forward_step`` whose loss function returns the loss times the current loss scale (its
+    logged values untouched); ``forward_step`` itself when there is no scaler."""
+    if optimizer.grad_scaler is None:
+        return forward_step
+
+    def scaled_forward_step(data_iterator, model):
+        output, loss_func = forward_step(data_iterator, model)
+        scale = optimizer.loss_scale
+
+        def scaled_loss_func(output_tensor):
+            loss, logs = loss_func(output_tensor)
+            return loss * scale, logs
+        return output, scaled_loss_func
+    return scaled_forward_step
+
+
+def loss_nonfinite(loss_dicts, device, key: str = "lm loss"):
+    """A 0-dim tensor, 1 when any micro-batch loss of this rank is inf/nan (no host sync); None on
+    ranks without losses."""
+    if not loss_dicts:
+        return None
+    values = torch.stack([d[key].detach().float().reshape(()) for d in loss_dicts])
+    return (~torch.isfinite(values.sum())).to(device=device, dtype=torch.float32)
+
+
+class NonFinitePolicy:
+    """Skip or stop on a step the optimizer refused (see the module docstring)."""
+
+    def __init__(self, has_scaler: bool, skip_nonfinite: bool):
+        self.has_scaler, self.skip_nonfinite = has_scaler, skip_nonfinite
+        self.skipped_iterations = 0
+
+    def after_step(self, iteration: int, result) -> bool:
+        """True when the step was skipped; raises when it may not be."""
+        if result.success:
+            return False
+        if not (self.has_scaler or self.skip_nonfinite):
+            what = "loss" if result.loss_nonfinite else "global gradient norm"
+            value = "inf/nan" if result.loss_nonfinite else result.grad_norm
+            raise FloatingPointError(
+                f"iteration {iteration}: the {what} is {value}; training stops (nothing of this "
+                f"step is applied or saved). Pass --skip-nonfinite to skip such steps instead.")
+        self.skipped_iterations += 1
+        return True
