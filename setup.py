@@ -7,7 +7,8 @@ import os
 
 from setuptools import setup
 
-SUBPACKAGES = ["parallel", "kernels", "tp_layers", "models", "pipeline", "data", "training"]
+SUBPACKAGES = ["parallel", "kernels", "tp_layers", "models", "pipeline", "data", "training",
+               "inference"]
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 

@@ -7,6 +7,7 @@ from tpfuse._lazy import lazy_exports
 _EXPORTS = {
     "TransformerConfig": "config",
     "add_config_arguments": "cli", "config_from_args": "cli", "config_to_argv": "cli",
+    "config_to_dict": "cli", "config_from_dict": "cli",
     "layers_for": "layer_assignment", "stage_layer_counts": "layer_assignment",
     "GPTModel": "gpt", "gpt_model_provider": "gpt", "make_gpt_model_provider": "gpt",
     "build_model": "gpt", "allreduce_embedding_grads": "gpt",

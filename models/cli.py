@@ -10,7 +10,8 @@ spells the flag differently the field's metadata ``"flag"`` names it and it is t
     add_config_arguments(parser)            # the trainer adds its own flags to the same parser
     config = config_from_args(parser.parse_args(argv))
 
-``tpfuse-config --list`` prints the fields by category with flag, type, default and doc;
+``config_to_dict(config)`` / ``config_from_dict(values, **overrides)``: the same as plain values
+(what checkpoints store). ``tpfuse-config --list`` prints the fields by category with flag, type, default and doc;
 ``tpfuse-config --num-layers 8 ...`` validates a configuration and prints it (exit 2 on error).
 """
 from __future__ import annotations
@@ -117,6 +118,27 @@ def config_to_argv(config):
 
 def _dtype_name(dtype):
     return next(name for name, d in DTYPES.items() if d == dtype)
+
+
+def config_to_dict(config):
+    """Every field's value as plain Python (dtypes by name): JSON- and ``weights_only``-safe.
+
+    Checkpoints store it so a model can be rebuilt without the flags it was trained with."""
+    values = {}
+    for f in config_fields():
+        value = getattr(config, f.name)
+        values[f.name] = _dtype_name(value) if isinstance(value, torch.dtype) else value
+    return values
+
+
+def config_from_dict(values, **overrides):
+    """The TransformerConfig ``config_to_dict`` described, with keyword overrides applied."""
+    names = {f.name for f in config_fields()}
+    unknown = (set(values) | set(overrides)) - names
+    if unknown:
+        raise ValueError(f"unknown TransformerConfig fields {sorted(unknown)} (a model config "
+                         "written by another version of tpfuse?)")
+    return TransformerConfig(**{**values, **overrides})
 
 
 def format_field_table():

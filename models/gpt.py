@@ -5,6 +5,10 @@
     post_process:  final norm → output layer (column-parallel over the padded vocab; under SP its
                    fused all-gather restores the full sequence) → logits (s, b, V/tp)
                    → vocab_parallel_cross_entropy → per-token loss (b, s) fp32
+    inference:     ``forward(..., inference_context=ctx)`` runs the layers on the new tokens only,
+                   attention reading/extending ctx's KV cache (see tpfuse.inference); positions
+                   default to ctx.sequence_len_offset + 0..s−1; logits of the last token only
+                   when ctx.materialize_only_last_token_logits
 
 Layout-independent initialisation: every global layer i is built inside
 ``torch.random.fork_rng`` with ``torch.manual_seed(config.seed + LAYER_SEED_OFFSET + i)``, and the
@@ -193,22 +197,34 @@ class GPTModel(nn.Module):
         return names
 
     # ---------------------------------------------------------------- forward
-    def forward(self, input_ids, position_ids=None, attention_mask=None, labels=None):
+    def forward(self, input_ids, position_ids=None, attention_mask=None, labels=None,
+                inference_context=None):
         if attention_mask is not None:
             raise ValueError("attention_mask: GPTModel's attention is causal only; pass None "
                              "(reset_attention_mask / custom masks are not supported)")
+        if inference_context is not None and self.config.sequence_parallel:
+            raise ValueError("inference_context needs sequence_parallel=False (a decode step has "
+                             "one token per sequence); build the model for inference with "
+                             "tpfuse.inference.load_model or sequence_parallel=False")
         if self.pre_process:
             if position_ids is None:
-                position_ids = default_position_ids(*input_ids.shape, input_ids.device)
+                offset = inference_context.sequence_len_offset if inference_context else 0
+                position_ids = offset + default_position_ids(*input_ids.shape, input_ids.device)
             hidden = self.embedding(input_ids, position_ids)          # (s[/tp], b, h)
         elif self.input_tensor is None:
             raise RuntimeError("GPTModel chunk without pre_process: call set_input_tensor(...) "
                                "before forward")
         else:
             hidden = self.input_tensor                                # (s[/tp], b, h)
-        hidden = run_layers(self.layers, hidden, position_ids, self.config, self.training)
+        if inference_context is None:
+            hidden = run_layers(self.layers, hidden, position_ids, self.config, self.training)
+        else:
+            for layer in self.layers:                                 # KV cache: no recompute
+                hidden = layer(hidden, position_ids, inference_context=inference_context)
         if not self.post_process:
             return hidden
+        if inference_context is not None and inference_context.materialize_only_last_token_logits:
+            hidden = hidden[-1:]                                      # (1, b, h)
         logits = self.output_layer(self.final_norm(hidden))           # (s, b, V/tp)
         if labels is None:
             return logits.transpose(0, 1).contiguous()                # (b, s, V/tp)

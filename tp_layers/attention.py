@@ -17,6 +17,13 @@ heads are a partitioned region. The same explicit path serves head dims the flas
 support (``kernels.flash_attention`` takes 16 ≤ d ≤ 128; tiny test models use d = 4).
 ``forward`` returns ``(output, bias)`` (bias added by the caller's bias-dropout-add; ``None``
 without ``add_bias_linear``).
+
+Inference (``forward(..., inference_context=ctx)``, a ``tpfuse.inference.InferenceContext``): the
+step's k/v ``[b, g_l, s, d]`` (this rank's KV heads only: GQA and TP shrink the cache alike) are
+written into the context's cache at ``ctx.sequence_len_offset``, and q attends over every cached
+key, query i sitting at position ``offset + i`` (causal across the whole cache) and only to keys
+of its own document (the context's document ids mask left padding). Prefill is the step with
+offset 0; each decode step is one more query row.
 """
 from __future__ import annotations
 
@@ -92,7 +99,8 @@ class ParallelAttention(nn.Module):
         local = hidden_states.shape[0]
         return local * self.tp.size if self.sequence_parallel else local
 
-    def forward(self, hidden_states: torch.Tensor, position_ids: torch.Tensor | None = None):
+    def forward(self, hidden_states: torch.Tensor, position_ids: torch.Tensor | None = None,
+                inference_context=None):
         seq, batch = self.full_sequence_length(hidden_states), hidden_states.shape[1]
         if position_ids is not None and tuple(position_ids.shape) != (batch, seq):
             raise ValueError(f"position_ids shape {tuple(position_ids.shape)} != (b, s) = "
@@ -109,7 +117,9 @@ class ParallelAttention(nn.Module):
             cos, sin = rotary_cos_sin(position_ids, self.head_dim, self.rotary_base)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         dropout = self.attention_dropout if self.training else 0.0
-        if dropout > 0 or not FLASH_HEAD_DIMS[0] <= self.head_dim <= FLASH_HEAD_DIMS[1]:
+        if inference_context is not None:
+            context = self._cached_attention(q, k, v, inference_context)
+        elif dropout > 0 or not FLASH_HEAD_DIMS[0] <= self.head_dim <= FLASH_HEAD_DIMS[1]:
             context = self._explicit_attention(q, k, v, dropout)
         else:
             context = _deps.flash_attention(q.contiguous(), k.contiguous(), v.contiguous(),
@@ -117,14 +127,30 @@ class ParallelAttention(nn.Module):
         context = context.permute(2, 0, 1, 3).reshape(seq, batch, self.heads_local * self.head_dim)
         return self.linear_proj(context)                          # (s or s/tp, b, h), bias
 
-    def _explicit_attention(self, q, k, v, dropout: float):
-        """softmax(q kᵀ/√d + causal) → dropout (TP stream) → @ v, in fp32 (flash has no dropout)."""
-        k = k.repeat_interleave(self.heads_per_group, dim=1)     # [b, h_l, s, d]
+    def _cached_attention(self, q, k, v, inference_context):
+        """Append k/v [b, g_l, s, d] to the KV cache; q [b, h_l, s, d] attends over the cache."""
+        offset = inference_context.sequence_len_offset
+        keys, values = inference_context.update_kv_cache(self, k, v)   # [b, g_l, offset + s, d]
+        q_ids, k_ids = inference_context.document_ids(offset, q.shape[2])
+        return self._explicit_attention(q, keys, values, 0.0, q_offset=offset,
+                                        q_document_ids=q_ids, k_document_ids=k_ids)
+
+    def _explicit_attention(self, q, k, v, dropout: float, q_offset: int = 0,
+                            q_document_ids=None, k_document_ids=None):
+        """softmax(q kᵀ/√d + mask) → dropout (TP stream) → @ v, in fp32 (flash has no dropout).
+
+        q [b, h_l, s_q, d], k/v [b, g_l, s_k, d]; query i sits at position q_offset + i, key j
+        at j; masked: key_pos > query_pos, and keys of another document ((b, s_q) / (b, s_k)
+        ids, when given)."""
+        k = k.repeat_interleave(self.heads_per_group, dim=1)     # [b, h_l, s_k, d]
         v = v.repeat_interleave(self.heads_per_group, dim=1)
         scores = (q.float() @ k.float().transpose(-1, -2)) / math.sqrt(self.head_dim)
-        seq = scores.shape[-1]
-        future = torch.ones(seq, seq, dtype=torch.bool, device=q.device).triu(1)
-        probs = scores.masked_fill(future, float("-inf")).softmax(dim=-1)
+        s_q, s_k = scores.shape[-2:]
+        query_pos = torch.arange(s_q, device=q.device) + q_offset
+        masked = torch.arange(s_k, device=q.device)[None, :] > query_pos[:, None]   # (s_q, s_k)
+        if q_document_ids is not None:
+            masked = masked | (q_document_ids[:, None, :, None] != k_document_ids[:, None, None, :])
+        probs = scores.masked_fill(masked, float("-inf")).softmax(dim=-1)
         if dropout > 0:
             with get_rng_tracker().fork():
                 probs = F.dropout(probs, dropout, training=True)

@@ -58,11 +58,13 @@ class TransformerLayer(nn.Module):
         self.pre_mlp_norm = Norm(hidden_size, **norm)
         self.mlp = ParallelMLP(hidden_size, ffn_hidden_size, activation=activation, **common)
 
-    def forward(self, hidden_states: torch.Tensor, position_ids: torch.Tensor | None = None):
+    def forward(self, hidden_states: torch.Tensor, position_ids: torch.Tensor | None = None,
+                inference_context=None):
         if hidden_states.dim() != 3 or hidden_states.shape[-1] != self.hidden_size:
             raise ValueError(f"hidden_states must be (s, b, {self.hidden_size}), got "
                              f"{tuple(hidden_states.shape)}")
-        attn_out, attn_bias = self.self_attention(self.input_norm(hidden_states), position_ids)
+        attn_out, attn_bias = self.self_attention(self.input_norm(hidden_states), position_ids,
+                                                  inference_context=inference_context)
         hidden_states = self._bias_dropout_add(attn_out, attn_bias, hidden_states)
         mlp_out, mlp_bias = self.mlp(self.pre_mlp_norm(hidden_states))
         return self._bias_dropout_add(mlp_out, mlp_bias, hidden_states)  # (s or s/tp, b, h)

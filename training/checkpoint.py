@@ -4,7 +4,8 @@ Layout on disk::
 
     DIR/latest_checkpointed_iteration.txt     the iteration of the newest complete checkpoint
     DIR/iter_0000020/rank_00003.pt            rank 3's model chunks, optimizer, scheduler, RNG,
-                                              consumed samples and its coordinates in the layout
+                                              consumed samples, its coordinates in the layout
+                                              and the model's TransformerConfig ("model_config")
 
 Saving writes into ``DIR/iter_0000020.tmp/`` (each file itself written to a temporary name and
 renamed), then, after every rank is done (a barrier), rank 0 renames the folder and finally
@@ -90,6 +91,18 @@ def _set_rng_state(rng: dict) -> None:
         get_rng_tracker().set_states(rng["tracker"])
 
 
+def model_config_dict(model_chunks) -> dict | None:
+    """The chunks' TransformerConfig as plain values (``models.cli.config_to_dict``), or None.
+
+    Stored in every rank file so a model can be rebuilt from the checkpoint alone
+    (``tpfuse.inference.load_model``)."""
+    from tpfuse.models.cli import config_to_dict
+    from tpfuse.models.config import TransformerConfig
+
+    config = getattr(model_chunks[0], "config", None) if model_chunks else None
+    return config_to_dict(config) if isinstance(config, TransformerConfig) else None
+
+
 def save_checkpoint(root: str, iteration: int, model_chunks, optimizer, scheduler, state,
                     consumed_samples: int, extra: dict | None = None) -> str:
     """Collective over the whole world: every rank writes its file, rank 0 publishes."""
@@ -108,6 +121,7 @@ def save_checkpoint(root: str, iteration: int, model_chunks, optimizer, schedule
         "layout": layout_signature(state, optimizer),
         "rank": rank,
         "model": [chunk.state_dict() for chunk in model_chunks],
+        "model_config": model_config_dict(model_chunks),
         "optimizer": optimizer.state_dict(),
         "scheduler": scheduler.state_dict(),
         "rng": _rng_state(),
@@ -145,6 +159,9 @@ def _read_payload(path: str, mmap: bool = False) -> dict:
         raise ValueError(f"checkpoint file {path} is not a tpfuse checkpoint of format "
                          f"{FORMAT_VERSION}")
     return payload
+
+
+read_payload = _read_payload   # for loaders outside the trainer (tpfuse.inference.load_model)
 
 
 def _any_rank_failed(failed: bool) -> bool:

@@ -21,6 +21,7 @@ One optimizer step::
 from __future__ import annotations
 
 import math
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -171,7 +172,8 @@ class _Run:
     def save(self) -> None:
         self.ddp.finish_param_sync()
         ckpt.save_checkpoint(self.args.save, self.iteration, self.model, self.optimizer,
-                             self.scheduler, self.state, self.consumed_samples)
+                             self.scheduler, self.state, self.consumed_samples,
+                             extra={"tokenizer": tokenizer_spec(self.args.tokenizer_type)})
 
     # ------------------------------------------------------------------ the loop
     def train(self) -> TrainingResult:
@@ -229,6 +231,13 @@ class _Run:
             logger.print(f" validation loss at iteration {self.iteration} | lm loss: "
                          f"{valid_loss:.6E} |")
             logger.write_metrics({"iteration": self.iteration, "valid_loss": valid_loss})
+
+
+def tokenizer_spec(tokenizer_type: str) -> str:
+    """What checkpoints record of ``--tokenizer-type``: a tokenizer.json path made absolute."""
+    if tokenizer_type == "byte" or tokenizer_type.startswith("null:"):
+        return tokenizer_type
+    return os.path.abspath(tokenizer_type)
 
 
 def _fill_batch_defaults(args, dp_size: int) -> None:

@@ -134,7 +134,7 @@ def _is_dp0(payload: dict) -> bool:
     return payload["reshard"]["coords"]["dp"] == 0 and payload["reshard"]["coords"]["cp"] == 0
 
 
-def _index_old_shards(payloads: list[dict]) -> dict:
+def _index_old_shards(payloads: list[dict], optimizer: bool = True) -> dict:
     """global name → {"record", "weights": {tp_rank: shard}, "optim": {tp_rank: state dict}}.
 
     Weights come from the dp-rank-0 files; optimizer pieces from every file (see the module
@@ -150,9 +150,13 @@ def _index_old_shards(payloads: list[dict]) -> dict:
                 entry = index.setdefault(record["global"], {"record": record, "weights": {},
                                                             "optim": {}})
                 entry["weights"][tp_rank] = chunk_state[local]
+    if not optimizer:
+        return index
     flat = {}                          # (name, tp_rank) → {"step", key: flat tensor, "covered"}
     for payload in payloads:
         meta = payload["reshard"]
+        if payload.get("optimizer") is None:
+            continue                   # a weights-only checkpoint (e.g. converted)
         for position, name in enumerate(meta["optimizer_names"]):
             piece = payload["optimizer"]["params"][position]
             if name in index and piece is not None:
@@ -242,12 +246,13 @@ def _source_name(record: dict) -> str:
     return WORD_EMBEDDING if record["tied_copy"] else record["global"]
 
 
-def _my_slice(entry: dict, tensors_by_tp: dict, name: str, old_tp: int, state) -> torch.Tensor:
+def _my_slice(entry: dict, tensors_by_tp: dict, name: str, old_tp: int, tp: int,
+              tp_rank: int) -> torch.Tensor:
     record = entry["record"]
     if record["dim"] is None:
         return tensors_by_tp[min(tensors_by_tp)].clone()
     return reshard_tensor(_ordered(tensors_by_tp, name, old_tp), record["dim"],
-                          record["stride"], state.tp_size, state.tp_rank)
+                          record["stride"], tp, tp_rank)
 
 
 def _check_same_parameter(name: str, old: dict, new: dict) -> None:
@@ -259,11 +264,11 @@ def _check_same_parameter(name: str, old: dict, new: dict) -> None:
                          f"{new['dim']}, stride {new['stride']})")
 
 
-def _plan(model_chunks, index: dict, state) -> list[tuple]:
+def _plan(model_chunks, index: dict, tp: int) -> list[tuple]:
     """[(param, source global name)] for every local parameter; raises on any mismatch."""
     plan = []
     for chunk in model_chunks:
-        records = _chunk_records(chunk, state.tp_size)
+        records = _chunk_records(chunk, tp)
         for local, param in chunk.named_parameters():
             name = _source_name(records[local])
             if name not in index:
@@ -274,11 +279,11 @@ def _plan(model_chunks, index: dict, state) -> list[tuple]:
     return plan
 
 
-def _load_weights(plan, index: dict, old_tp: int, state) -> None:
+def _load_weights(plan, index: dict, old_tp: int, tp: int, tp_rank: int) -> None:
     with torch.no_grad():
         for param, name in plan:
             entry = index[name]
-            param.copy_(_my_slice(entry, entry["weights"], name, old_tp, state))
+            param.copy_(_my_slice(entry, entry["weights"], name, old_tp, tp, tp_rank))
 
 
 def _resharded_piece(piece, name: str, index: dict, old_tp: int, state) -> dict:
@@ -292,7 +297,7 @@ def _resharded_piece(piece, name: str, index: dict, old_tp: int, state) -> dict:
     for key, value in first.items():
         if key != "step":
             full = _my_slice(index[name], {r: by_tp[r][key] for r in by_tp},
-                             f"{name} ({key})", old_tp, state)
+                             f"{name} ({key})", old_tp, state.tp_size, state.tp_rank)
             entry[key] = full.reshape(-1)[piece.start:piece.end]
     return entry
 
@@ -325,8 +330,8 @@ def load_resharded(folder: str, model_chunks, optimizer, state, new_layout: dict
     index = _index_old_shards(payloads)
     config = getattr(model_chunks[0], "config", None)
     check_padded_vocab(index, getattr(config, "padded_vocab_size", None), old_layout, new_layout)
-    plan = _plan(model_chunks, index, state)
-    _load_weights(plan, index, old_layout["tp"], state)
+    plan = _plan(model_chunks, index, state.tp_size)
+    _load_weights(plan, index, old_layout["tp"], state.tp_size, state.tp_rank)
     _load_optimizer(optimizer, plan, payloads, index, old_layout["tp"], state)
     if _is_global_rank_zero():
         print(f"> checkpoint {folder}: resharded from layout {old_layout} to {new_layout}; "
@@ -338,3 +343,19 @@ def _is_global_rank_zero() -> bool:
     import torch.distributed as dist
 
     return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def load_model_weights(folder: str, model_chunks, tp: int, tp_rank: int, read_payload) -> dict:
+    """Fill only the chunks' parameters (TP rank ``tp_rank`` of ``tp``) from a checkpoint folder
+    of any layout; no optimizer state is read, none is needed. Local, not a collective.
+
+    The same checks as a resharding load (missing parameter, shape, padded vocabulary). Returns
+    the old rank-0 payload (its ``model_config``, ``extra``, ``layout``, ...)."""
+    payloads = [p for p in _all_payloads(folder, read_payload) if _is_dp0(p)]
+    old_layout = payloads[0]["layout"]
+    index = _index_old_shards(payloads, optimizer=False)
+    config = getattr(model_chunks[0], "config", None)
+    check_padded_vocab(index, getattr(config, "padded_vocab_size", None), old_layout,
+                       {"tp": tp})
+    _load_weights(_plan(model_chunks, index, tp), index, old_layout["tp"], tp, tp_rank)
+    return min(payloads, key=lambda p: p["rank"])

@@ -1,0 +1,130 @@
+"""Loading a model from a checkpoint without any training state.
+
+``load_model(checkpoint_dir, state=None)`` → this rank's GPTModel chunks, in eval mode, for the
+layout of ``state`` (default: the default ParallelState; a plain process without
+torch.distributed is tp = pp = 1), whatever layout wrote the checkpoint:
+
+    rank 0's file ─"model_config"→ TransformerConfig with this run's tp / pp / vpp and the
+        inference settings below
+    build_model on the meta device (no random init drawn) → to_empty(device)
+    training/reshard.py: every parameter re-cut from the old layout's shards (optimizer state,
+        scheduler and RNG are never read)
+
+Inference settings: sequence parallelism off (a decode step holds one token per sequence, which
+cannot be split over TP), dropout 0, no recompute, no context parallelism, layers split evenly
+over the pipeline stages. The padded vocabulary stays the checkpoint's: its rows are parameters,
+so ``make_vocab_size_divisible_by`` becomes padded / tp (a tp that does not divide the padded
+size is a ValueError naming both). Local: no collective, so any subset of ranks may load.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from tpfuse.models.cli import config_from_dict
+from tpfuse.models.gpt import build_model, make_gpt_model_provider, resolve_state
+from tpfuse.training import checkpoint as ckpt
+from tpfuse.training import reshard
+
+INFERENCE_SETTINGS = {
+    "sequence_parallel": False, "context_parallel_size": 1, "hidden_dropout": 0.0,
+    "attention_dropout": 0.0, "recompute_granularity": None, "recompute_method": None,
+    "recompute_num_layers": None, "num_layers_per_virtual_pipeline_stage": None,
+    "microbatch_group_size_per_vp_stage": None, "decoder_first_pipeline_num_layers": None,
+    "decoder_last_pipeline_num_layers": None,
+}
+PRECISION_FLAGS = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def checkpoint_folder(checkpoint_dir: str) -> str:
+    """The newest complete iteration folder of ``checkpoint_dir``."""
+    if not os.path.isdir(checkpoint_dir):
+        raise FileNotFoundError(f"checkpoint directory {checkpoint_dir} does not exist")
+    iteration = ckpt.latest_iteration(checkpoint_dir)
+    if iteration is None:
+        raise FileNotFoundError(f"{checkpoint_dir} holds no complete tpfuse checkpoint (no "
+                                f"{ckpt.TRACKER})")
+    return ckpt.iteration_dir(checkpoint_dir, iteration)
+
+
+def read_checkpoint_head(checkpoint_dir: str) -> dict:
+    """Rank 0's payload of the newest checkpoint (memory-mapped; what every rank file shares)."""
+    path = os.path.join(checkpoint_folder(checkpoint_dir), "rank_00000.pt")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"checkpoint file {path} is missing")
+    return ckpt.read_payload(path, mmap=True)
+
+
+def inference_config(saved: dict, tp: int = 1, pp: int = 1, vpp: int | None = None,
+                     params_dtype: torch.dtype | None = None):
+    """The checkpoint's TransformerConfig re-targeted to (tp, pp, vpp) for inference."""
+    padded = config_from_dict(saved).padded_vocab_size
+    if padded % tp:
+        raise ValueError(f"tensor_model_parallel_size={tp} does not divide the checkpoint's "
+                         f"padded vocabulary size {padded}")
+    overrides = dict(INFERENCE_SETTINGS, tensor_model_parallel_size=tp,
+                     pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp,
+                     make_vocab_size_divisible_by=padded // tp)
+    if params_dtype is not None:
+        overrides.update(params_dtype=params_dtype, bf16=False, fp16=False)
+        if params_dtype in PRECISION_FLAGS:
+            overrides[PRECISION_FLAGS[params_dtype]] = True
+    return config_from_dict(saved, **overrides)
+
+
+def _default_device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _materialize(chunk, device):
+    """Real (uninitialised) storage for a meta-built chunk.
+
+    ``to_empty`` makes a new Parameter per module: the tied output layer is re-tied and the
+    parameters' Megatron attributes (``tensor_model_parallel``, ``partition_dim``, ...) that
+    resharding reads are carried over."""
+    attributes = {name: dict(vars(param)) for name, param in chunk.named_parameters()}
+    chunk.to_empty(device=device)
+    if chunk.pre_process and chunk.post_process and chunk.share_embeddings_and_output_weights:
+        chunk.output_layer.weight = chunk.embedding.word_embeddings.weight
+    for name, param in chunk.named_parameters():
+        vars(param).update(attributes[name])
+    return chunk
+
+
+def load_model(checkpoint_dir: str, state=None, *, params_dtype: torch.dtype | None = None,
+               device=None) -> list:
+    """This rank's model chunks (one per virtual stage) with the checkpoint's weights."""
+    state = resolve_state(state)
+    head = read_checkpoint_head(checkpoint_dir)
+    saved = head.get("model_config")
+    if saved is None:
+        raise ValueError(f"checkpoint {checkpoint_dir} records no model config (written by an "
+                         "older tpfuse); it can only be loaded by the trainer with its flags")
+    tp, tp_rank = (state.tp_size, state.tp_rank) if state is not None else (1, 0)
+    config = inference_config(saved, tp, state.pp_size if state is not None else 1,
+                              state.vpp_size if state is not None else None, params_dtype)
+    with torch.device("meta"):                      # shapes only: every value comes from disk
+        chunks = build_model(make_gpt_model_provider(config), config, state)
+    chunks = [_materialize(chunk, device or _default_device()) for chunk in chunks]
+    reshard.load_model_weights(checkpoint_folder(checkpoint_dir), chunks, tp, tp_rank,
+                               ckpt.read_payload)
+    for chunk in chunks:
+        chunk.eval()
+    return chunks
+
+
+def load_tokenizer(checkpoint_dir: str):
+    """The tokenizer the checkpoint records (``extra["tokenizer"]``), or None when it has none.
+
+    A relative tokenizer.json path is taken relative to ``checkpoint_dir``."""
+    from tpfuse.data.tokenizer import build_tokenizer
+
+    spec = (read_checkpoint_head(checkpoint_dir).get("extra") or {}).get("tokenizer")
+    if spec is None:
+        return None
+    if spec != "byte" and not spec.startswith("null:") and not os.path.isabs(spec):
+        spec = os.path.join(checkpoint_dir, spec)
+    return build_tokenizer(spec)

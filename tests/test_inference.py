@@ -1,0 +1,188 @@
+"""Inference: the KV cache against full recomputation, load_model at any layout, generate.
+
+References: the training forward of the same model (no cache, no padding) for logits; per-prompt
+full recomputation for greedy continuations; the checkpoint's own single-process tensors
+(``assemble_global_state``) for loaded weights.
+
+Tolerances: cached and recomputed logits come from the same fp32 weights through different but
+equivalent computations (an explicit softmax over the cache vs the training attention path, other
+GEMM shapes), so they differ only by fp32 rounding: ~1e-7 relative per operation over a few
+layers of width ≤ 64, far below 1e-5; a cache written at the wrong position, a missed mask or a
+wrong rotary angle moves logits by ~1e-2 or more. Greedy tokens are compared exactly: the trained
+model's top-two logit gaps are many orders of magnitude above that rounding.
+"""
+import pytest
+import torch
+
+from tpfuse.inference import InferenceContext, generate, load_model
+from tpfuse.models import GPTModel, TransformerConfig
+
+PROMPTS = [[10, 20, 30, 40, 50], [7], [99, 3, 42]]       # different lengths: left padding
+STEPS = 6
+
+TRAIN = [  # a GQA / rope / RMSNorm / SwiGLU / untied model, trained 3 steps at tp2 pp2 vpp2 + SP
+    "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
+    "--num-query-groups", "2", "--ffn-hidden-size", "64", "--swiglu", "--normalization", "RMSNorm",
+    "--position-embedding-type", "rope", "--disable-bias-linear",
+    "--untie-embeddings-and-output-weights", "--seq-length", "16", "--vocab-size", "260",
+    "--make-vocab-size-divisible-by", "8", "--hidden-dropout", "0.0", "--attention-dropout", "0.0",
+    "--mock-data", "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "3",
+    "--lr", "1e-2", "--eval-interval", "1000", "--eval-iters", "1", "--log-interval", "1000",
+    "--no-progress-bar", "--no-layout-table", "--tensor-model-parallel-size", "2",
+    "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
+    "--sequence-parallel",
+]
+
+
+def _pretrain(argv):
+    from tpfuse.pretrain_gpt import (forward_step, model_provider,
+                                     train_valid_test_datasets_provider)
+    from tpfuse.training.pretrain import pretrain
+
+    pretrain(train_valid_test_datasets_provider, model_provider, forward_step, argv=argv)
+
+
+@pytest.fixture(scope="module")
+def trained(run_distributed, tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("inference") / "ckpt")
+    run_distributed(4, _pretrain, TRAIN + ["--save", root])
+    return root
+
+
+def _config(**overrides):
+    values = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=24,
+                  vocab_size=100, hidden_dropout=0.0, attention_dropout=0.0, seed=3)
+    return TransformerConfig(**{**values, **overrides})
+
+
+SHAPES = {
+    "gpt": {},
+    "llama-gqa": dict(num_query_groups=2, position_embedding_type="rope", normalization="RMSNorm",
+                      activation="swiglu", add_bias_linear=False,
+                      untie_embeddings_and_output_weights=True),
+}
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_prefill_and_decode_steps_equal_the_full_forward(shape):
+    model = GPTModel(_config(**SHAPES[shape])).eval()
+    ids = torch.randint(0, 100, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        full = model(ids)                                           # (b, s, V)
+        context = InferenceContext(2, 9, materialize_only_last_token_logits=False)
+        steps = []
+        for start, end in ((0, 4), (4, 5), (5, 7), (7, 8), (8, 9)):
+            steps.append(model(ids[:, start:end], inference_context=context))
+            context.increment_sequence_len_offset(end - start)
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_left_padding_does_not_change_a_sequence(shape):
+    """A prompt padded on the left inside a batch gives the logits it gives alone."""
+    model = GPTModel(_config(**SHAPES[shape])).eval()
+    short, long = [5, 6, 7], [1, 2, 3, 4, 8, 9]
+    with torch.no_grad():
+        alone = model(torch.tensor([short]))[0, -1]
+        context = InferenceContext(2, 8)
+        context.set_left_padding([3, 0])
+        batch = torch.tensor([[0, 0, 0] + short, long])
+        positions = torch.tensor([[0, 0, 0, 0, 1, 2], [0, 1, 2, 3, 4, 5]])
+        padded = model(batch, positions, inference_context=context)[0, -1]
+    torch.testing.assert_close(padded, alone, rtol=1e-5, atol=1e-5)
+
+
+def test_bad_generation_input_is_a_clear_error():
+    model = GPTModel(_config()).eval()
+    with pytest.raises(ValueError, match=r"ids \[100\] are outside the vocabulary \[0, 100\)"):
+        generate(model, [[1, 100]], 2)
+    with pytest.raises(ValueError, match="exceeds the model's max_position_embeddings=24"):
+        generate(model, [[1] * 20], 5)
+    with pytest.raises(ValueError, match="every prompt needs at least one token"):
+        generate(model, [[1], []], 2)
+    with pytest.raises(ValueError, match="greedy=True cannot be combined"):
+        generate(model, [[1]], 2, greedy=True, top_k=3)
+    with pytest.raises(ValueError, match="temperature=0"):
+        generate(model, [[1]], 2, temperature=0)
+
+
+def test_padded_vocabulary_ids_are_never_generated():
+    """Padded rows hold the largest logits here; greedy and sampling must still skip them."""
+    model = GPTModel(_config(vocab_size=90, make_vocab_size_divisible_by=128)).eval()
+    with torch.no_grad():
+        model.embedding.word_embeddings.weight[90:] = 5.0      # tied: padded logits dominate
+    for kwargs in (dict(greedy=True), dict(temperature=2.0, seed=1)):
+        tokens = generate(model, [[10, 20, 30], [7]], STEPS, **kwargs)
+        assert all(0 <= t < 90 for seq in tokens for t in seq), tokens
+
+
+def test_eos_stops_a_sequence():
+    model = GPTModel(_config()).eval()
+    free = generate(model, PROMPTS, STEPS, greedy=True)
+    eos = free[0][2]
+    stopped = generate(model, PROMPTS, STEPS, greedy=True, eos_id=eos)
+    for tokens, reference in zip(stopped, free):
+        cut = reference.index(eos) + 1 if eos in reference else len(reference)
+        assert tokens == reference[:cut]
+
+
+# -------------------------------------------------------------------- a trained checkpoint
+def test_load_model_holds_the_checkpoint_weights(trained):
+    """Single process from a tp2 pp2 vpp2 checkpoint: every tensor equal (resharding moves values)."""
+    from tpfuse.training.checkpoint import iteration_dir, read_payload
+    from tpfuse.training.reshard import assemble_global_state
+
+    (model,) = load_model(trained)
+    saved = assemble_global_state(iteration_dir(trained, 3), read_payload)
+    names = model.global_parameter_names()
+    loaded = dict(model.named_parameters())
+    assert sorted(names[n] for n in loaded) == sorted(saved)
+    for local, param in loaded.items():
+        assert torch.equal(param, saved[names[local]]["param"]), local
+    assert model.config.sequence_parallel is False and model.config.padded_vocab_size == 272
+
+
+def _generate_at(root, tp, pp, vpp):
+    from tpfuse.parallel import parallel_state
+
+    state = parallel_state.initialize_model_parallel(tp, pp, vpp)
+    chunks = load_model(root, state)
+    cached = generate(chunks, PROMPTS, STEPS, greedy=True, state=state)
+    recomputed = [generate(chunks, [p], STEPS, greedy=True, use_cache=False, state=state)[0]
+                  for p in PROMPTS]
+    sampled = generate(chunks, PROMPTS, STEPS, temperature=0.9, top_k=50, top_p=0.95, seed=11,
+                       state=state)
+    return cached, recomputed, sampled
+
+
+LAYOUTS = {"tp2": (2, 2, 1, None), "pp2-vpp2": (2, 1, 2, 2), "tp2-pp2": (4, 2, 2, None)}
+
+
+@pytest.fixture(scope="module")
+def single_process(trained):
+    return _generate_at_single(trained)
+
+
+def _generate_at_single(root):
+    (model,) = load_model(root)
+    cached = generate(model, PROMPTS, STEPS, greedy=True)
+    recomputed = [generate(model, [p], STEPS, greedy=True, use_cache=False)[0] for p in PROMPTS]
+    return cached, recomputed
+
+
+def test_single_process_kv_cache_equals_recomputation(single_process):
+    cached, recomputed = single_process
+    assert cached == recomputed
+    assert all(len(tokens) == STEPS for tokens in cached)
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_kv_cache_generation_equals_recomputation(run_distributed, trained, single_process,
+                                                  layout):
+    world, tp, pp, vpp = LAYOUTS[layout]
+    per_rank = run_distributed(world, _generate_at, trained, tp, pp, vpp)
+    cached, recomputed, sampled = per_rank[0]
+    assert cached == recomputed == single_process[0]
+    for other in per_rank[1:]:                 # every rank returns the same tokens
+        assert other == per_rank[0]
+    assert all(0 <= t < 260 for seq in sampled for t in seq)
