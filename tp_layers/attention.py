@@ -22,8 +22,9 @@ Inference (``forward(..., inference_context=ctx)``, a ``tpfuse.inference.Inferen
 step's k/v ``[b, g_l, s, d]`` (this rank's KV heads only: GQA and TP shrink the cache alike) are
 written into the context's cache at ``ctx.sequence_len_offset``, and q attends over every cached
 key, query i sitting at position ``offset + i`` (causal across the whole cache) and only to keys
-of its own document (the context's document ids mask left padding). Prefill is the step with
-offset 0; each decode step is one more query row.
+of its own document (the context's document ids mask left padding): flash_attention with
+``q_offset`` and document ids. Prefill is the step with offset 0; each decode step is one more
+query row (s_q = 1 over offset + 1 cached keys).
 """
 from __future__ import annotations
 
@@ -128,10 +129,21 @@ class ParallelAttention(nn.Module):
         return self.linear_proj(context)                          # (s or s/tp, b, h), bias
 
     def _cached_attention(self, q, k, v, inference_context):
-        """Append k/v [b, g_l, s, d] to the KV cache; q [b, h_l, s, d] attends over the cache."""
+        """Append k/v [b, g_l, s, d] to the KV cache; q [b, h_l, s, d] attends over the cache.
+
+        flash_attention with ``q_offset`` = tokens already cached (a decode step: s_q = 1 over
+        s_k = offset + 1 keys) and the context's document ids; the explicit path for head dims
+        the kernel does not take, or a mask the resolved kernel backend does not implement."""
         offset = inference_context.sequence_len_offset
         keys, values = inference_context.update_kv_cache(self, k, v)   # [b, g_l, offset + s, d]
         q_ids, k_ids = inference_context.document_ids(offset, q.shape[2])
+        if FLASH_HEAD_DIMS[0] <= self.head_dim <= FLASH_HEAD_DIMS[1]:
+            try:
+                return _deps.flash_attention(q.contiguous(), keys.contiguous(),
+                                             values.contiguous(), causal=True, q_offset=offset,
+                                             q_document_ids=q_ids, k_document_ids=k_ids)
+            except NotImplementedError:   # a kernel backend without offsets / document masks
+                pass
         return self._explicit_attention(q, keys, values, 0.0, q_offset=offset,
                                         q_document_ids=q_ids, k_document_ids=k_ids)
 
