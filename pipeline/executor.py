@@ -23,22 +23,22 @@
   would reject the now mismatched shape, the engine only checks the shape recorded in
   ``grad_fn``, which is the original one.
 - ``state.vpp_rank`` is set to the running chunk (when the state has a virtual pipeline).
+- The schedule and this rank's p2p order come from :func:`tpfuse.pipeline.plan.rank_plan`,
+  computed once per configuration and cached; a step adds O(1) work per action.
+- ``timers`` (optional, ``tpfuse.training.timers.Timers``): level-2 timers of the compute and
+  p2p time inside the schedule (see ``stage_actions.py``).
 
 Every check (sizes, group size, iterator and chunk counts, schedule deadlock) runs before the
 first message is exchanged, so bad settings raise ValueError instead of hanging a peer.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
-from torch.autograd.variable import Variable
 
 from .p2p import PipelineP2P
-from .schedules import (
-    build_interleaved_schedule, build_no_pipelining_schedule, build_schedule,
-    forward_only as forward_only_actions)
-from .simulate import Message
+from .plan import rank_plan
+from .schedules import build_no_pipelining_schedule, forward_only as forward_only_actions
+from .stage_actions import NO_TIMERS, StageRun, execute
 
 
 def _default_state(state):
@@ -127,15 +127,6 @@ def _recv_tensor_spec(chunks, seq_length, micro_batch_size, state, tensor_shape)
     return (seq, micro_batch_size, config.hidden_size), dtype, device
 
 
-def _set_input_tensor(chunk, tensor) -> None:
-    target = chunk
-    while not hasattr(target, "set_input_tensor") and hasattr(target, "module"):
-        target = target.module
-    if not hasattr(target, "set_input_tensor"):
-        raise ValueError(f"model chunk {type(chunk).__name__} has no set_input_tensor")
-    target.set_input_tensor(tensor)
-
-
 def _check_counts(num_microbatches) -> None:
     if isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int) \
             or num_microbatches < 1:
@@ -144,158 +135,27 @@ def _check_counts(num_microbatches) -> None:
 
 # ------------------------------------------------------------------ one rank's execution
 
-@dataclass
-class _Run:
-    forward_step_func: object
-    data_iterators: list
-    chunks: list
-    num_microbatches: int
-    forward_only: bool
-    state: object
-    pp_rank: int
-    pp_size: int
-    comm: PipelineP2P | None
-    saved: dict = field(default_factory=dict)   # (mb, chunk) -> (input, output)
-    output_grads: dict = field(default_factory=dict)   # (mb, chunk) -> grad, from I until W
-    losses: list = field(default_factory=list)
-
-    @property
-    def last_stage(self) -> int:
-        return self.pp_size * len(self.chunks) - 1
-
-    def stage(self, chunk: int) -> int:
-        return chunk * self.pp_size + self.pp_rank
-
-    def enter_chunk(self, chunk: int) -> None:
-        if getattr(self.state, "vpp_size", None) is not None:
-            self.state.vpp_rank = chunk
-
-
-def _forward(run: _Run, mb: int, chunk: int) -> None:
-    stage = run.stage(chunk)
-    input_tensor = None
-    if stage > 0:
-        input_tensor = run.comm.recv(Message("act", mb, stage - 1, stage))
-        input_tensor.requires_grad_(not run.forward_only)
-    run.enter_chunk(chunk)
-    _set_input_tensor(run.chunks[chunk], input_tensor)
-    output, loss_func = run.forward_step_func(run.data_iterators[chunk], run.chunks[chunk])
-    if stage == run.last_stage:
-        output = _scaled_loss(run, output, loss_func)
-    else:
-        run.comm.send(Message("act", mb, stage, stage + 1), output)
-    if run.forward_only:
-        return
-    run.saved[(mb, chunk)] = (input_tensor, output)
-    if stage != run.last_stage:
-        _deallocate(output)
-
-
-def _scaled_loss(run: _Run, output, loss_func):
-    result = loss_func(output)
-    if not (isinstance(result, tuple) and len(result) == 2):
-        raise ValueError("loss_func must return a pair (loss_scalar, {name: tensor}), got "
-                         f"{type(result).__name__}")
-    loss, logs = result
-    run.losses.append(logs)
-    return loss / run.num_microbatches
-
-
-def _deallocate(output: torch.Tensor) -> None:
-    """Free an output's storage after its send; its grad_fn (and recorded shape) survive."""
-    if isinstance(output, torch.Tensor) and output._base is None and output.grad_fn is not None:
-        output.data = torch.empty((1,), dtype=output.dtype, device=output.device)
-
-
-def _backward(run: _Run, mb: int, chunk: int) -> None:
-    input_tensor, output = run.saved.pop((mb, chunk))
-    stage = run.stage(chunk)
-    run.enter_chunk(chunk)
-    if stage == run.last_stage:
-        if output.requires_grad:
-            torch.autograd.backward(output)
-    else:
-        grad = run.comm.recv(Message("grad", mb, stage + 1, stage))
-        if output.grad_fn is not None:
-            # the engine checks grad against grad_fn's recorded (full) shape, not output.data
-            _run_engine(output, grad, False, (), True)
-    if stage > 0:
-        grad_in = input_tensor.grad
-        if grad_in is None:  # the chunk did not use its input: its gradient is zero
-            grad_in = torch.zeros_like(input_tensor)
-        run.comm.send(Message("grad", mb, stage, stage - 1), grad_in)
-
-
-def _run_engine(output, grad, keep_graph, inputs, accumulate):
-    """Backward from ``output`` with ``grad`` through the autograd engine (no shape check
-    against the possibly deallocated ``output.data``, see the module docstring)."""
-    return Variable._execution_engine.run_backward(
-        (output,), (grad,), keep_graph, False, tuple(inputs), True, accumulate)
-
-
-def _input_grad(run: _Run, mb: int, chunk: int) -> None:
-    """ZB's I: the gradient w.r.t. the chunk's input only (sent upstream at once); the graph is
-    kept for W."""
-    input_tensor, output = run.saved[(mb, chunk)]
-    stage = run.stage(chunk)
-    run.enter_chunk(chunk)
-    if stage == run.last_stage:
-        grad = torch.ones_like(output)
-    else:
-        grad = run.comm.recv(Message("grad", mb, stage + 1, stage))
-    run.output_grads[(mb, chunk)] = grad
-    if stage == 0:
-        return
-    grad_in = None
-    if output.grad_fn is not None:
-        (grad_in,) = _run_engine(output, grad, True, (input_tensor,), False)
-    if grad_in is None:   # the chunk did not use its input
-        grad_in = torch.zeros_like(input_tensor)
-    run.comm.send(Message("grad", mb, stage, stage - 1), grad_in)
-
-
-def _weight_grad(run: _Run, mb: int, chunk: int) -> None:
-    """ZB's W: accumulate the parameter gradients (the autograd engine walks the kept graph a
-    second time — correct, but without Megatron-style stored wgrad GEMMs not faster)."""
-    _, output = run.saved.pop((mb, chunk))
-    grad = run.output_grads.pop((mb, chunk))
-    run.enter_chunk(chunk)
-    params = [p for p in run.chunks[chunk].parameters() if p.requires_grad]
-    if output.grad_fn is not None and params:
-        _run_engine(output, grad, False, params, True)
-
-
-_HANDLERS = {"F": _forward, "B": _backward, "I": _input_grad, "W": _weight_grad}
-
-
-def _execute(run: _Run, actions: list) -> list:
-    for action in actions:
-        _HANDLERS[action.kind](run, action.microbatch, action.chunk)
-    if run.comm is not None:
-        run.comm.finish()
-    return run.losses if run.stage(len(run.chunks) - 1) == run.last_stage else []
-
-
-def _pipelined(schedule, forward_step_func, data_iterator, chunks, num_microbatches,
-               seq_length, micro_batch_size, forward_only, state, tensor_shape):
-    """Shared body of the two pipelined schedules, given every rank's action list."""
-    if forward_only:
-        schedule = [forward_only_actions(actions) for actions in schedule]
+def _pipelined(kind, forward_step_func, data_iterator, chunks, num_microbatches, seq_length,
+               micro_batch_size, forward_only, state, tensor_shape, timers,
+               microbatch_group_size=None):
+    """Shared body of the pipelined schedules: this rank's cached plan, run over the p2p."""
+    plan = rank_plan(kind, state.pp_size, num_microbatches, len(chunks), microbatch_group_size,
+                     forward_only, state.pp_rank)
     iterators = _as_iterators(data_iterator, len(chunks))
     shape, dtype, device = _recv_tensor_spec(chunks, seq_length, micro_batch_size, state,
                                              tensor_shape)
-    comm = PipelineP2P(schedule, state.pp_rank, state.ranks("pp"), state.pp_group,
-                       num_microbatches, len(chunks), shape, dtype, device)
-    run = _Run(forward_step_func, iterators, chunks, num_microbatches, forward_only, state,
-               state.pp_rank, state.pp_size, comm)
-    return _execute(run, schedule[state.pp_rank])
+    comm = PipelineP2P(plan.messages, plan.position, state.pp_rank, state.ranks("pp"),
+                       state.pp_group, shape, dtype, device)
+    run = StageRun(forward_step_func, iterators, chunks, num_microbatches, forward_only, state,
+                   state.pp_rank, state.pp_size, comm, timers or NO_TIMERS)
+    return execute(run, plan.steps)
 
 
-# ------------------------------------------------------------------ the three schedules
+# ------------------------------------------------------------------ the schedules
 
 def forward_backward_no_pipelining(forward_step_func, data_iterator, model, num_microbatches,
                                    seq_length=None, micro_batch_size=None, forward_only=False,
-                                   state=None, tensor_shape=None):
+                                   state=None, tensor_shape=None, timers=None):
     """Gradient accumulation on one stage: F0 B0 F1 B1 … (no communication)."""
     _check_counts(num_microbatches)
     chunks = _as_chunks(model)
@@ -304,14 +164,15 @@ def forward_backward_no_pipelining(forward_step_func, data_iterator, model, num_
     actions = build_no_pipelining_schedule(num_microbatches)
     if forward_only:
         actions = forward_only_actions(actions)
-    run = _Run(forward_step_func, _as_iterators(data_iterator, 1), chunks, num_microbatches,
-               forward_only, state, pp_rank=0, pp_size=1, comm=None)
-    return _execute(run, actions)
+    run = StageRun(forward_step_func, _as_iterators(data_iterator, 1), chunks, num_microbatches,
+                   forward_only, state, pp_rank=0, pp_size=1, comm=None,
+                   timers=timers or NO_TIMERS)
+    return execute(run, [(action, None, None) for action in actions])
 
 
 def forward_backward_pipelining_without_interleaving(
         forward_step_func, data_iterator, model, num_microbatches, seq_length, micro_batch_size,
-        forward_only=False, state=None, tensor_shape=None):
+        forward_only=False, state=None, tensor_shape=None, timers=None):
     """Plain 1F1B over the pp group: warm-up min(pp − rank − 1, m) forwards."""
     _check_counts(num_microbatches)
     state = _default_state(state)
@@ -319,14 +180,14 @@ def forward_backward_pipelining_without_interleaving(
     if len(chunks) != 1:
         raise ValueError(f"1F1B without interleaving runs one model chunk per rank, got "
                          f"{len(chunks)} (use forward_backward_pipelining_with_interleaving)")
-    schedule = build_schedule(state.pp_size, num_microbatches)
-    return _pipelined(schedule, forward_step_func, data_iterator, chunks, num_microbatches,
-                      seq_length, micro_batch_size, forward_only, state, tensor_shape)
+    return _pipelined("1f1b", forward_step_func, data_iterator, chunks, num_microbatches,
+                      seq_length, micro_batch_size, forward_only, state, tensor_shape, timers)
 
 
 def forward_backward_pipelining_with_interleaving(
         forward_step_func, data_iterator, model, num_microbatches, seq_length, micro_batch_size,
-        forward_only=False, state=None, tensor_shape=None, microbatch_group_size=None):
+        forward_only=False, state=None, tensor_shape=None, microbatch_group_size=None,
+        timers=None):
     """Megatron's interleaved schedule; the model is a list of one chunk per virtual stage.
 
     The group size defaults to ``model[0].config.microbatch_group_size_per_vp_stage`` when
@@ -342,26 +203,21 @@ def forward_backward_pipelining_with_interleaving(
     if microbatch_group_size is None:
         config = _unwrap_config(chunks[0])
         microbatch_group_size = getattr(config, "microbatch_group_size_per_vp_stage", None)
-    schedule = build_interleaved_schedule(state.pp_size, num_microbatches, len(chunks),
-                                          microbatch_group_size)
-    return _pipelined(schedule, forward_step_func, data_iterator, chunks, num_microbatches,
-                      seq_length, micro_batch_size, forward_only, state, tensor_shape)
+    return _pipelined("interleaved", forward_step_func, data_iterator, chunks, num_microbatches,
+                      seq_length, micro_batch_size, forward_only, state, tensor_shape, timers,
+                      microbatch_group_size)
 
 
 def forward_backward_pipelining_zb_h1(
         forward_step_func, data_iterator, model, num_microbatches, seq_length, micro_batch_size,
-        forward_only=False, state=None, tensor_shape=None):
-    """Zero-bubble ZB-H1 (one chunk per rank): backward split into I (input gradient, sent at
-    once) and W (weight gradient, deferred); see :mod:`tpfuse.pipeline.zero_bubble`. Same
-    results as 1F1B; without split wgrad kernels W re-walks the graph, so this shows the
-    schedule running correctly rather than making a step faster."""
-    from .zero_bubble import build_zb_h1_schedule
-
+        forward_only=False, state=None, tensor_shape=None, timers=None):
+    """Zero-bubble ZB-H1 (one chunk per rank, :mod:`tpfuse.pipeline.zero_bubble`): backward split
+    into I (input gradient, sent upstream at once) and W (the weight gradients the I pass
+    deferred, run where 1F1B would idle). Same results as 1F1B."""
     _check_counts(num_microbatches)
     state = _default_state(state)
     chunks = _as_chunks(model)
     if len(chunks) != 1:
         raise ValueError(f"ZB-H1 runs one model chunk per rank, got {len(chunks)}")
-    schedule = build_zb_h1_schedule(state.pp_size, num_microbatches)
-    return _pipelined(schedule, forward_step_func, data_iterator, chunks, num_microbatches,
-                      seq_length, micro_batch_size, forward_only, state, tensor_shape)
+    return _pipelined("zb-h1", forward_step_func, data_iterator, chunks, num_microbatches,
+                      seq_length, micro_batch_size, forward_only, state, tensor_shape, timers)

@@ -25,70 +25,78 @@ pp rank, sender's position). Both ends of every message compute the same key, so
    With one in-order stream per rank (or per pair) the same argument holds: the globally
    earliest unfinished message is at the head of both its sender's and receiver's streams.
 
+The order depends only on the schedule, so the executor takes it from the cached
+:func:`tpfuse.pipeline.plan.rank_plan` (computed once per configuration); a step then costs O(1)
+per operation: the executor addresses messages by their index in the order.
+
 The sent tensor is a detached alias of the output, so the caller may then free the output's
 storage (Megatron's deallocation): the alias keeps the memory alive until the send completes.
 """
 from __future__ import annotations
 
+from collections import deque
+
 import torch
 import torch.distributed as dist
 
+from .plan import message_orders
 from .simulate import Message, simulate
 
 
 def message_order(schedule: list, pp_rank: int, num_microbatches: int, vpp_size: int) -> list:
-    """Every message pp rank ``pp_rank`` sends or receives, in the order it issues them."""
-    result = simulate(schedule, num_microbatches, vpp_size)
-    if result.deadlocked:
-        blocked = ", ".join(f"rank {r}: {a}" for r, a in sorted(result.blocked.items()))
-        raise ValueError(f"the schedule deadlocks (blocked at {blocked})")
-    keyed = []
-    for (src, dst), sent in result.send_order.items():
-        if pp_rank not in (src, dst):
-            continue
-        for position, message in enumerate(sent):
-            keyed.append((result.message_times[message], src, position, message))
-    return [message for *_, message in sorted(keyed, key=lambda k: k[:3])]
+    """Every message pp rank ``pp_rank`` sends or receives, in the order it issues them (for any
+    explicit schedule; the executor's schedules come cached from :mod:`tpfuse.pipeline.plan`)."""
+    result = simulate(schedule, num_microbatches, vpp_size, analyze_reorders=False)
+    return message_orders(result, len(schedule))[pp_rank]
 
 
 class PipelineP2P:
     """This rank's p2p traffic for one run of a schedule (one optimizer step).
 
-    ``pp_ranks``: global ranks of the pipeline group in pp-rank order; ``group``: its
-    ProcessGroup. All messages share ``tensor_shape`` / ``dtype`` / ``device``.
+    ``messages``: this rank's message order (a :class:`~tpfuse.pipeline.plan.RankPlan`'s
+    ``messages``), ``position`` its index; ``pp_ranks``: global ranks of the pipeline group in
+    pp-rank order; ``group``: its ProcessGroup. All messages share ``tensor_shape`` / ``dtype`` /
+    ``device``. Per step the object costs O(1) to build and O(1) per operation.
     """
 
-    def __init__(self, schedule: list, pp_rank: int, pp_ranks: list, group, num_microbatches: int,
-                 vpp_size: int, tensor_shape, dtype=torch.float32, device="cpu"):
-        self.pp_size = len(schedule)
+    def __init__(self, messages, position, pp_rank: int, pp_ranks: list, group, tensor_shape,
+                 dtype=torch.float32, device="cpu"):
+        self.pp_size = len(pp_ranks)
         self.pp_rank = pp_rank
         self.pp_ranks = list(pp_ranks)
         self.group = group
         self.tensor_shape = tuple(tensor_shape)
         self.dtype = dtype
         self.device = torch.device(device)
-        self._order = message_order(schedule, pp_rank, num_microbatches, vpp_size)
-        self._position = {m: i for i, m in enumerate(self._order)}
+        self._order = messages
+        self._position = position
         self._cursor = 0                # next operation to issue in self._order
-        self._pending_recvs: dict = {}  # Message -> (work, buffer)
-        self._pending_sends: list = []  # (work, tensor alias kept alive until done)
+        self._pending_recvs: dict = {}  # index -> (work, buffer)
+        self._pending_sends: deque = deque()  # (work, tensor alias kept alive until done)
+
+    @classmethod
+    def for_schedule(cls, schedule: list, pp_rank: int, pp_ranks: list, group,
+                     num_microbatches: int, vpp_size: int, tensor_shape, dtype=torch.float32,
+                     device="cpu") -> "PipelineP2P":
+        """For an explicit (uncached) schedule; ValueError if it deadlocks."""
+        order = message_order(schedule, pp_rank, num_microbatches, vpp_size)
+        position = {message: i for i, message in enumerate(order)}
+        return cls(order, position, pp_rank, pp_ranks, group, tensor_shape, dtype, device)
 
     def _rank_of(self, stage: int) -> int:
         return stage % self.pp_size
-
-    def _is_incoming(self, message: Message) -> bool:
-        return self._rank_of(message.dst_stage) == self.pp_rank
 
     def _post_receives_before(self, index: int) -> None:
         """Issue every operation before ``index``; only receives may still be outstanding."""
         while self._cursor < index:
             message = self._order[self._cursor]
-            if not self._is_incoming(message):
+            if self._rank_of(message.dst_stage) != self.pp_rank:
                 raise RuntimeError(f"pp rank {self.pp_rank}: p2p order violated, {message} must "
                                    f"be sent before later messages are handled")
             buffer = torch.empty(self.tensor_shape, dtype=self.dtype, device=self.device)
             src = self.pp_ranks[self._rank_of(message.src_stage)]
-            self._pending_recvs[message] = (dist.irecv(buffer, src=src, group=self.group), buffer)
+            work = dist.irecv(buffer, src=src, group=self.group)
+            self._pending_recvs[self._cursor] = (work, buffer)
             self._cursor += 1
 
     def _index_of(self, message: Message) -> int:
@@ -98,10 +106,18 @@ class PipelineP2P:
 
     def send(self, message: Message, tensor: torch.Tensor) -> None:
         """Non-blocking send of ``tensor`` (an activation or gradient) as ``message``."""
+        self.send_at(self._index_of(message), tensor)
+
+    def recv(self, message: Message) -> torch.Tensor:
+        """Wait for ``message`` (posting receives up to it first) and return its tensor."""
+        return self.recv_at(self._index_of(message))
+
+    def send_at(self, index: int, tensor: torch.Tensor) -> None:
+        """``send`` of the message at ``index`` of this rank's order."""
+        message = self._order[index]
         if tuple(tensor.shape) != self.tensor_shape:
             raise ValueError(f"{message}: tensor shape {tuple(tensor.shape)} differs from the "
                              f"pipeline tensor_shape {self.tensor_shape}")
-        index = self._index_of(message)
         self._post_receives_before(index)
         if self._cursor != index:
             raise RuntimeError(f"pp rank {self.pp_rank}: {message} sent twice")
@@ -111,23 +127,25 @@ class PipelineP2P:
         self._cursor += 1
         self._drop_completed_sends()
 
-    def recv(self, message: Message) -> torch.Tensor:
-        """Wait for ``message`` (posting receives up to it first) and return its tensor."""
-        index = self._index_of(message)
+    def recv_at(self, index: int) -> torch.Tensor:
+        """``recv`` of the message at ``index`` of this rank's order."""
         self._post_receives_before(index + 1)
-        work, buffer = self._pending_recvs.pop(message)
+        work, buffer = self._pending_recvs.pop(index)
         work.wait()
         return buffer
 
     def _drop_completed_sends(self) -> None:
-        self._pending_sends = [(w, t) for w, t in self._pending_sends if not w.is_completed()]
+        """Release the aliases of finished sends (oldest first: sends complete in order)."""
+        while self._pending_sends and self._pending_sends[0][0].is_completed():
+            self._pending_sends.popleft()
 
     def finish(self) -> None:
         """Wait for every send; every message of the schedule must have been handled."""
         for work, _ in self._pending_sends:
             work.wait()
-        self._pending_sends = []
+        self._pending_sends.clear()
         if self._cursor != len(self._order) or self._pending_recvs:
-            missing = self._order[self._cursor:] + list(self._pending_recvs)
+            missing = list(self._order[self._cursor:]) + [self._order[i]
+                                                          for i in self._pending_recvs]
             raise RuntimeError(f"pp rank {self.pp_rank}: {len(missing)} p2p message(s) never "
                                f"handled, first {missing[0]}")

@@ -15,8 +15,10 @@ work, the schedule *deadlocks* (reported with every blocked rank's next action).
 lists the *reordered* directed links: those on which the receiver consumes messages in a
 different order than the sender sends them (a FIFO-matched p2p without tags, such as NCCL's,
 would hand it the wrong tensor there unless receives are posted in the sender's order — which is
-what :mod:`tpfuse.pipeline.p2p` does, using :func:`link_message_order` from this module), and
-the reordered *channels* (virtual stage s → s ± 1): a valid schedule never reorders those.
+what :mod:`tpfuse.pipeline.p2p` does), and the reordered *channels* (virtual stage s → s ± 1): a
+valid schedule never reorders those. That analysis is for the simulator and the CLI: the p2p
+plan (:mod:`tpfuse.pipeline.plan`) asks for ``analyze_reorders=False`` and reads only the send
+order and message times.
 Megatron's interleaved schedule with g > p does reorder physical links: e.g. p2 v2 m4 g4,
 rank 1 sends activation 3 (stage 1→2) before gradient 0 (stage 3→2), rank 0 needs them the
 other way round.
@@ -48,8 +50,9 @@ class SimulationResult:
     bubble_fraction: float   # idle share of pp_size × makespan (nan when deadlocked)
     deadlocked: bool
     blocked: dict            # rank -> the Action it could not start (when deadlocked)
-    reordered_links: list    # [(src_rank, dst_rank), ...] consumed in a different order than sent
-    reordered_channels: list  # [(src_stage, dst_stage), ...] likewise, per virtual-stage channel
+    reordered_links: list | None     # [(src_rank, dst_rank), ...] consumed in another order
+    reordered_channels: list | None  # [(src_stage, dst_stage), ...] likewise, per channel
+    #                                  (both None when simulated with analyze_reorders=False)
     send_order: dict = field(default_factory=dict)    # (src, dst) -> [Message] in send order
     message_times: dict = field(default_factory=dict)  # Message -> time it becomes available
 
@@ -116,8 +119,12 @@ def _rank_of(stage: int, pp_size: int) -> int:
 def simulate(schedule: list, num_microbatches: int | None = None, vpp_size: int | None = None,
              forward_cost: float = 1.0, backward_cost: float = 2.0,
              input_grad_cost: float | None = None, weight_grad_cost: float | None = None,
-             p2p_latency: float = 0.0, validate: bool = True) -> SimulationResult:
-    """Run every rank's action list against the others; see the module docstring."""
+             p2p_latency: float = 0.0, validate: bool = True,
+             analyze_reorders: bool = True) -> SimulationResult:
+    """Run every rank's action list against the others; see the module docstring.
+
+    Cost: O(actions) for the timeline; ``analyze_reorders`` adds O(messages) for the reordered
+    links / channels (left None when False)."""
     pp_size = len(schedule)
     if pp_size < 1:
         raise ValueError("schedule must hold at least one rank's action list")
@@ -170,10 +177,12 @@ def simulate(schedule: list, num_microbatches: int | None = None, vpp_size: int 
     deadlocked = bool(blocked)
     bubble = float("nan") if deadlocked or makespan == 0 else 1.0 - busy / (pp_size * makespan)
     messages = {m: t for m, t in ready.items() if isinstance(m, Message)}
-    consumed = _consume_order(schedule, pp_size, vpp_size)
-    links = _reordered(send_order, consumed, lambda m: (_rank_of(m.src_stage, pp_size),
-                                                         _rank_of(m.dst_stage, pp_size)))
-    channels = _reordered(send_order, consumed, lambda m: (m.src_stage, m.dst_stage))
+    links = channels = None
+    if analyze_reorders:
+        consumed = _consume_order(schedule, pp_size, vpp_size)
+        links = _reordered(send_order, consumed, lambda m: (_rank_of(m.src_stage, pp_size),
+                                                             _rank_of(m.dst_stage, pp_size)))
+        channels = _reordered(send_order, consumed, lambda m: (m.src_stage, m.dst_stage))
     return SimulationResult(timelines, makespan, bubble, deadlocked, blocked, links, channels,
                             dict(send_order), messages)
 
@@ -193,8 +202,12 @@ def _reordered(send_order, consumed, key) -> list:
     got_by_key: dict = defaultdict(list)
     for message in consumed:
         got_by_key[key(message)].append(message)
-    return sorted(k for k, sent in sent_by_key.items()
-                  if [m for m in got_by_key[k] if m in set(sent)] != sent)
+    reordered = []
+    for k, sent in sent_by_key.items():
+        sent_set = set(sent)
+        if [m for m in got_by_key[k] if m in sent_set] != sent:
+            reordered.append(k)
+    return sorted(reordered)
 
 
 def link_message_order(result: SimulationResult, rank_a: int, rank_b: int) -> list:

@@ -17,10 +17,9 @@ For m ≥ p and T_W ≤ min(T_F, T_I) (a W fits every wait) the makespan is
 ``m(T_F + T_I + T_W) + (p − 1)(T_F + T_I − T_W)``: the paper's ZB-H1 bubble, a third of 1F1B's
 (p − 1)(T_F + T_I + T_W) when the three costs are equal. See :func:`zb_h1_bubble_formula`.
 
-``tpfuse.pipeline.executor.forward_backward_pipelining_zb_h1`` runs it (I = gradient w.r.t. the
-chunk input through the autograd engine with the graph kept, W = the parameter gradients later);
-without split weight-gradient kernels W walks the graph again, so it shows the schedule is
-correct rather than faster.
+``tpfuse.pipeline.executor.forward_backward_pipelining_zb_h1`` runs it: I is the autograd backward
+with the weight-gradient GEMMs of deferring layers queued, W runs that queue
+(:mod:`tpfuse.pipeline.weight_grad_store`).
 """
 from __future__ import annotations
 

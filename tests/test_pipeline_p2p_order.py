@@ -55,7 +55,7 @@ def _drive(recorder, schedule, m, v):
     p = len(schedule)
     last = p * v - 1
     for rank, actions in enumerate(schedule):
-        comm = PipelineP2P(schedule, rank, list(range(p)), None, m, v, SHAPE)
+        comm = PipelineP2P.for_schedule(schedule, rank, list(range(p)), None, m, v, SHAPE)
         recorder.current = comm
         for action in actions:
             stage = action.chunk * p + rank
@@ -115,4 +115,81 @@ def test_deadlocking_schedule_is_refused_before_any_message():
     bad = [[Action("F", 0), Action("B", 0), Action("F", 1), Action("B", 1)],
            [Action("F", 1), Action("B", 1), Action("F", 0), Action("B", 0)]]
     with pytest.raises(ValueError, match="deadlocks"):
-        PipelineP2P(bad, 0, [0, 1], None, 2, 1, SHAPE)
+        PipelineP2P.for_schedule(bad, 0, [0, 1], None, 2, 1, SHAPE)
+
+
+# ------------------------------------------------------------------ the cached plan
+
+def _reference_order(result, rank):
+    """The order as the executor derived it before plans were cached: from the full simulation
+    (reorder analysis included), every message of this rank keyed by (time, sender, position)."""
+    keyed = [(result.message_times[msg], src, pos, msg)
+             for (src, dst), sent in result.send_order.items() if rank in (src, dst)
+             for pos, msg in enumerate(sent)]
+    return [msg for *_, msg in sorted(keyed, key=lambda k: k[:3])]
+
+
+def _schedule_configs():
+    """Every (p, m, v, g) the schedule tests cover (tests/test_schedules.py::_valid_configs)."""
+    for p, v, m in itertools.product(range(1, 5), range(1, 4), range(1, 11)):
+        for g in ([None] if v == 1 else range(p, m + 1)):
+            if v > 1 and m % g and m % g < p:
+                continue
+            yield p, m, v, g
+
+
+def test_cached_plan_matches_the_uncached_order_for_every_schedule_config():
+    from tpfuse.pipeline.plan import clear_plan_cache, rank_plan
+    from tpfuse.pipeline.simulate import simulate
+    from tpfuse.pipeline.zero_bubble import build_zb_h1_schedule
+
+    clear_plan_cache()
+    checked = 0
+    for p, m, v, g in _schedule_configs():
+        cases = [("1f1b" if v == 1 else "interleaved", build_schedule(p, m, v, g))]
+        if v == 1:
+            cases.append(("zb-h1", build_zb_h1_schedule(p, m)))
+        for kind, schedule in cases:
+            for only_forward in (False, True):
+                expected = [forward_only(a) for a in schedule] if only_forward else schedule
+                result = simulate(expected, m, v)
+                for rank in range(p):
+                    plan = rank_plan(kind, p, m, v, g, only_forward, rank)
+                    assert list(plan.actions) == expected[rank], (kind, p, m, v, g, rank)
+                    assert list(plan.messages) == _reference_order(result, rank), (
+                        kind, p, m, v, g, only_forward, rank)
+                    # steps name exactly the messages each action receives and sends
+                    for action, recv, send in plan.steps:
+                        for index in (recv, send):
+                            if index is not None:
+                                message = plan.messages[index]
+                                assert message.microbatch == action.microbatch
+                checked += 1
+    assert checked > 500
+
+
+def test_plan_is_computed_once_per_configuration():
+    from tpfuse.pipeline.plan import _plans, clear_plan_cache, rank_plan
+
+    clear_plan_cache()
+    first = rank_plan("interleaved", 4, 8, 2, None, False, 1)
+    assert rank_plan("interleaved", 4, 8, 2, 4, False, 1) is first   # g None == g pp
+    rank_plan("interleaved", 4, 8, 2, None, False, 3)                # another rank: same build
+    assert _plans.cache_info().misses == 1
+    assert rank_plan("interleaved", 4, 8, 2, None, True, 1) is not first   # forward-only
+    assert _plans.cache_info().misses == 2
+
+
+@pytest.mark.parametrize("args, words", [
+    (("2f2b", 2, 4), ["pipeline schedule", "2f2b"]),
+    (("1f1b", 2, 4, 2), ["vpp_size=2", "one model chunk"]),
+    (("interleaved", 4, 5, 2), ["num_microbatches=5", "microbatch_group_size"]),
+    (("1f1b", 2, 0), ["num_microbatches"]),
+])
+def test_rank_plan_rejects_bad_settings(args, words):
+    from tpfuse.pipeline.plan import rank_plan
+
+    with pytest.raises(ValueError) as info:
+        rank_plan(*args)
+    for word in words:
+        assert word in str(info.value)

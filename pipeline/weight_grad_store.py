@@ -1,0 +1,61 @@
+"""Weight-gradient GEMMs held back from a backward pass until the schedule's W action.
+
+Zero-bubble schedules split a stage's backward into I (the gradient w.r.t. the stage input, which
+the previous stage waits for) and W (the weight gradients, which nobody waits for). The executor
+runs I as an ordinary autograd backward inside :func:`deferring_weight_grads`; while it is open,
+a layer's weight-gradient code calls :func:`defer_weight_grad` with a closure that computes and
+accumulates the gradient, and the closure is queued instead of run. The W action later runs the
+queue of that I pass (:meth:`WeightGradQueue.run`), in the order the closures were queued.
+
+Everything autograd computes itself (norm weights, biases, embeddings) still happens in I; only
+code that asks to be deferred moves to W, so a model without such layers runs correctly with an
+empty W. The open queue is execution state of the running I pass (like autograd's grad mode),
+visible to the autograd engine's worker threads; outside an I pass nothing is deferred.
+"""
+from __future__ import annotations
+
+import contextlib
+
+_open_queue = None     # the WeightGradQueue of the I pass now running (None: compute at once)
+
+
+class WeightGradQueue:
+    """The deferred weight-gradient closures of one I pass, run by its W action."""
+
+    def __init__(self):
+        self._closures: list = []
+
+    def append(self, closure) -> None:
+        self._closures.append(closure)
+
+    def __len__(self) -> int:
+        return len(self._closures)
+
+    def run(self) -> int:
+        """Run every queued closure once, oldest first; returns how many ran."""
+        closures, self._closures = self._closures, []
+        for closure in closures:
+            closure()
+        return len(closures)
+
+
+@contextlib.contextmanager
+def deferring_weight_grads(queue: WeightGradQueue):
+    """Queue the weight gradients of the enclosed backward pass in ``queue``."""
+    global _open_queue
+    if _open_queue is not None:
+        raise RuntimeError("deferring_weight_grads is already open (I passes do not nest)")
+    _open_queue = queue
+    try:
+        yield queue
+    finally:
+        _open_queue = None
+
+
+def defer_weight_grad(closure) -> bool:
+    """Queue ``closure`` when an I pass defers weight gradients (returns True), else return
+    False and leave it to the caller to compute the gradient now."""
+    if _open_queue is None:
+        return False
+    _open_queue.append(closure)
+    return True
