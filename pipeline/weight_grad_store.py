@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import contextlib
 
+import torch
+
 _open_queue = None     # the WeightGradQueue of the I pass now running (None: compute at once)
 
 
@@ -32,10 +34,12 @@ class WeightGradQueue:
         return len(self._closures)
 
     def run(self) -> int:
-        """Run every queued closure once, oldest first; returns how many ran."""
+        """Run every queued closure once, oldest first, without building a graph (as the
+        autograd engine runs backward); returns how many ran."""
         closures, self._closures = self._closures, []
-        for closure in closures:
-            closure()
+        with torch.no_grad():
+            for closure in closures:
+                closure()
         return len(closures)
 
 

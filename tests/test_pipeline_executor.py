@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+from tpfuse.pipeline.weight_grad_store import defer_weight_grad
 from tpfuse.pipeline.executor import (
     forward_backward_pipelining_with_interleaving, forward_backward_pipelining_zb_h1,
     forward_backward_pipelining_without_interleaving, get_forward_backward_func)
@@ -24,10 +25,34 @@ HIDDEN, SEQ, MICRO_BATCH = 8, 3, 2
 _ACTIVE_STATE = None   # the ParallelState of the running job (checked by forward_step)
 
 
-class ToyStage(nn.Module):
-    """Virtual stage ``stage`` of ``num_stages``: tanh(x Wᵀ + b); stage 0 reads the data."""
+class _DeferringLinear(torch.autograd.Function):
+    """x Wᵀ + b whose weight gradient asks to be deferred (what the TP linears do under ZB)."""
 
-    def __init__(self, stage: int, num_stages: int, pp_size: int):
+    @staticmethod
+    def forward(ctx, x, weight, bias, stage):
+        ctx.save_for_backward(x, weight)
+        ctx.stage = stage
+        return x @ weight.t() + bias
+
+    @staticmethod
+    def backward(ctx, dy):                                   # dy (s, b, h)
+        x, weight = ctx.saved_tensors
+
+        def weight_grad():                                   # dW = dyᵀ x over all tokens
+            grad = dy.reshape(-1, HIDDEN).t() @ x.reshape(-1, HIDDEN)
+            weight.grad = grad if weight.grad is None else weight.grad + grad
+            ctx.stage.deferred_ran += 1
+
+        if not defer_weight_grad(weight_grad):
+            weight_grad()
+        return dy @ weight, None, dy.sum((0, 1)), None
+
+
+class ToyStage(nn.Module):
+    """Virtual stage ``stage`` of ``num_stages``: tanh(x Wᵀ + b); stage 0 reads the data.
+    ``deferring``: the weight gradient goes through ``defer_weight_grad``."""
+
+    def __init__(self, stage: int, num_stages: int, pp_size: int, deferring: bool = False):
         super().__init__()
         generator = torch.Generator().manual_seed(1234 + stage)
         self.linear = nn.Linear(HIDDEN, HIDDEN)
@@ -40,13 +65,18 @@ class ToyStage(nn.Module):
                                       params_dtype=torch.float32)
         self.input_tensor = None
         self.outputs = []   # every forward output, to check the executor freed them
+        self.deferring, self.deferred_ran = deferring, 0
 
     def set_input_tensor(self, tensor):
         self.input_tensor = tensor
 
     def forward(self, tokens):
         hidden = tokens if self.pre_process else self.input_tensor   # (s, b, h)
-        output = torch.tanh(self.linear(hidden))
+        if self.deferring:
+            output = torch.tanh(_DeferringLinear.apply(hidden, self.linear.weight,
+                                                       self.linear.bias, self))
+        else:
+            output = torch.tanh(self.linear(hidden))
         self.outputs.append(output)
         return output
 
@@ -90,7 +120,8 @@ def reference(num_stages, num_microbatches, forward_only=False):
 
 # ------------------------------------------------------------------ worker bodies
 
-def _pipeline_body(pp, vpp, m, group_size, forward_only, explicit_shape, direct):
+def _pipeline_body(pp, vpp, m, group_size, forward_only, explicit_shape, direct,
+                   deferring=False):
     """One step on every rank; returns losses and each local stage's gradients."""
     global _ACTIVE_STATE
     from tpfuse.parallel.state import ParallelState
@@ -98,7 +129,7 @@ def _pipeline_body(pp, vpp, m, group_size, forward_only, explicit_shape, direct)
     state = ParallelState.initialize(pp=pp, vpp=vpp if vpp > 1 else None)
     _ACTIVE_STATE = state
     try:
-        chunks = [ToyStage(c * pp + state.pp_rank, pp * vpp, pp) for c in range(vpp)]
+        chunks = [ToyStage(c * pp + state.pp_rank, pp * vpp, pp, deferring) for c in range(vpp)]
         batches = make_microbatches(m)
         iterators = [iter(batches) for _ in chunks]
         kwargs = dict(forward_only=forward_only,
@@ -124,7 +155,8 @@ def _pipeline_body(pp, vpp, m, group_size, forward_only, explicit_shape, direct)
         assert len(freed) == m * (vpp - int(state.pp_rank == pp - 1))
         assert all(freed) if not forward_only else not any(freed)
         return {"pp_rank": state.pp_rank, "losses": [d["loss"] for d in losses],
-                "grads": grads, "func": func.__name__}
+                "grads": grads, "func": func.__name__,
+                "deferred_ran": sum(chunk.deferred_ran for chunk in chunks)}
     finally:
         _ACTIVE_STATE = None
         state.destroy()
@@ -202,13 +234,16 @@ def test_interleaved_function_with_one_chunk(run_distributed):
     _check_against_reference(results, 2, 1, 4)
 
 
-@pytest.mark.parametrize("world, m, forward_only", [(2, 3, False), (4, 6, False), (4, 4, True)])
-def test_zb_h1_matches_single_process(run_distributed, world, m, forward_only):
-    # I sends the input gradient at once, W accumulates weight gradients later (up to r
-    # deferred on rank r): same losses and gradients as the reference
+@pytest.mark.parametrize("world, m, forward_only, deferring", [
+    (2, 3, False, False), (2, 3, False, True), (4, 6, False, True), (4, 4, True, True)])
+def test_zb_h1_matches_single_process(run_distributed, world, m, forward_only, deferring):
+    # I sends the input gradient at once; the weight gradients the stage defers run in W (up
+    # to r pending on rank r): same losses and gradients as the reference
     results = run_distributed(world, _pipeline_body, world, 1, m, None, forward_only, False,
-                              "zb-h1")
+                              "zb-h1", deferring=deferring)
     _check_against_reference(results, world, 1, m, forward_only)
+    for result in results:   # every micro-batch's weight gradient ran in a W action (or none)
+        assert result["deferred_ran"] == (m if deferring and not forward_only else 0)
 
 
 def test_no_pipelining_world1(run_distributed):
@@ -263,3 +298,21 @@ def test_get_forward_backward_func_choice_from_config():
     assert get_forward_backward_func(config) is forward_backward_pipelining_without_interleaving
     config.virtual_pipeline_model_parallel_size = 2
     assert get_forward_backward_func(config) is forward_backward_pipelining_with_interleaving
+
+
+def test_weight_grad_queue_defers_only_inside_an_open_pass():
+    from tpfuse.pipeline.weight_grad_store import WeightGradQueue, deferring_weight_grads
+
+    ran = []
+    assert not defer_weight_grad(lambda: ran.append("now"))   # no I pass: caller computes
+    queue = WeightGradQueue()
+    with deferring_weight_grads(queue):
+        assert defer_weight_grad(lambda: ran.append(torch.is_grad_enabled()))
+        assert defer_weight_grad(lambda: ran.append("second"))
+        with pytest.raises(RuntimeError, match="do not nest"):
+            with deferring_weight_grads(WeightGradQueue()):
+                pass
+    assert ran == [] and len(queue) == 2
+    assert not defer_weight_grad(lambda: None)                 # closed again
+    assert queue.run() == 2 and ran == [False, "second"]       # in order, without a graph
+    assert queue.run() == 0
