@@ -1,7 +1,7 @@
 """The README's main job: tokens/s of its 8-process layout vs one process, in one run.
 
-The model is the main job's (``tpfuse.pretrain_gpt.MAIN_JOB_DEFAULTS``: 8 layers, hidden 128,
-8 heads, seq 128, vocab 257, micro-batch 4, global batch 32), fp32, dropout off, mock data,
+The model is the main job's (the ``stdlib-demo`` preset, ``training/presets.py``: 8 layers,
+hidden 128, 8 heads, seq 128, vocab 257, micro-batch 4, global batch 32), fp32, dropout off, mock data,
 trained by the real ``pretrain`` loop (pipeline schedule, DP gradient sync, clipping, AdamW) for
 ``TPFUSE_BENCH_ITERS`` iterations (default 6) under:
 
@@ -35,13 +35,16 @@ import tempfile
 import pytest
 
 from tpfuse.parallel.launch import WorkerPool
-from tpfuse.pretrain_gpt import MAIN_JOB_DEFAULTS
+from tpfuse.training.presets import STDLIB_DEMO
+
+MAIN_JOB = STDLIB_DEMO.flags
 
 ITERS = int(os.environ.get("TPFUSE_BENCH_ITERS", "6"))
 SKIP = int(os.environ.get("TPFUSE_BENCH_SKIP", "2"))
 PADDED_VOCAB_MULTIPLE = 128   # every layout pads 257 → 384
 _MODEL_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
-               "max_position_embeddings", "vocab_size", "micro_batch_size", "global_batch_size")
+               "max_position_embeddings", "micro_batch_size", "global_batch_size")
+VOCAB = 256   # mock data's NullTokenizer(256): 257 ids, as the byte tokenizer
 
 CASES = {
     # name: (processes, threads per process, layout flags)
@@ -61,11 +64,11 @@ def _flag(key: str) -> str:
 def _argv(layout_flags: list, tp: int) -> list:
     argv = []
     for key in _MODEL_KEYS:
-        argv += [_flag(key), str(MAIN_JOB_DEFAULTS[key])]
+        argv += [_flag(key), str(MAIN_JOB[key])]
     return argv + [
-        "--make-vocab-size-divisible-by", str(PADDED_VOCAB_MULTIPLE // tp),
+        "--vocab-size", str(VOCAB), "--make-vocab-size-divisible-by", str(PADDED_VOCAB_MULTIPLE // tp),
         "--hidden-dropout", "0.0", "--attention-dropout", "0.0", "--seed", "1234",
-        "--mock-data", "--train-iters", str(ITERS), "--lr", str(MAIN_JOB_DEFAULTS["lr"]),
+        "--mock-data", "--train-iters", str(ITERS), "--lr", str(MAIN_JOB["lr"]),
         "--lr-warmup-iters", "2", "--eval-interval", "100000", "--eval-iters", "1",
         "--log-interval", "100000", "--no-progress-bar", "--no-layout-table",
     ] + layout_flags

@@ -48,6 +48,41 @@ def parse_blend(blend) -> list[tuple[str, float]] | None:
     return result
 
 
+def _float_or_none(text):
+    try:
+        value = float(text)
+    except (TypeError, ValueError):
+        return None
+    return value
+
+
+def blend_from_cli(values: list[str] | None) -> list[tuple[str, float]] | None:
+    """Megatron's ``--data-path`` forms → ``[(prefix, weight), ...]`` (None for no flag).
+
+    ``P`` (one prefix); ``W1 P1 W2 P2 ...`` (an even count whose every other item, from the
+    first, is a number: ``0.7 A 0.3 B``); otherwise a list of prefixes, weighted as Megatron
+    infers them, by each file's size (here: its token count). A mix of numbers and names in the
+    weight positions is an error naming the item.
+    """
+    if values is None:
+        return None
+    if not values:
+        raise ValueError("--data-path: expected a prefix or weight-prefix pairs, got nothing")
+    weights = [_float_or_none(item) for item in values[0::2]]
+    if len(values) % 2 == 0 and all(w is not None for w in weights):
+        return parse_blend(list(zip(values[1::2], weights)))
+    numbers = [item for item in values if _float_or_none(item) is not None]
+    if numbers:
+        raise ValueError(f"--data-path {' '.join(values)}: {numbers[0]!r} looks like a weight; use "
+                         f"either prefixes only or WEIGHT PREFIX pairs throughout")
+    if len(values) == 1:
+        return [(values[0], 1.0)]
+    from .indexed import IndexedDataset
+
+    sizes = [float(IndexedDataset(prefix).sequence_lengths.sum()) for prefix in values]
+    return parse_blend(list(zip(values, sizes)))
+
+
 def parse_split(split: str) -> list[float]:
     """``"969,30,1"`` → normalised ``[0.969, 0.03, 0.001]`` (missing parts are 0)."""
     if not isinstance(split, str):

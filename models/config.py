@@ -219,8 +219,8 @@ class TransformerConfig:
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"{name}={getattr(self, name)} must be in [0, 1)")
         for name in ("init_method_std", "layernorm_epsilon"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name}={getattr(self, name)} must be > 0")
+            if not 0 < getattr(self, name) < float("inf"):
+                raise ValueError(f"{name}={getattr(self, name)} must be a finite number > 0")
 
     def _validate_tensor_parallel(self):
         tp = self.tensor_model_parallel_size

@@ -15,10 +15,11 @@ import pytest
 TINY_MODEL = [
     "--num-layers", "8", "--hidden-size", "16", "--num-attention-heads", "4",
     "--ffn-hidden-size", "32", "--seq-length", "8", "--max-position-embeddings", "8",
-    "--vocab-size", "272", "--make-vocab-size-divisible-by", "8",
+    "--vocab-size", "63", "--make-vocab-size-divisible-by", "8",  # 64 ids: no padding at tp 1, 2
     "--hidden-dropout", "0.0", "--attention-dropout", "0.0", "--seed", "7",
     "--mock-data", "--micro-batch-size", "2", "--global-batch-size", "8",
-    "--train-iters", "10", "--lr-decay-iters", "10", "--lr", "3e-3", "--lr-warmup-iters", "2", "--clip-grad", "1.0",
+    "--train-iters", "10", "--lr-decay-iters", "10", "--lr", "3e-3", "--lr-warmup-iters", "2",
+    "--lr-decay-style", "cosine", "--adam-beta2", "0.95", "--clip-grad", "1.0",
     "--eval-interval", "1000", "--eval-iters", "1", "--log-interval", "1000",
     "--no-progress-bar", "--no-layout-table",
 ]

@@ -1,13 +1,16 @@
-"""tpfuse-train end to end: a tiny run on 2 local processes, a bad flag, a failing rank."""
+"""tpfuse-train end to end: Megatron's defaults on one process, a tiny run on 2 local processes, a
+bad flag, a failing rank, the stdlib-demo preset."""
 import json
 import os
 import subprocess
 import sys
 
 
-from tpfuse.training.main_job import prepare_default_data
+import pytest
 
-TINY = ["--num-layers", "2", "--hidden-size", "16", "--num-attention-heads", "2",
+from tpfuse.training import arguments, presets
+
+TINY = ["--vocab-size", "64", "--lr", "1e-3","--num-layers", "2", "--hidden-size", "16", "--num-attention-heads", "2",
         "--seq-length", "16", "--max-position-embeddings", "16", "--micro-batch-size", "2",
         "--global-batch-size", "8", "--train-iters", "3", "--lr-warmup-iters", "1",
         "--eval-interval", "3", "--eval-iters", "1", "--log-interval", "1",
@@ -53,15 +56,19 @@ def test_bad_flag_is_one_clear_line(tmp_path):
     assert len(errors) == 1 and "--lr-warmup-iters (9)" in errors[0]
 
 
-def test_default_data_is_the_stdlib_corpus(tmp_path, monkeypatch):
+def test_preset_is_the_default_job_and_flags_override_it(tmp_path, monkeypatch):
     monkeypatch.setenv("TPFUSE_CACHE", str(tmp_path))
-    argv = prepare_default_data(["--train-iters", "5"])
-    prefix = str(tmp_path / "stdlib_byte")
-    assert argv == ["--train-iters", "5", "--data-path", prefix, "--data-cache-path",
-                    str(tmp_path)]
+    argv, nproc, preset = presets.launcher_plan([], None)   # plain `tpfuse-train`
+    assert argv == ["--preset", "stdlib-demo"] and nproc == 8 and preset is presets.STDLIB_DEMO
     from tpfuse.data.indexed import IndexedDataset
 
-    corpus = IndexedDataset(prefix, vocab_size=257)
+    corpus = IndexedDataset(str(tmp_path / "stdlib_byte"), vocab_size=257)
     assert len(corpus) > 100  # hundreds of stdlib modules, one document each
-    # flags that name data are left alone
-    assert prepare_default_data(["--mock-data"]) == ["--mock-data"]
+    assert presets.launcher_plan(["--preset", "stdlib-demo"], 2)[1] == 2
+    assert presets.launcher_plan(["--mock-data"], None)[1] == 1   # torchrun's default
+    config, args = arguments.parse_args(["--preset", "stdlib-demo", "--train-iters", "17",
+                                         "--tensor-model-parallel-size", "1"])
+    assert args.data_path == [str(tmp_path / "stdlib_byte")]     # the preset's data
+    assert (args.train_iters, config.tensor_model_parallel_size, config.num_layers) == (17, 1, 8)
+    assert config.vocab_size == 257 and args.tokenizer.name == "byte"
+    assert args.lr == presets.STDLIB_DEMO.flags["lr"]

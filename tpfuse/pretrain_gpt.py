@@ -1,9 +1,10 @@
 """Pretrain a GPT: ``torchrun --nproc-per-node N -m tpfuse.pretrain_gpt <flags>`` (or ``tpfuse-train``).
 
-The three callbacks of Megatron's pretrain_gpt.py, written for tpfuse: the model provider is
-:func:`tpfuse.models.gpt_model_provider`, the datasets come from the indexed files of
-``--data-path`` (or ``--mock-data``), and ``forward_step`` returns the per-token losses with a loss
-function that averages them over the loss mask.
+The three callbacks of Megatron's pretrain_gpt.py, written for tpfuse: the model provider builds
+a :class:`tpfuse.models.GPTModel` from the parsed config, the datasets come from the indexed files
+of ``--data-path`` (or ``--mock-data``), and ``forward_step`` returns the per-token losses with a
+loss function that averages them over the loss mask. Without flags the ``stdlib-demo`` preset
+(``training/presets.py``) runs.
 """
 from __future__ import annotations
 
@@ -13,20 +14,7 @@ from functools import partial
 
 import torch
 
-from tpfuse.training.pretrain import get_args, get_config, pretrain
-
-# The main job's model when no flag says otherwise: small enough to train on 2 CPU cores.
-MAIN_JOB_DEFAULTS = {
-    "num_layers": 8, "hidden_size": 128, "num_attention_heads": 8, "seq_length": 128,
-    "max_position_embeddings": 128, "vocab_size": 257,
-    "make_vocab_size_divisible_by": 64,  # 257 pads to 384 at tp=2 (128 would give 512)
-    "tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2,
-    "num_layers_per_virtual_pipeline_stage": 2, "sequence_parallel": True,
-    "micro_batch_size": 4, "global_batch_size": 32, "train_iters": 120, "lr": 3e-3,
-    "min_lr": 3e-4, "lr_warmup_iters": 10, "eval_interval": 20, "eval_iters": 4,
-    "eval_at_start": True,
-    "log_interval": 10, "hidden_dropout": 0.0, "attention_dropout": 0.0,
-}
+from tpfuse.training.pretrain import get_args, get_config, get_tokenizer, pretrain
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
@@ -57,21 +45,19 @@ def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage
 
 
 def train_valid_test_datasets_provider(train_val_test_num_samples):
-    """Mock or indexed GPT datasets, split by ``--split``, built rank 0 first and cached."""
+    """Mock or indexed GPT datasets (``--data-path`` blends cut by ``--split``, or the per-split
+    ``--train/valid/test-data-path`` blends), built rank 0 first and cached."""
     from tpfuse.data import (BlendedMegatronDatasetBuilder, GPTDataset, GPTDatasetConfig,
-                             MockGPTDataset)
-    from tpfuse.data.tokenizer import build_tokenizer
+                             MockGPTDataset, blend_from_cli)
 
     args, config = get_args(), get_config()
-    tokenizer = build_tokenizer(args.tokenizer_type)
-    if config.vocab_size is None or tokenizer.vocab_size > config.vocab_size:
-        raise ValueError(f"--vocab-size {config.vocab_size} is smaller than the vocabulary of "
-                         f"--tokenizer-type {args.tokenizer_type} ({tokenizer.vocab_size} ids)")
+    per_split = [args.train_data_path, args.valid_data_path, args.test_data_path]
     dataset_config = GPTDatasetConfig(
         random_seed=config.seed, sequence_length=config.seq_length,
         reset_position_ids=args.reset_position_ids,
         reset_attention_mask=args.reset_attention_mask, eod_mask_loss=args.eod_mask_loss,
-        tokenizer=tokenizer, blend=args.data_path,
+        tokenizer=get_tokenizer(), blend=blend_from_cli(args.data_path),
+        blend_per_split=[blend_from_cli(p) for p in per_split] if any(per_split) else None,
         split=args.split, path_to_cache=args.data_cache_path, mock=args.mock_data)
     dataset_cls = MockGPTDataset if args.mock_data else GPTDataset
     return BlendedMegatronDatasetBuilder(dataset_cls, train_val_test_num_samples,
@@ -79,16 +65,20 @@ def train_valid_test_datasets_provider(train_val_test_num_samples):
 
 
 def main(argv=None) -> int:
+    """Without any flag, the default preset (the README's main job) runs."""
     from tpfuse.training.arguments import parse_args
+    from tpfuse.training.presets import DEFAULT_PRESET
 
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv:
+        argv = ["--preset", DEFAULT_PRESET]
     try:  # a bad flag is a one-line message (from rank 0 only), not a traceback per rank
-        parse_args(argv, MAIN_JOB_DEFAULTS)
+        parse_args(argv)
     except ValueError as error:
         if os.environ.get("RANK", "0") == "0":
             print(f"tpfuse.pretrain_gpt: error: {error}", file=sys.stderr)
         return 2
-    pretrain(train_valid_test_datasets_provider, model_provider, forward_step,
-             args_defaults=MAIN_JOB_DEFAULTS, argv=argv)
+    pretrain(train_valid_test_datasets_provider, model_provider, forward_step, argv=argv)
     return 0
 
 

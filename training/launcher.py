@@ -7,9 +7,9 @@ process's code, so a dead rank ends the job instead of leaving the rest blocked 
 
 Multi-node runs are torchrun's job: ``torchrun --nproc-per-node N -m tpfuse.pretrain_gpt <flags>``.
 
-Without ``--data-path`` or ``--mock-data`` the job trains on the Python standard library's own
-source files, tokenized once with the byte tokenizer into ``--data-cache-path`` (the README's main
-job).
+Without any trainer flag it runs the ``stdlib-demo`` preset (the README's main job: 8 processes
+training on the Python standard library's own source files, ``training/presets.py``); a preset's
+corpus is prepared here once, before the ranks start.
 """
 from __future__ import annotations
 
@@ -28,8 +28,9 @@ def _launcher_parser() -> argparse.ArgumentParser:
         prog="tpfuse-train", add_help=False,
         description="Run tpfuse.pretrain_gpt on N local processes (gloo on CPU, nccl on GPUs). "
                     "Every other flag goes to the trainer; see `tpfuse-train --help-trainer`.")
-    parser.add_argument("--nproc-per-node", type=int, default=8,
-                        help="number of processes (the world size); default 8")
+    parser.add_argument("--nproc-per-node", type=int, default=None,
+                        help="number of processes (the world size); default 1 (torchrun's), or "
+                             "the preset's (stdlib-demo: 8)")
     parser.add_argument("--help", "-h", action="store_true", help="show this help")
     parser.add_argument("--help-trainer", action="store_true", help="show the trainer's flags")
     return parser
@@ -83,12 +84,15 @@ def main(argv=None) -> int:
         return 0
     if args.help_trainer:
         return subprocess.call([sys.executable, "-m", "tpfuse.pretrain_gpt", "--help"])
-    if args.nproc_per_node < 1:
+    if args.nproc_per_node is not None and args.nproc_per_node < 1:
         parser.error(f"--nproc-per-node must be >= 1, got {args.nproc_per_node}")
-    from tpfuse.training.main_job import prepare_default_data
+    from tpfuse.training.presets import launcher_plan
 
-    trainer_argv = prepare_default_data(trainer_argv)
-    return run_local(args.nproc_per_node, trainer_argv)
+    trainer_argv, nproc, preset = launcher_plan(trainer_argv, args.nproc_per_node)
+    if preset is not None:
+        print(f"tpfuse-train: preset {preset.name} ({preset.description}) on {nproc} processes; "
+              f"flags given override it", flush=True)
+    return run_local(nproc, trainer_argv)
 
 
 if __name__ == "__main__":

@@ -56,6 +56,11 @@ def get_config():
     return _GLOBALS["config"]
 
 
+def get_tokenizer():
+    """The tokenizer of ``--tokenizer-type`` (Megatron's ``get_tokenizer``)."""
+    return get_args().tokenizer
+
+
 @dataclass
 class TrainingResult:
     """What one rank saw; losses are filled on the logging rank (last stage, tp/dp rank 0)."""
@@ -105,7 +110,7 @@ class _Run:
         args = self.args
         # every evaluation reads the same first eval_iters global batches of the validation set,
         # so successive validation losses are comparable
-        evaluates = bool(args.eval_interval) or args.eval_at_start
+        evaluates = args.eval_at_start or args.eval_interval <= args.train_iters
         eval_samples = args.eval_iters * args.global_batch_size if evaluates else 0
         train_samples = args.train_iters * args.global_batch_size
         train, valid, _ = datasets_provider([train_samples, eval_samples, 0])
@@ -153,7 +158,7 @@ class _Run:
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
-        if self.valid_ds is None:
+        if self.valid_ds is None or self.args.eval_iters == 0:
             return None
         for chunk in self.model:
             chunk.eval()
@@ -185,7 +190,7 @@ class _Run:
         iterators = self._iterators(self.train_ds, self.consumed_samples)
         tokens_per_sample = self.config.seq_length
         try:
-            if args.eval_at_start and args.eval_interval:
+            if args.eval_at_start:
                 self._evaluate_and_log(logger, result)
             while self.iteration < args.train_iters:
                 self.calculator.update(self.consumed_samples, consistency_check=True)
@@ -279,7 +284,8 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step,
 def run_banner(run) -> None:
     config, state = run.config, run.state
     params = sum(p.numel() for p in run.params)
-    print(f"> tpfuse: tp={state.tp_size} pp={state.pp_size} vpp={state.vpp_size or 1} "
+    preset = f"preset {run.args.preset} | " if run.args.preset else ""
+    print(f"> tpfuse: {preset}tp={state.tp_size} pp={state.pp_size} vpp={state.vpp_size or 1} "
           f"dp={state.dp_size} sequence_parallel={config.sequence_parallel} | "
           f"{config.num_layers} layers, hidden {config.hidden_size}, "
           f"{config.num_attention_heads} heads, seq {config.seq_length} | "
