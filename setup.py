@@ -63,6 +63,9 @@ setup(
         # tokenizers: HuggingFace BPE tokenizers for tpfuse-preprocess (optional; the byte
         # tokenizer is built in). The test extra carries it so that path is tested too.
         "hf": ["tokenizers"],
+        # training observability, imported only when --tensorboard-dir / --wandb-project is given
+        "tensorboard": ["tensorboard"],
+        "wandb": ["wandb"],
         "test": ["pytest", "pytest-benchmark", "pytest-timeout", "tokenizers"],
     },
     entry_points={"console_scripts": CONSOLE_SCRIPTS},

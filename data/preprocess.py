@@ -206,6 +206,11 @@ def main(argv=None) -> int:
         sources = collect_sources(args.input, _globs(args.pattern), _globs(args.exclude))
         summary = preprocess(sources, args.output_prefix, args.tokenizer, args.json_key, args.append_eod,
                              args.workers, args.eod_token, progress=not args.quiet)
+        if summary["documents"] == 0:
+            for path in (summary["bin"], summary["idx"]):
+                os.remove(path)
+            raise ValueError(f"--input {' '.join(args.input)}: no text to tokenize (every "
+                             f"document is empty); nothing was written")
     except (ValueError, ImportError) as err:
         parser.error(str(err))
     print(f"tpfuse-preprocess: {summary['documents']} documents, {summary['tokens']} tokens "

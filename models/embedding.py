@@ -60,10 +60,20 @@ class GPTEmbedding(nn.Module):
         return hidden
 
 
+def draw_vocab_master(config):
+    """A full ``[V_padded, h]`` vocabulary master (fp32): the real ``vocab_size`` rows drawn from
+    the current generator, the padding rows zero. So the same seed gives the same model whatever
+    the padding (which depends on tp); the padding rows are never read by the embedding, are
+    masked out of the loss, get no gradient and so stay zero."""
+    init = normal_init(config.init_method_std)
+    real = draw_master_weight(config.vocab_size, config.hidden_size, init)
+    padding = config.padded_vocab_size - config.vocab_size
+    return F.pad(real, (0, 0, 0, padding))
+
+
 def draw_word_master(config):
     """The full word-embedding master ``[V_padded, h]`` (fp32) from the current generator."""
-    init = normal_init(config.init_method_std)
-    return draw_master_weight(config.padded_vocab_size, config.hidden_size, init)
+    return draw_vocab_master(config)
 
 
 def draw_position_master(config):

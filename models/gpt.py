@@ -16,6 +16,11 @@ word embedding, position embedding and (untied) output layer each under their ow
 layers draw full master weights and keep their slice, so any TP/PP/VPP layout holds exactly the
 slices of the single-process model, and the caller's generator is left untouched.
 
+Padded vocabulary: the vocabulary masters draw the real ``vocab_size`` rows and append zero rows up
+to ``padded_vocab_size`` (which grows with tp); the loss masks the padded logits out of the
+softmax. So the model, its loss and its gradients do not depend on the padding: the same seed
+gives the same loss at every tp (Megatron draws the padded rows and lets them into the softmax).
+
 Tied output weights (Megatron's default): on a chunk holding both ends the output layer uses the
 embedding's Parameter itself. With pp > 1 the last stage holds its own copy, drawn from the same
 master (so both start equal; Megatron zeroes it and all-reduces instead) and marked
@@ -39,10 +44,9 @@ from torch import nn
 
 from tpfuse.tp_layers import (ColumnParallelLinear, Norm, TransformerLayer,
                               vocab_parallel_cross_entropy)
-from tpfuse.tp_layers.init import draw_master_weight, normal_init
 from tpfuse.tp_layers.rope import default_position_ids
 
-from .embedding import GPTEmbedding, draw_position_master, draw_word_master
+from .embedding import GPTEmbedding, draw_position_master, draw_vocab_master, draw_word_master
 from .layer_assignment import layers_for
 from .recompute import run_layers
 
@@ -156,8 +160,7 @@ class GPTModel(nn.Module):
         master = word_master
         if not self.share_embeddings_and_output_weights:
             with seeded(c.seed + OUTPUT_LAYER_SEED_OFFSET):
-                master = draw_master_weight(c.padded_vocab_size, c.hidden_size,
-                                            normal_init(c.init_method_std))
+                master = draw_vocab_master(c)
         self.output_layer = ColumnParallelLinear(
             c.hidden_size, c.padded_vocab_size, bias=False, gather_output=False,
             sequence_parallel=c.sequence_parallel, params_dtype=c.params_dtype,
@@ -229,6 +232,7 @@ class GPTModel(nn.Module):
         if labels is None:
             return logits.transpose(0, 1).contiguous()                # (b, s, V/tp)
         loss = vocab_parallel_cross_entropy(logits, labels.transpose(0, 1).contiguous(),
+                                            vocab_size=self.config.vocab_size,
                                             state=self.state)         # (s, b) fp32
         return loss.transpose(0, 1).contiguous()                      # (b, s)
 

@@ -24,7 +24,6 @@ import socket
 import traceback
 from dataclasses import dataclass
 
-import torch.multiprocessing as mp
 
 DEFAULT_JOB_TIMEOUT_S = 300.0
 DEFAULT_COLLECTIVE_TIMEOUT_S = 120.0
@@ -104,6 +103,8 @@ class WorkerPool:
             raise ValueError(f"WorkerPool needs world_size >= 1, got {world_size}")
         self.world_size = world_size
         self.backend = backend
+        import torch.multiprocessing as mp   # here, so free_port() stays a torch-free import
+
         ctx = mp.get_context("spawn")
         self._job_queues = [ctx.Queue() for _ in range(world_size)]
         self._results = ctx.Queue()

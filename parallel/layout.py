@@ -152,6 +152,7 @@ class RankLayout:
         self._expert_tokens = parse_order(order, self._expert_sizes, "expert")
         self._check_pipelines_agree()
         self._groups: dict[str, list[list[int]]] = {}
+        self._group_by_rank: dict[str, list] = {}   # name -> [rank's group (shared) per rank]
 
     def _quotient(self, label: str, product: int, values: str) -> int:
         if self.world_size % product:
@@ -203,13 +204,23 @@ class RankLayout:
             raise ValueError(f"rank must be in [0, {self.world_size}), got {rank!r}")
         return rank
 
+    def group_view(self, name: str, rank: int) -> list[int] | None:
+        """Like ``group_of`` but the layout's own list (read only; no copy): O(1) per call after
+        one O(world) pass per group kind, so a table over every rank is linear in world size."""
+        self._check_rank(rank)
+        if name not in self._group_by_rank:
+            self.groups(name)                      # builds (and validates) the kind
+            table = [None] * self.world_size
+            for group in self._groups[name]:
+                for member in group:
+                    table[member] = group
+            self._group_by_rank[name] = table
+        return self._group_by_rank[name][rank]
+
     def group_of(self, name: str, rank: int) -> list[int] | None:
         """The group of kind ``name`` holding ``rank`` (None: an embedding group it is not in)."""
-        self._check_rank(rank)
-        for group in self.groups(name):
-            if rank in group:
-                return group
-        return None
+        group = self.group_view(name, rank)
+        return None if group is None else list(group)
 
     def rank_in(self, name: str, rank: int) -> int | None:
         """Position of ``rank`` inside its group of kind ``name`` (None if it is in none)."""

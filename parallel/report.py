@@ -100,7 +100,7 @@ def format_layout_table(layout: RankLayout, vpp: int | None = None) -> str:
         row = [f"R{rank}"] + [str(c[name]) for name in coords]
         if vpp:
             row.append(format_group(virtual_stages(layout, vpp, c["pp"])))
-        row += [format_group(layout.group_of(name, rank)) for _, name in groups]
+        row += [format_group(layout.group_view(name, rank)) for _, name in groups]
         rows.append(row)
     split = 1 + len(coords) + (1 if vpp else 0)
     parts = [format_summary(layout, vpp),
@@ -139,7 +139,7 @@ def format_rank(layout: RankLayout, rank: int, vpp: int | None = None) -> str:
     c = layout.coords(rank)
     lines = [f"R{rank}: " + ", ".join(f"{name} {c[name]}" for name in
                                      ("tp", "pp", "dp", "cp", "ep", "etp", "edp"))]
-    pipe = layout.group_of("pp", rank)
+    pipe = layout.group_view("pp", rank)
     stage = pipe.index(rank)
     role = ("first and last stage" if len(pipe) == 1 else "first stage" if stage == 0
             else "last stage" if stage == len(pipe) - 1 else "middle stage")
@@ -149,7 +149,7 @@ def format_rank(layout: RankLayout, rank: int, vpp: int | None = None) -> str:
                     if vpp else ""))
     width = max(len(name) for name in GROUP_NAMES)
     for name in GROUP_NAMES:
-        group = layout.group_of(name, rank)
+        group = layout.group_view(name, rank)
         where = "not a member" if group is None else \
             f"rank {group.index(rank)} of {len(group)}"
         lines.append(f"  {name.ljust(width)}  {format_group(group):<20} {where:<14}  "

@@ -14,12 +14,17 @@ of ``use_local_synchronization=True`` do not guarantee when ranks belong to diff
 groups (embedding groups). Groups inherit the default group's timeout, so a stuck collective fails
 as fast as one on the world group. Size-1 groups are real groups whose collectives are no-ops.
 
+Before any group is created, the ranks all-gather a fingerprint of their layout (sizes, vpp,
+order) over the world and raise a ValueError on every rank when they differ: mismatched
+``new_group`` sequences would otherwise only fail at the collective timeout.
+
 ``destroy()`` destroys the groups it created, in reverse order, identically on every rank, so a
 new ParallelState with other sizes can be built in the same processes.
 """
 from __future__ import annotations
 
 import datetime
+import zlib
 
 import torch
 import torch.distributed as dist
@@ -36,6 +41,34 @@ def _default_group_timeout() -> datetime.timedelta | None:
     except Exception:  # pragma: no cover - private API; depends on the torch build
         return None
     return timeout if isinstance(timeout, datetime.timedelta) else None
+
+
+def layout_fingerprint(layout: RankLayout, vpp_size: int | None) -> list[int]:
+    """The numbers every rank must agree on before any group is created."""
+    return [layout.world_size, layout.tp, layout.pp, layout.cp, layout.ep, layout.etp,
+            vpp_size or 0, zlib.crc32(layout.order.encode())]
+
+
+def check_same_layout_on_every_rank(layout: RankLayout, vpp_size: int | None) -> None:
+    """Collective over the world (one small all-gather): ValueError on every rank when ranks
+    were given different sizes, instead of mismatched ``new_group`` calls that would only fail at
+    the collective timeout."""
+    mine = torch.tensor(layout_fingerprint(layout, vpp_size), dtype=torch.int64)
+    if "nccl" in str(dist.get_backend()):
+        mine = mine.cuda()
+    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, mine)
+    fields = ("world_size", "tp", "pp", "cp", "ep", "etp", "vpp", "order")
+    first = everyone[0].tolist()
+    for rank, theirs in enumerate(everyone):
+        theirs = theirs.tolist()
+        if theirs != first:
+            differ = [f"{name}: rank 0 has {a}, rank {rank} has {b}" for name, a, b in
+                      zip(fields, first, theirs) if a != b and name != "order"]
+            if first[-1] != theirs[-1]:
+                differ.append(f"order differs between rank 0 and rank {rank}")
+            raise ValueError("ranks initialise model parallelism with different layouts ("
+                             + "; ".join(differ) + "); every rank must pass the same sizes")
 
 
 class ParallelState:
@@ -59,6 +92,7 @@ class ParallelState:
                              f"torch.distributed world size {world_size}")
         self.layout = layout
         self.vpp_size = check_vpp(vpp_size, layout.pp)
+        check_same_layout_on_every_rank(layout, self.vpp_size)
         self.vpp_rank = 0 if self.vpp_size is not None else None
         self.rank = dist.get_rank()
         self._ranks = {name: layout.group_of(name, self.rank) or [] for name in GROUP_NAMES}

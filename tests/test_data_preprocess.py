@@ -135,3 +135,13 @@ def test_hf_tokenizer_optional(tmp_path):
     main(["--input", str(jsonl), "--output-prefix", out, "--tokenizer", path, "--append-eod", "--quiet"])
     ds = IndexedDataset(out, vocab_size=4)
     assert ds.dtype == np.uint16 and [ds[i].tolist() for i in range(len(ds))] == [[2, 1, 3], [1, 3]]
+
+
+def test_empty_input_fails_and_writes_nothing(tmp_path, capsys):
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "empty.py").write_text("")
+    with pytest.raises(SystemExit) as exit_:
+        main(["--input", str(tmp_path / "d"), "--output-prefix", str(tmp_path / "c")])
+    assert exit_.value.code == 2
+    assert "no text to tokenize" in capsys.readouterr().err
+    assert not list(tmp_path.glob("c.*"))

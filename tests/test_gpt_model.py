@@ -108,7 +108,8 @@ def dense_gpt(params, config, ids, positions, labels=None):
     logits = x @ output.t()                                       # (b, s, V_padded)
     if labels is None:
         return logits
-    return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none").view(ids.shape)
+    real = logits[..., :config.vocab_size]                        # padded logits are masked out
+    return F.cross_entropy(real.flatten(0, 1), labels.flatten(), reduction="none").view(ids.shape)
 
 
 def reference_loss_and_grads(config, ids, positions, labels, loss_weights=None):

@@ -1,4 +1,5 @@
-"""VocabParallelEmbedding vs F.embedding and vocab_parallel_cross_entropy vs F.cross_entropy.
+"""VocabParallelEmbedding vs F.embedding and vocab_parallel_cross_entropy vs F.cross_entropy
+(also over a padded vocabulary: F.cross_entropy over the real columns).
 
 One gloo world of 4 ranks, TP size looping over 1, 2, 4 inside the job (dp = 4 / tp); sequence
 parallelism on and off for the embedding. Outputs, input grads (logits) and the reassembled
@@ -60,6 +61,27 @@ def _loss_case(state):
     assert_close_fp32(shard.grad, chunk_of(dense_logits.grad, state, -1), f"{tag}: dlogits")
 
 
+def _padded_loss_case(state):
+    """Columns >= REAL are padding: the loss is F.cross_entropy over the real columns only, and
+    the padding gets no gradient. With REAL = 11 of 20, tp=4's shards 2 (columns 10..14) and 3
+    (15..19) are one-real-column and all-padding."""
+    real = 11
+    logits = seeded_randn(16, S, B, V, scale=3.0)         # (s, b, V_padded)
+    target = torch.remainder(_ids(17).t(), real).contiguous()    # (s, b), real ids only
+    grad_loss = seeded_randn(18, S, B)
+    dense_logits = logits[..., :real].clone().requires_grad_()
+    expected = F.cross_entropy(dense_logits.reshape(-1, real), target.reshape(-1),
+                               reduction="none").reshape(S, B)
+    expected.backward(grad_loss)
+    shard = chunk_of(logits, state, -1).clone().requires_grad_()    # (s, b, V/tp)
+    loss = vocab_parallel_cross_entropy(shard, target, vocab_size=real, state=state)
+    tag = f"padded loss tp={state.tp_size}"
+    assert_close_fp32(loss, expected.detach(), f"{tag}: loss")
+    loss.backward(grad_loss)
+    full_grad = torch.cat([dense_logits.grad, torch.zeros(S, B, V - real)], dim=-1)
+    assert_close_fp32(shard.grad, chunk_of(full_grad, state, -1), f"{tag}: dlogits")
+
+
 def _embedding_and_loss_against_torch():
     cases = 0
     for tp, state in tp_layouts():
@@ -67,6 +89,7 @@ def _embedding_and_loss_against_torch():
             _embedding_case(state, sp)
             cases += 1
         _loss_case(state)
+        _padded_loss_case(state)
         cases += 1
         torch.manual_seed(9)  # layout-independent init: a slice of the same N(0, 0.02²) draw
         layer = VocabParallelEmbedding(V, H, state=state)
@@ -90,6 +113,9 @@ def _bad_settings():
         expect_value_error(lambda: vocab_parallel_cross_entropy(
             torch.randn(S, B, V // 4), torch.zeros(S, dtype=torch.long), state=state),
             "logits shape", "target shape")
+        expect_value_error(lambda: vocab_parallel_cross_entropy(
+            torch.randn(S, B, V // 4), torch.zeros(S, B, dtype=torch.long), vocab_size=V + 1,
+            state=state), "vocab_size=21", "[1, 20]")
     return True
 
 

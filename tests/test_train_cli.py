@@ -45,7 +45,10 @@ def test_two_process_run_logs_metrics_and_saves(tmp_path):
                      "--load", str(tmp_path / "ckpt")], tmp_path, timeout=240)
     assert failed.returncode != 0
     assert "rank_00001.pt is missing" in failed.stderr
-    assert "rank 1 exited with code 1; stopping the other ranks" in failed.stderr
+    assert "exited with code 1; stopping the other ranks" in failed.stderr
+    # one traceback for the job: the first failure's (rank 1), not one per rank
+    assert failed.stderr.count("Traceback (most recent call last)") == 1
+    assert "first failure: rank 1" in failed.stderr
 
 
 def test_bad_flag_is_one_clear_line(tmp_path):

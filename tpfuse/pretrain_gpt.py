@@ -78,7 +78,13 @@ def main(argv=None) -> int:
         if os.environ.get("RANK", "0") == "0":
             print(f"tpfuse.pretrain_gpt: error: {error}", file=sys.stderr)
         return 2
-    pretrain(train_valid_test_datasets_provider, model_provider, forward_step, argv=argv)
+    try:
+        pretrain(train_valid_test_datasets_provider, model_provider, forward_step, argv=argv)
+    except Exception as error:  # noqa: BLE001 — reported once per job by tpfuse-train
+        from tpfuse.training.launcher import report_failure
+
+        report_failure(error)
+        return 1
     return 0
 
 

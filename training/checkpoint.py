@@ -1,38 +1,53 @@
-"""Checkpoints: every rank saves its own shards; a checkpoint appears only once it is complete.
+"""Checkpoints: every rank saves its own shards; a checkpoint appears only once it is complete and
+verified, and the last good one is never deleted before its replacement is published.
 
 Layout on disk::
 
     DIR/latest_checkpointed_iteration.txt     the iteration of the newest complete checkpoint
     DIR/iter_0000020/rank_00003.pt            rank 3's model chunks, optimizer, scheduler, RNG,
-                                              consumed samples, its coordinates in the layout
-                                              and the model's TransformerConfig ("model_config")
+                                              consumed samples, its coordinates and iteration,
+                                              the model's TransformerConfig ("model_config")
+    DIR/iter_0000020/manifest.json            iteration, layout, model configuration, and the
+                                              sha256 and size of every rank file
 
-Saving writes into ``DIR/iter_0000020.tmp/`` (each file itself written to a temporary name and
-renamed), then, after every rank is done (a barrier), rank 0 renames the folder and finally
-replaces ``latest_checkpointed_iteration.txt`` atomically. A crash at any point leaves the last
-complete checkpoint untouched and named by the tracker file.
+Saving (a collective over the world): every rank checks its weights are finite (all ranks agree:
+no checkpoint of non-finite weights is ever published), rank 0 creates an exclusive staging folder
+``iter_0000020.staging-XXXX`` (``checkpoint_io.py``), every rank writes its file there (exclusive
+temporary name, fsync, rename) and reports the file's hash; rank 0 writes the manifest, renames the
+folder into place and finally replaces the tracker file atomically. A crash at any point leaves the
+last complete checkpoint named by the tracker. With an ``AsyncCheckpointSaver`` the rank files are
+written beside training and published later (``async_checkpoint.py``).
 
-Loading reads the tracker and loads files with ``torch.load(..., weights_only=True)``; a missing,
-truncated or foreign file fails with a message naming it. Written by the same layout (tp, pp, dp,
-cp, vpp sizes, distributed optimizer or not), each rank restores its own file exactly (model,
-optimizer — with the distributed optimizer its own shard of the fp32 main parameters and Adam
-moments —, loss scaler, scheduler, RNG). Written by another layout, the model and optimizer are
-resharded (``training/reshard.py``, from the per-parameter metadata every file carries under
-``"reshard"``): weights, fp32 main copies, Adam moments and step, loss scaler, scheduler,
-iteration and consumed samples carry over; RNG states do not (the freshly seeded ones are kept). All ranks agree on success before returning, so a failure on one rank fails them all.
+Loading reads the tracker and the manifest, and refuses — with a ValueError naming the file and
+the difference, on every rank — a rank file whose hash or size differs from the manifest, a file
+of another iteration, rank or layout than the manifest says, or a checkpoint of another model
+(``model_signature``: the configuration fields that define the model). Files are read with
+``torch.load(..., weights_only=True)``. Written by the same layout (tp, pp, dp, cp, vpp sizes,
+distributed optimizer or not), each rank restores its own file exactly (model, optimizer — with
+the distributed optimizer its own shard of the fp32 main parameters and Adam moments —, loss
+scaler, scheduler, RNG). Written by another layout, the model and optimizer are resharded
+(``training/reshard.py``): weights, fp32 main copies, Adam moments and step, loss scaler,
+scheduler, iteration and consumed samples carry over; RNG states are not restored then. All ranks agree on success before returning, so a failure on one fails them all.
 """
 from __future__ import annotations
 
+import json
 import os
-import shutil
 
 import torch
 import torch.distributed as dist
 
+from tpfuse.training import checkpoint_io as io
 from tpfuse.training import reshard
 
 TRACKER = "latest_checkpointed_iteration.txt"
-FORMAT_VERSION = 2             # 2: the mixed-precision optimizer's per-parameter pieces
+MANIFEST = "manifest.json"
+FORMAT_VERSION = 3             # 3: manifest.json with the rank files' hashes
+# TransformerConfig categories that do not change what the weights mean (layout, dtype, memory)
+_LAYOUT_CATEGORIES = ("parallelism", "precision", "recompute")
+# model fields that only affect training or initialisation, not the function the weights compute
+_TRAINING_FIELDS = ("hidden_dropout", "attention_dropout", "init_method_std", "seed",
+                    "make_vocab_size_divisible_by")
 
 
 def iteration_dir(root: str, iteration: int) -> str:
@@ -43,24 +58,6 @@ def _rank_file(folder: str, rank: int) -> str:
     return os.path.join(folder, f"rank_{rank:05d}.pt")
 
 
-def _atomic_write_text(path: str, text: str) -> None:
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
-
-
-def _atomic_torch_save(obj, path: str) -> None:
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "wb") as handle:
-        torch.save(obj, handle)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
-
-
 def layout_signature(state, optimizer=None) -> dict:
     """What must match for a rank to restore its own file as is (else: resharding)."""
     return {"world_size": dist.get_world_size(), "tp": state.tp_size, "pp": state.pp_size,
@@ -68,6 +65,43 @@ def layout_signature(state, optimizer=None) -> dict:
             "distributed_optimizer": bool(getattr(optimizer, "distributed", False))}
 
 
+def model_config_dict(model_chunks) -> dict | None:
+    """The chunks' TransformerConfig as plain values (``models.cli.config_to_dict``), or None.
+
+    Stored in every rank file so a model can be rebuilt from the checkpoint alone
+    (``tpfuse.inference.load_model``)."""
+    from tpfuse.models.cli import config_to_dict
+    from tpfuse.models.config import TransformerConfig
+
+    config = getattr(model_chunks[0], "config", None) if model_chunks else None
+    return config_to_dict(config) if isinstance(config, TransformerConfig) else None
+
+
+def model_signature(model_chunks) -> dict | None:
+    """The configuration fields that define the model (shape, norms, activation, vocabulary...),
+    None for chunks without a ``config``."""
+    config = getattr(model_chunks[0], "config", None) if model_chunks else None
+    if config is None:
+        return None
+    from tpfuse.models.config import config_fields
+
+    return {f.name: getattr(config, f.name) for f in config_fields()
+            if f.metadata.get("category") not in _LAYOUT_CATEGORIES
+            and f.name not in _TRAINING_FIELDS}
+
+
+def check_same_model(saved: dict | None, current: dict | None, where: str) -> None:
+    if saved is None or current is None:
+        return
+    differences = [f"{name}: checkpoint {saved.get(name)!r}, this run {current.get(name)!r}"
+                   for name in sorted(set(saved) | set(current))
+                   if saved.get(name) != current.get(name)]
+    if differences:
+        raise ValueError(f"{where} holds another model than this run builds; "
+                         + "; ".join(differences))
+
+
+# ---------------------------------------------------------------------------- RNG
 def _rng_state() -> dict:
     rng = {"torch": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -91,35 +125,48 @@ def _set_rng_state(rng: dict) -> None:
         get_rng_tracker().set_states(rng["tracker"])
 
 
-def model_config_dict(model_chunks) -> dict | None:
-    """The chunks' TransformerConfig as plain values (``models.cli.config_to_dict``), or None.
-
-    Stored in every rank file so a model can be rebuilt from the checkpoint alone
-    (``tpfuse.inference.load_model``)."""
-    from tpfuse.models.cli import config_to_dict
-    from tpfuse.models.config import TransformerConfig
-
-    config = getattr(model_chunks[0], "config", None) if model_chunks else None
-    return config_to_dict(config) if isinstance(config, TransformerConfig) else None
+# ---------------------------------------------------------------------------- agreement
+def _device() -> str:
+    return "cuda" if dist.get_backend() == "nccl" else "cpu"
 
 
-def save_checkpoint(root: str, iteration: int, model_chunks, optimizer, scheduler, state,
-                    consumed_samples: int, extra: dict | None = None) -> str:
-    """Collective over the whole world: every rank writes its file, rank 0 publishes."""
-    rank = dist.get_rank()
-    final = iteration_dir(root, iteration)
-    staging = final + ".tmp"
-    if rank == 0:
-        os.makedirs(root, exist_ok=True)
-        shutil.rmtree(staging, ignore_errors=True)
-        os.makedirs(staging)
-    dist.barrier()
-    payload = {
+def any_rank_failed(failed: bool) -> bool:
+    """Collective over the world: True when ``failed`` on any rank (so all ranks raise)."""
+    flag = torch.tensor([int(failed)], device=_device())
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
+
+
+def agree(error: BaseException | None, what: str) -> None:
+    """Collective: raise ``error`` here, or a pointer to it on the ranks that did not fail."""
+    if any_rank_failed(error is not None):
+        raise error or ValueError(f"{what} failed on another rank (see its error)")
+
+
+def _broadcast_from_zero(value):
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+# ---------------------------------------------------------------------------- saving
+def _non_finite(model_chunks) -> str | None:
+    for index, chunk in enumerate(model_chunks):
+        for name, tensor in chunk.state_dict().items():
+            if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                return f"chunk {index} {name}"
+    return None
+
+
+def build_payload(iteration, model_chunks, optimizer, scheduler, state, consumed_samples,
+                  extra=None) -> dict:
+    return {
         "format_version": FORMAT_VERSION,
         "iteration": iteration,
         "consumed_samples": consumed_samples,
         "layout": layout_signature(state, optimizer),
-        "rank": rank,
+        "model_signature": model_signature(model_chunks),
+        "rank": dist.get_rank(),
         "model": [chunk.state_dict() for chunk in model_chunks],
         "model_config": model_config_dict(model_chunks),
         "optimizer": optimizer.state_dict(),
@@ -128,16 +175,65 @@ def save_checkpoint(root: str, iteration: int, model_chunks, optimizer, schedule
         "extra": extra or {},
         "reshard": reshard.save_metadata(model_chunks, optimizer, state),
     }
-    _atomic_torch_save(payload, _rank_file(staging, rank))
-    dist.barrier()
-    if rank == 0:
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(staging, final)
-        _atomic_write_text(os.path.join(root, TRACKER), f"{iteration}\n")
+
+
+def begin_save(root: str, iteration: int, model_chunks) -> str:
+    """Collective: refuse non-finite weights (on every rank), create the staging folder (rank 0)
+    and return its path on every rank."""
+    bad = _non_finite(model_chunks)
+    error = FloatingPointError(f"refusing to save checkpoint iteration {iteration}: {bad} holds "
+                               "non-finite values (NaN/inf)") if bad else None
+    agree(error, f"saving checkpoint iteration {iteration}")
+    staging = None
+    if dist.get_rank() == 0:
+        staging = io.make_staging_dir(root, os.path.basename(iteration_dir(root, iteration)))
+    return _broadcast_from_zero(staging)
+
+
+def write_rank_file(staging: str, payload: dict) -> dict:
+    """This rank's file in the staging folder; returns its ``{"sha256", "bytes"}``."""
+    return io.atomic_torch_save(payload, _rank_file(staging, payload["rank"]))
+
+
+def publish(root: str, iteration: int, staging: str, digest: dict | None,
+            error: BaseException | None, header: dict, keep_last: int | None = None) -> str:
+    """Collective: every rank reports its write (``digest`` or ``error``); rank 0 writes the
+    manifest, moves the folder into place, updates the tracker and prunes old checkpoints."""
+    agree(error, f"writing checkpoint iteration {iteration}")
+    digests = [None] * dist.get_world_size()
+    dist.all_gather_object(digests, digest)
+    final = iteration_dir(root, iteration)
+    if dist.get_rank() == 0:
+        files = {os.path.basename(_rank_file(staging, r)): d for r, d in enumerate(digests)}
+        manifest = dict(header, format_version=FORMAT_VERSION, iteration=iteration, files=files)
+        io.atomic_write_bytes(os.path.join(staging, MANIFEST),
+                              json.dumps(manifest, indent=1).encode())
+        io.publish_dir(staging, final)
+        io.atomic_write_bytes(os.path.join(root, TRACKER), f"{iteration}\n".encode())
+        io.finish_replacement(final)
+        if keep_last:
+            io.prune(root, keep_last, protected=iteration)
     dist.barrier()
     return final
 
 
+def save_checkpoint(root: str, iteration: int, model_chunks, optimizer, scheduler, state,
+                    consumed_samples: int, extra: dict | None = None,
+                    keep_last: int | None = None) -> str:
+    """Collective over the whole world: every rank writes its file, rank 0 publishes."""
+    staging = begin_save(root, iteration, model_chunks)
+    payload = build_payload(iteration, model_chunks, optimizer, scheduler, state,
+                            consumed_samples, extra)
+    digest, error = None, None
+    try:
+        digest = write_rank_file(staging, payload)
+    except Exception as caught:  # noqa: BLE001 — re-raised by publish once every rank agreed
+        error = caught
+    header = {"layout": payload["layout"], "model_signature": payload["model_signature"]}
+    return publish(root, iteration, staging, digest, error, header, keep_last)
+
+
+# ---------------------------------------------------------------------------- loading
 def latest_iteration(root: str) -> int | None:
     """The newest complete checkpoint's iteration, or None when ``root`` holds none."""
     tracker = os.path.join(root, TRACKER)
@@ -150,7 +246,29 @@ def latest_iteration(root: str) -> int | None:
     return int(text)
 
 
+def read_manifest(root: str, iteration: int) -> tuple[str, dict]:
+    """(folder, manifest) of the checkpoint the tracker names; ValueError when inconsistent."""
+    folder = io.existing_iteration_dir(iteration_dir(root, iteration))
+    if folder is None:
+        raise FileNotFoundError(f"checkpoint {iteration_dir(root, iteration)} named by "
+                                f"{os.path.join(root, TRACKER)} is missing")
+    path = os.path.join(folder, MANIFEST)
+    try:
+        with open(path) as handle:
+            manifest = json.load(handle)
+    except (OSError, ValueError) as error:
+        raise ValueError(f"checkpoint manifest {path} is missing or unreadable ({error}); the "
+                         f"folder is not a complete tpfuse checkpoint of format "
+                         f"{FORMAT_VERSION}") from error
+    if manifest.get("format_version") != FORMAT_VERSION or manifest.get("iteration") != iteration:
+        raise ValueError(f"checkpoint manifest {path} is of format {manifest.get('format_version')}"
+                         f" / iteration {manifest.get('iteration')}; expected format "
+                         f"{FORMAT_VERSION}, iteration {iteration} (the tracker's)")
+    return folder, manifest
+
+
 def _read_payload(path: str, mmap: bool = False) -> dict:
+    """One rank file, unverified (``load_checkpoint`` verifies against the manifest first)."""
     try:
         payload = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as error:  # truncated / not a torch file / unsafe content
@@ -164,65 +282,94 @@ def _read_payload(path: str, mmap: bool = False) -> dict:
 read_payload = _read_payload   # for loaders outside the trainer (tpfuse.inference.load_model)
 
 
-def _any_rank_failed(failed: bool) -> bool:
-    """Collective over the world: True when ``failed`` on any rank (so all ranks raise)."""
-    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    flag = torch.tensor([int(failed)], device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return bool(flag.item())
+def verified_reader(manifest: dict):
+    """``read(path, mmap=False)``: a rank file checked against ``manifest`` — size and sha256 of
+    its bytes, then its own iteration, rank and layout."""
+    def read(path: str, mmap: bool = False) -> dict:
+        name = os.path.basename(path)
+        expected = manifest["files"].get(name)
+        if expected is None:
+            raise ValueError(f"checkpoint file {path} is not listed in the manifest")
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"checkpoint file {path} is missing")
+        found = io.file_digest(path)
+        if found != expected:
+            raise ValueError(f"checkpoint file {path} is corrupt: {found['bytes']} bytes with "
+                             f"sha256 {found['sha256'][:16]}…, the manifest records "
+                             f"{expected['bytes']} bytes with sha256 {expected['sha256'][:16]}…")
+        payload = _read_payload(path, mmap=mmap)
+        claimed = (payload.get("iteration"), payload.get("rank"), payload.get("layout"))
+        wanted = (manifest["iteration"], int(name[len("rank_"):-len(".pt")]), manifest["layout"])
+        if claimed != wanted:
+            raise ValueError(f"checkpoint file {path} belongs elsewhere: it says iteration "
+                             f"{claimed[0]}, rank {claimed[1]}, layout {claimed[2]}; its place "
+                             f"says iteration {wanted[0]}, rank {wanted[1]}, layout {wanted[2]}")
+        return payload
+    return read
 
 
-def _load_other_layout(folder: str, model_chunks, optimizer, state, layout: dict) -> dict:
+def verify_checkpoint(root: str) -> int | None:
+    """Check (no collective, any process) that the checkpoint the tracker names is complete:
+    manifest, every listed rank file with its size and sha256, each file's own iteration / rank
+    / layout. Returns its iteration (None: no checkpoint); ValueError / FileNotFoundError else."""
+    iteration = latest_iteration(root)
+    if iteration is None:
+        return None
+    folder, manifest = read_manifest(root, iteration)
+    read = verified_reader(manifest)
+    for name in sorted(manifest["files"]):
+        read(os.path.join(folder, name), mmap=True)
+    return iteration
+
+
+def _restore_same_layout(folder, read, model_chunks, optimizer) -> dict:
+    payload = read(_rank_file(folder, dist.get_rank()))
+    if len(payload["model"]) != len(model_chunks):
+        raise ValueError(f"checkpoint {folder} holds {len(payload['model'])} model chunks per "
+                         f"rank, this rank has {len(model_chunks)}")
+    for chunk, chunk_state in zip(model_chunks, payload["model"]):
+        chunk.load_state_dict(chunk_state)
+    optimizer.load_state_dict(payload["optimizer"])
+    return payload
+
+
+def _load_other_layout(folder: str, model_chunks, optimizer, state, read) -> dict:
     """Reshard on every rank; raise everywhere when any rank cannot."""
-    head, error = None, None
+    payload, error = None, None
     try:
-        head = reshard.load_resharded(folder, model_chunks, optimizer, state, layout,
-                                      _read_payload)
+        payload = reshard.load_resharded(folder, model_chunks, optimizer, state,
+                                         layout_signature(state, optimizer), read)
     except Exception as caught:  # noqa: BLE001 — re-raised below, after every rank has agreed
         error = caught
-    if _any_rank_failed(error is not None):
-        raise error or ValueError(f"resharding checkpoint {folder} failed on another rank "
-                                  "(see its error)")
-    return head
+    agree(error, f"resharding checkpoint {folder}")
+    return payload
 
 
 def load_checkpoint(root: str, model_chunks, optimizer, scheduler, state) -> dict:
     """Restore this rank's shards and states; returns {"iteration", "consumed_samples", "extra"}.
 
-    Collective when the checkpoint's layout differs from this run's (see the module docstring).
+    A collective over the world (see the module docstring). FileNotFoundError when ``root``
+    holds no checkpoint at all (no tracker).
     """
     iteration = latest_iteration(root)
     if iteration is None:
         raise FileNotFoundError(f"--load {root}: no {TRACKER} there (no complete checkpoint)")
-    folder = iteration_dir(root, iteration)
-    expected = layout_signature(state, optimizer)
-    # Every rank takes the same branch: the checkpoint's layout is read from rank 0's file, which
-    # every checkpoint has, never inferred from whether this rank's own file exists.
-    first = _rank_file(folder, 0)
-    if not os.path.exists(first):
-        raise FileNotFoundError(f"checkpoint file {first} is missing")
-    saved = _read_payload(first, mmap=True)
-    if saved["layout"] != expected:
-        if saved.get("reshard") is None:
-            raise ValueError(f"checkpoint {first} was written with layout {saved['layout']}, "
-                             f"this run has {expected}; loading into a different layout "
-                             f"(resharding) needs the per-parameter metadata this file lacks")
-        payload = _load_other_layout(folder, model_chunks, optimizer, state, expected)
-        scheduler.load_state_dict(payload["scheduler"])
-        return {"iteration": payload["iteration"], "consumed_samples": payload["consumed_samples"],
-                "extra": payload["extra"]}
-    path = _rank_file(folder, dist.get_rank())
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"checkpoint file {path} is missing (the checkpoint's layout "
-                                f"matches this run, so every rank's file should be there)")
-    payload = _read_payload(path)
-    if len(payload["model"]) != len(model_chunks):
-        raise ValueError(f"checkpoint {path} holds {len(payload['model'])} model chunks, this "
-                         f"rank has {len(model_chunks)}")
-    for chunk, chunk_state in zip(model_chunks, payload["model"]):
-        chunk.load_state_dict(chunk_state)
-    optimizer.load_state_dict(payload["optimizer"])
+    payload, error = None, None
+    try:
+        folder, manifest = read_manifest(root, iteration)
+        check_same_model(manifest.get("model_signature"), model_signature(model_chunks),
+                         f"checkpoint {folder}")
+        read = verified_reader(manifest)
+        same_layout = manifest["layout"] == layout_signature(state, optimizer)
+        if same_layout:
+            payload = _restore_same_layout(folder, read, model_chunks, optimizer)
+    except Exception as caught:  # noqa: BLE001 — re-raised below, after every rank has agreed
+        error = caught
+    agree(error, f"loading checkpoint {root}")
+    if not same_layout:
+        payload = _load_other_layout(folder, model_chunks, optimizer, state, read)
     scheduler.load_state_dict(payload["scheduler"])
-    _set_rng_state(payload["rng"])
+    if same_layout:
+        _set_rng_state(payload["rng"])
     return {"iteration": payload["iteration"], "consumed_samples": payload["consumed_samples"],
             "extra": payload["extra"]}

@@ -3,7 +3,9 @@ seeds and device."""
 from __future__ import annotations
 
 import datetime
+import ipaddress
 import os
+import socket
 
 import torch
 import torch.distributed as dist
@@ -14,7 +16,8 @@ def initialize_distributed(backend: str | None, timeout_minutes: float) -> None:
 
     A no-op when torch.distributed is already initialised (tests run pretrain inside a worker
     pool). Without those variables a single-process world is created, so ``python -m
-    tpfuse.pretrain_gpt`` works on its own.
+    tpfuse.pretrain_gpt`` works on its own. A loopback MASTER_ADDR gets a rendezvous listening
+    on loopback only (``rendezvous_store``).
     """
     if dist.is_initialized():
         return
@@ -29,7 +32,41 @@ def initialize_distributed(backend: str | None, timeout_minutes: float) -> None:
                           MASTER_PORT=str(free_port()))
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend, timeout=datetime.timedelta(minutes=timeout_minutes))
+    timeout = datetime.timedelta(minutes=timeout_minutes)
+    store = rendezvous_store(timeout)
+    if store is None:
+        dist.init_process_group(backend, timeout=timeout)
+    else:
+        dist.init_process_group(backend, store=store, rank=int(os.environ["RANK"]),
+                                world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
+
+
+def is_loopback(address: str) -> bool:
+    try:
+        resolved = socket.getaddrinfo(address, None)
+    except OSError:
+        return False
+    return all(ipaddress.ip_address(info[4][0]).is_loopback for info in resolved)
+
+
+def rendezvous_store(timeout: datetime.timedelta):
+    """The rendezvous TCPStore bound to ``MASTER_ADDR`` itself when that is a loopback address
+    (torch's own listens on every interface), so a local job is not reachable from the network.
+    None (torch's ``env://`` rendezvous) for other addresses and under torchrun's agent store."""
+    address, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" or not is_loopback(address):
+        return None
+    world_size = int(os.environ["WORLD_SIZE"])
+    if int(os.environ["RANK"]) != 0:
+        return dist.TCPStore(address, port, world_size, False, timeout=timeout)
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind((address, port))
+    listener.listen(max(128, world_size))
+    # the store serves on this socket from now on; detach() hands it the descriptor for good
+    return dist.TCPStore(address, port, world_size, True, timeout=timeout,
+                         master_listen_fd=listener.detach())
 
 
 def device_for_backend() -> torch.device:

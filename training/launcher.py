@@ -1,79 +1,202 @@
 """``tpfuse-train``: a local launcher that runs ``python -m tpfuse.pretrain_gpt`` on N processes.
 
 It sets torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) for each
-process, streams their output, and when one process fails it stops the others and exits with that
-process's code, so a dead rank ends the job instead of leaving the rest blocked in a collective
-(the collectives also carry a timeout, ``--distributed-timeout-minutes``).
+process and streams their output. Without any trainer flag it runs the ``stdlib-demo`` preset
+(the README's main job, ``training/presets.py``); a preset's corpus is prepared here once, before
+the ranks start. Multi-node runs are torchrun's job:
+``torchrun --nproc-per-node N -m tpfuse.pretrain_gpt <flags>``.
 
-Multi-node runs are torchrun's job: ``torchrun --nproc-per-node N -m tpfuse.pretrain_gpt <flags>``.
+Failures and signals, so that no rank outlives the job or hangs:
 
-Without any trainer flag it runs the ``stdlib-demo`` preset (the README's main job: 8 processes
-training on the Python standard library's own source files, ``training/presets.py``); a preset's
-corpus is prepared here once, before the ranks start.
+- When one rank fails, the others are stopped (SIGTERM, then SIGKILL after 10 s) and the launcher
+  exits with the first failure's code; a rank killed by signal N makes it exit 128 + N, naming
+  the signal. Each rank writes its traceback to a file of the launcher's (``TPFUSE_ERROR_FILE``)
+  and prints one line; the launcher prints the traceback of the first failure, once.
+- Every signal a job scheduler or a terminal sends (SIGTERM, SIGINT, SIGHUP, SIGQUIT, SIGUSR1,
+  SIGUSR2) is forwarded to every rank; the launcher then waits for them (a rank with
+  ``--exit-signal-handler`` saves and exits 0 on SIGTERM, and so does the job).
+- The ranks die with their launcher: on Linux each rank asks the kernel for SIGKILL when its parent
+  dies (``PR_SET_PDEATHSIG``), so even a SIGKILLed launcher leaves no orphan training on.
+- The rendezvous listens on ``--master-addr`` (default 127.0.0.1, loopback only); gloo is bound to
+  the loopback interface too unless ``GLOO_SOCKET_IFNAME`` says otherwise.
 """
 from __future__ import annotations
 
 import argparse
+import ctypes
+import json
 import os
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import time
+import traceback
 
-from tpfuse.parallel.launch import free_port
+TRAINER = [sys.executable, "-m", "tpfuse.pretrain_gpt"]
+ERROR_FILE_ENV = "TPFUSE_ERROR_FILE"
+FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT,
+                     signal.SIGUSR1, signal.SIGUSR2)
+STOP_GRACE_S = 10.0
+PR_SET_PDEATHSIG = 1
 
 
 def _launcher_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="tpfuse-train", add_help=False,
+        prog="tpfuse-train", add_help=False, allow_abbrev=False,
         description="Run tpfuse.pretrain_gpt on N local processes (gloo on CPU, nccl on GPUs). "
                     "Every other flag goes to the trainer; see `tpfuse-train --help-trainer`.")
     parser.add_argument("--nproc-per-node", type=int, default=None,
                         help="number of processes (the world size); default 1 (torchrun's), or "
                              "the preset's (stdlib-demo: 8)")
+    parser.add_argument("--master-addr", default="127.0.0.1",
+                        help="address the rendezvous listens on (default: loopback only)")
+    parser.add_argument("--master-port", type=int, default=None, help="default: a free port")
     parser.add_argument("--help", "-h", action="store_true", help="show this help")
     parser.add_argument("--help-trainer", action="store_true", help="show the trainer's flags")
     return parser
 
 
-def _stop(procs) -> None:
-    for proc in procs:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + 10
-    for proc in procs:
-        try:
-            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-
-
-def run_local(nproc: int, trainer_argv: list[str]) -> int:
-    """Start ``nproc`` trainer processes and wait; returns the job's exit code."""
-    port = free_port()
-    procs = []
-    for rank in range(nproc):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank),
-                   LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                   OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "tpfuse.pretrain_gpt", *trainer_argv], env=env))
+def signal_name(number: int) -> str:
     try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
+def _die_with_parent(parent_pid: int):
+    """preexec_fn of every rank: SIGKILL when the launcher dies (Linux), at once if it already
+    has."""
+    def arm():
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        except (OSError, AttributeError):  # not Linux: no parent-death signal
+            return
+        if os.getppid() != parent_pid:
+            os._exit(1)
+    return arm
+
+
+def _loopback_interface() -> str | None:
+    names = {name for _, name in socket.if_nameindex()}
+    return next((n for n in ("lo", "lo0") if n in names), None)
+
+
+def _rank_env(rank: int, nproc: int, addr: str, port: int, error_dir: str) -> dict:
+    env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank),
+               LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR=addr, MASTER_PORT=str(port),
+               OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
+               **{ERROR_FILE_ENV: os.path.join(error_dir, f"rank_{rank}.json")})
+    interface = _loopback_interface()
+    if addr.startswith("127.") and interface and "GLOO_SOCKET_IFNAME" not in os.environ:
+        env["GLOO_SOCKET_IFNAME"] = interface
+    return env
+
+
+class _Job:
+    """The ranks of one local job, with signal forwarding installed while it runs."""
+
+    def __init__(self, nproc: int, command: list[str], addr: str, port: int):
+        self.error_dir = tempfile.mkdtemp(prefix="tpfuse-train-errors-")
+        self.signalled = None
+        self.procs = [subprocess.Popen(
+            command,
+            env=_rank_env(rank, nproc, addr, port, self.error_dir),
+            preexec_fn=_die_with_parent(os.getpid())) for rank in range(nproc)]
+        self.previous = {sig: signal.signal(sig, self._forward) for sig in FORWARDED_SIGNALS}
+
+    def _forward(self, signum, frame) -> None:
+        self.signalled = signum
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.send_signal(signum)
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + STOP_GRACE_S
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+    def close(self) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+        for name in os.listdir(self.error_dir):
+            os.unlink(os.path.join(self.error_dir, name))
+        os.rmdir(self.error_dir)
+
+    def first_traceback(self) -> str | None:
+        reports = []
+        for name in os.listdir(self.error_dir):
+            try:
+                with open(os.path.join(self.error_dir, name)) as handle:
+                    reports.append(json.load(handle))
+            except (OSError, ValueError):
+                continue
+        if not reports:
+            return None
+        first = min(reports, key=lambda r: r["time"])
+        return f"first failure: rank {first['rank']}\n{first['traceback']}"
+
+    def wait(self) -> int:
         while True:
-            codes = [proc.poll() for proc in procs]
+            codes = [proc.poll() for proc in self.procs]
             failed = [(rank, c) for rank, c in enumerate(codes) if c not in (None, 0)]
             if failed:
-                rank, code = failed[0]
-                print(f"tpfuse-train: rank {rank} exited with code {code}; stopping the other "
-                      f"ranks", file=sys.stderr, flush=True)
-                _stop(procs)
-                return code
+                return self._fail(*failed[0])
             if all(c == 0 for c in codes):
                 return 0
-            time.sleep(0.2)
-    except KeyboardInterrupt:
-        _stop(procs)
-        return 130
+            time.sleep(0.1)
+
+    def _fail(self, rank: int, code: int) -> int:
+        if code < 0:
+            what = f"was killed by {signal_name(-code)}"
+            if self.signalled is not None:
+                what += f" (forwarded from the launcher's {signal_name(self.signalled)})"
+            exit_code = 128 - code
+        else:
+            what, exit_code = f"exited with code {code}", code
+        print(f"tpfuse-train: rank {rank} {what}; stopping the other ranks", file=sys.stderr,
+              flush=True)
+        self.stop()
+        first = self.first_traceback()
+        if first:
+            print(f"tpfuse-train: {first}", file=sys.stderr, flush=True)
+        return exit_code
+
+
+def report_failure(error: BaseException) -> None:
+    """The rank's side: under ``tpfuse-train``, the traceback goes to the launcher's error file
+    and stderr gets one line; otherwise (torchrun, python -m) the traceback is printed."""
+    path = os.environ.get(ERROR_FILE_ENV)
+    text = "".join(traceback.format_exception(error))
+    if not path:
+        print(text, file=sys.stderr, flush=True)
+        return
+    rank = os.environ.get("RANK", "?")
+    with open(path, "w") as handle:
+        json.dump({"rank": rank, "time": time.time(), "traceback": text}, handle)
+    print(f"rank {rank}: {type(error).__name__}: {error}", file=sys.stderr, flush=True)
+
+
+def run_local(nproc: int, trainer_argv: list[str], addr: str = "127.0.0.1",
+              port: int | None = None, program: list[str] | None = None) -> int:
+    """Start ``nproc`` trainer processes and wait; returns the job's exit code. ``program``
+    replaces ``python -m tpfuse.pretrain_gpt`` (the flags are appended to it)."""
+    from tpfuse.parallel.launch import free_port
+
+    job = _Job(nproc, [*(program or TRAINER), *trainer_argv], addr, port or free_port())
+    try:
+        return job.wait()
+    finally:
+        job.stop()
+        job.close()
 
 
 def main(argv=None) -> int:
@@ -83,7 +206,7 @@ def main(argv=None) -> int:
         parser.print_help()
         return 0
     if args.help_trainer:
-        return subprocess.call([sys.executable, "-m", "tpfuse.pretrain_gpt", "--help"])
+        return subprocess.call([*TRAINER, "--help"])
     if args.nproc_per_node is not None and args.nproc_per_node < 1:
         parser.error(f"--nproc-per-node must be >= 1, got {args.nproc_per_node}")
     from tpfuse.training.presets import launcher_plan
@@ -92,7 +215,7 @@ def main(argv=None) -> int:
     if preset is not None:
         print(f"tpfuse-train: preset {preset.name} ({preset.description}) on {nproc} processes; "
               f"flags given override it", flush=True)
-    return run_local(nproc, trainer_argv)
+    return run_local(nproc, trainer_argv, args.master_addr, args.master_port)
 
 
 if __name__ == "__main__":

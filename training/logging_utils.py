@@ -1,7 +1,11 @@
 """The training log: one Megatron-style line per interval, a progress bar, and a JSONL metrics file.
 
 Only one rank logs: the rank on the last pipeline stage with tp, dp and cp rank 0, which holds the
-(DP-averaged) loss.
+(DP-averaged) loss. Every record also goes to the logger's ``sinks`` (TensorBoard, wandb).
+
+A resumed run continues the metrics file it finds: the records of iterations after the resume
+point (written by the run that crashed after its last checkpoint) are dropped first, so the file
+never holds an iteration twice.
 """
 from __future__ import annotations
 
@@ -10,7 +14,8 @@ import os
 import sys
 
 
-def format_log_line(iteration: int, train_iters: int, record: dict) -> str:
+def format_log_line(iteration: int, train_iters: int, record: dict,
+                    show_throughput: bool = False) -> str:
     parts = [
         f" iteration {iteration:8d}/{train_iters:8d}",
         f"consumed samples: {record['consumed_samples']:12d}",
@@ -28,15 +33,43 @@ def format_log_line(iteration: int, train_iters: int, record: dict) -> str:
     if "peak_memory_mib" in record:
         parts.append(f"peak allocated memory (MiB): {record['peak_memory_mib']:.1f}")
     parts.append(f"tokens/s: {record['tokens_per_s']:.0f}")
+    if show_throughput:
+        parts.append(f"throughput per rank (TFLOP/s): {record['tflops_per_rank']:.3f}")
+        if "mfu" in record:
+            parts.append(f"MFU: {100 * record['mfu']:.1f}%")
     return " | ".join(parts) + " |"
+
+
+def truncate_metrics(path: str, start_iteration: int, drop_valid_at_start: bool) -> int:
+    """Rewrite ``path`` (atomically) without the records after ``start_iteration`` (and without
+    the validation record at it when the run evaluates there again); returns how many went."""
+    if not os.path.exists(path):
+        return 0
+    with open(path) as handle:
+        records = [json.loads(line) for line in handle if line.strip()]
+
+    def keep(record):
+        iteration = record.get("iteration", 0)
+        return iteration < start_iteration or (iteration == start_iteration and not (
+            drop_valid_at_start and "valid_loss" in record))
+
+    kept = [r for r in records if keep(r)]
+    if len(kept) < len(records):
+        tmp = f"{path}.truncating"
+        with open(tmp, "w") as handle:
+            handle.writelines(json.dumps(r) + "\n" for r in kept)
+        os.replace(tmp, path)
+    return len(records) - len(kept)
 
 
 class TrainingLogger:
     def __init__(self, is_logger: bool, train_iters: int, start_iteration: int,
-                 metrics_file: str | None, progress_bar: bool):
+                 metrics_file: str | None, progress_bar: bool, sinks=(),
+                 show_throughput: bool = False, evaluates_at_start: bool = False):
         self.is_logger = is_logger
         self.train_iters = train_iters
         self.metrics_file = metrics_file if is_logger else None
+        self.sinks, self.show_throughput = list(sinks), show_throughput
         self.bar = None
         if is_logger and progress_bar:
             from tqdm import tqdm
@@ -47,6 +80,7 @@ class TrainingLogger:
         if self.metrics_file:
             folder = os.path.dirname(os.path.abspath(self.metrics_file))
             os.makedirs(folder, exist_ok=True)
+            truncate_metrics(self.metrics_file, start_iteration, evaluates_at_start)
 
     def print(self, text: str) -> None:
         if not self.is_logger:
@@ -63,10 +97,13 @@ class TrainingLogger:
             self.bar.update(1)
             self.bar.set_postfix(loss=f"{record['loss']:.4f}")
         if log_now:
-            self.print(format_log_line(iteration, self.train_iters, record))
+            self.print(format_log_line(iteration, self.train_iters, record,
+                                       self.show_throughput))
         self.write_metrics({"iteration": iteration, **record})
 
     def write_metrics(self, record: dict) -> None:
+        for sink in self.sinks:
+            sink.log(record["iteration"], record)
         if self.metrics_file:
             with open(self.metrics_file, "a") as handle:
                 handle.write(json.dumps(record) + "\n")

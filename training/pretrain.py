@@ -21,7 +21,6 @@ One optimizer step::
 from __future__ import annotations
 
 import math
-import os
 import time
 from dataclasses import dataclass, field
 
@@ -32,9 +31,12 @@ from tpfuse.parallel import parallel_state
 from tpfuse.parallel.microbatches import MicrobatchCalculator
 from tpfuse.training import checkpoint as ckpt
 from tpfuse.training.arguments import parse_args
+from tpfuse.training.checkpointing import (Checkpointing, describe_exit, prepare_save_dir,
+                                           resume_point)
 from tpfuse.training.initialize import (check_layout, device_for_backend,
                                         initialize_distributed)
 from tpfuse.training.logging_utils import TrainingLogger
+from tpfuse.training.observability import RunMonitor
 from tpfuse.training.scheduler import LRScheduler
 from tpfuse.training.train_step import (NonFinitePolicy, build_buffers_and_optimizer,
                                         loss_nonfinite, loss_scaled)
@@ -70,6 +72,7 @@ class TrainingResult:
     grad_norms: list = field(default_factory=list)
     valid_losses: list = field(default_factory=list)   # (iteration, loss)
     consumed_samples: int = 0
+    exit_reason: str | None = None                     # why training stopped before train_iters
 
 
 class _Run:
@@ -99,7 +102,7 @@ class _Run:
         self.iteration, self.consumed_samples = 0, 0
         self.is_logger = (self.state.is_pipeline_last_stage() and self.state.tp_rank == 0
                           and self.state.dp_rank == 0 and self.state.rank_in("cp") == 0)
-        if args.load:
+        if args.load and resume_point(args.load, args.exit_on_missing_checkpoint):
             loaded = ckpt.load_checkpoint(args.load, self.model, self.optimizer, self.scheduler,
                                           self.state)
             self.iteration, self.consumed_samples = loaded["iteration"], loaded["consumed_samples"]
@@ -174,18 +177,23 @@ class _Run:
             losses.append(self._mean_loss(loss_dicts))
         return None if losses[0] is None else sum(losses) / len(losses)
 
-    def save(self) -> None:
+    def prepare_save(self) -> dict:
+        """Before a checkpoint: parameters complete (distributed optimizer); returns what the
+        checkpoint records besides the state (the tokenizer, for inference)."""
         self.ddp.finish_param_sync()
-        ckpt.save_checkpoint(self.args.save, self.iteration, self.model, self.optimizer,
-                             self.scheduler, self.state, self.consumed_samples,
-                             extra={"tokenizer": tokenizer_spec(self.args.tokenizer_type)})
+        return {"tokenizer": tokenizer_spec(self.args.tokenizer)}
 
     # ------------------------------------------------------------------ the loop
     def train(self) -> TrainingResult:
         args = self.args
         result = TrainingResult(is_logger=self.is_logger)
+        monitor = RunMonitor(args, self.config, self.is_logger, dist.get_rank(),
+                             dist.get_world_size())
         logger = TrainingLogger(self.is_logger, args.train_iters, self.iteration,
-                                args.metrics_file, progress_bar=not args.no_progress_bar)
+                                args.metrics_file, progress_bar=not args.no_progress_bar,
+                                sinks=monitor.sinks, show_throughput=args.log_throughput,
+                                evaluates_at_start=args.eval_at_start)
+        checkpointing = Checkpointing(args)
         self.calculator.update(self.consumed_samples, consistency_check=True)
         iterators = self._iterators(self.train_ds, self.consumed_samples)
         tokens_per_sample = self.config.seq_length
@@ -193,6 +201,7 @@ class _Run:
             if args.eval_at_start:
                 self._evaluate_and_log(logger, result)
             while self.iteration < args.train_iters:
+                monitor.before_iteration(self.iteration + 1)
                 self.calculator.update(self.consumed_samples, consistency_check=True)
                 batch = self.calculator.current_global_batch_size
                 lr = self.scheduler.lr
@@ -208,7 +217,8 @@ class _Run:
                           "ms_per_iter": 1000 * elapsed,
                           "tokens_per_s": batch * tokens_per_sample / elapsed,
                           "skipped": skipped,
-                          "skipped_iterations": self.nonfinite.skipped_iterations}
+                          "skipped_iterations": self.nonfinite.skipped_iterations,
+                          **monitor.measure(batch, elapsed)}
                 if self.optimizer.grad_scaler is not None:
                     record["loss_scale"] = self.optimizer.loss_scale
                 if self.is_logger:
@@ -219,12 +229,15 @@ class _Run:
                                  log_now=self.iteration % args.log_interval == 0)
                 if args.eval_interval and self.iteration % args.eval_interval == 0:
                     self._evaluate_and_log(logger, result)
-                if args.save and args.save_interval and self.iteration % args.save_interval == 0:
-                    self.save()
-            if args.save and (not args.save_interval or self.iteration % args.save_interval):
-                self.save()
+                result.exit_reason = checkpointing.after_iteration(self)
+                if result.exit_reason:
+                    logger.print(describe_exit(result.exit_reason, bool(args.save), args.save))
+                    break
+            checkpointing.finish(self)
         finally:
+            checkpointing.close()
             logger.close()
+            monitor.close()
         self.ddp.finish_param_sync()
         result.consumed_samples = self.consumed_samples
         return result
@@ -238,11 +251,11 @@ class _Run:
             logger.write_metrics({"iteration": self.iteration, "valid_loss": valid_loss})
 
 
-def tokenizer_spec(tokenizer_type: str) -> str:
-    """What checkpoints record of ``--tokenizer-type``: a tokenizer.json path made absolute."""
-    if tokenizer_type == "byte" or tokenizer_type.startswith("null:"):
-        return tokenizer_type
-    return os.path.abspath(tokenizer_type)
+def tokenizer_spec(tokenizer) -> str:
+    """What checkpoints record of the tokenizer, in ``data.tokenizer.build_tokenizer``'s terms:
+    ``"byte"``, ``"null:N"``, or the absolute path of a tokenizer.json."""
+    name = tokenizer.name
+    return name[len("hf:"):] if name.startswith("hf:") else name
 
 
 def _fill_batch_defaults(args, dp_size: int) -> None:
@@ -267,6 +280,8 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step,
         state = parallel_state.get_default_state()
         print(format_layout_table(state.layout, vpp=state.vpp_size), flush=True)
     _fill_batch_defaults(args, parallel_state.get_data_parallel_world_size())
+    if args.save:
+        prepare_save_dir(args.save)
     _GLOBALS.update(args=args, config=config)
     from tpfuse.tp_layers.random import model_parallel_seed
 

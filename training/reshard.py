@@ -29,10 +29,11 @@ word embedding (``shared_embedding``) is rebuilt from the embedding itself: both
 the same values and the same Adam moments (their gradients are all-reduced before every step).
 
 Padded vocabulary: ``padded_vocab_size`` is a multiple of make_vocab_size_divisible_by × tp, so it
-can change with tp. The padded rows take part in the softmax, so adding or dropping them would
-change the model; a load between different padded sizes fails with a ValueError naming both
-(choose --make-vocab-size-divisible-by so both layouts pad alike). Every rank performs this check
-before it touches its parameters, so all ranks fail together.
+can change with tp. The padding rows of the word embedding and output layer are zero, masked out
+of the loss and never updated (see ``models/embedding.py``), so the vocabulary parameters (and their
+Adam moments / main copies) are refitted: the real ``vocab_size`` rows are kept and zero rows
+appended up to this run's padded size. A different real vocabulary is refused (``checkpoint.py``
+compares the model configurations before any weight is touched).
 
 Not resharded: RNG states (their streams depend on the layout: a resharded run keeps the freshly
 seeded generators, and ``load_resharded`` says so on rank 0). Memory: each rank maps (mmap) every
@@ -205,18 +206,13 @@ def _ordered(by_tp_rank: dict, name: str, old_tp: int) -> list:
     return [by_tp_rank[r] for r in range(old_tp)]
 
 
-def check_padded_vocab(index: dict, padded_vocab_size: int | None, old_layout: dict,
-                       new_layout: dict) -> None:
-    """ValueError when the checkpoint's padded vocabulary differs from this run's."""
-    if WORD_EMBEDDING not in index or padded_vocab_size is None:
-        return
-    old_rows = index[WORD_EMBEDDING]["record"]["full_shape"][0]
-    if old_rows != padded_vocab_size:
-        raise ValueError(
-            f"cannot reshard: the checkpoint's padded vocab size is {old_rows} (tp="
-            f"{old_layout['tp']}) but this run's is {padded_vocab_size} (tp={new_layout['tp']}); "
-            f"the padded rows enter the softmax, so choose --make-vocab-size-divisible-by such "
-            f"that both layouts pad to the same size")
+VOCAB_PARAMETERS = (WORD_EMBEDDING, "output_layer.weight")
+
+
+def fit_vocab_rows(full: torch.Tensor, rows: int, vocab_size: int) -> torch.Tensor:
+    """``full`` with its real ``vocab_size`` rows kept and zero padding up to ``rows``."""
+    real = full[:vocab_size]
+    return torch.cat([real, real.new_zeros((rows - vocab_size, *real.shape[1:]))])
 
 
 def assemble_global_state(folder: str, read_payload) -> dict:
@@ -248,15 +244,22 @@ def _source_name(record: dict) -> str:
 
 def _my_slice(entry: dict, tensors_by_tp: dict, name: str, old_tp: int, tp: int,
               tp_rank: int) -> torch.Tensor:
+    """This rank's slice of a parameter (or optimizer tensor); a vocabulary parameter's padding
+    is refitted to this run's (``entry["new_rows"]``, ``entry["vocab_size"]``, set by ``_plan``)."""
     record = entry["record"]
     if record["dim"] is None:
         return tensors_by_tp[min(tensors_by_tp)].clone()
-    return reshard_tensor(_ordered(tensors_by_tp, name, old_tp), record["dim"],
-                          record["stride"], tp, tp_rank)
+    full = full_from_shards(_ordered(tensors_by_tp, name, old_tp), record["dim"], record["stride"])
+    if entry.get("new_rows", full.shape[0]) != full.shape[0]:
+        full = fit_vocab_rows(full, entry["new_rows"], entry["vocab_size"])
+    return shard_for(full, record["dim"], record["stride"], tp, tp_rank)
 
 
 def _check_same_parameter(name: str, old: dict, new: dict) -> None:
-    if old["full_shape"] != new["full_shape"] or old["dim"] != new["dim"] \
+    old_shape = list(old["full_shape"])
+    if name in VOCAB_PARAMETERS:       # padded rows may differ; the real vocabulary may not
+        old_shape[0] = new["full_shape"][0]
+    if old_shape != new["full_shape"] or old["dim"] != new["dim"] \
             or old["stride"] != new["stride"]:
         raise ValueError(f"cannot reshard parameter {name}: checkpoint has full shape "
                          f"{old['full_shape']} (partition dim {old['dim']}, stride "
@@ -265,7 +268,8 @@ def _check_same_parameter(name: str, old: dict, new: dict) -> None:
 
 
 def _plan(model_chunks, index: dict, tp: int) -> list[tuple]:
-    """[(param, source global name)] for every local parameter; raises on any mismatch."""
+    """[(param, source global name)] for every local parameter; raises on any mismatch. Marks
+    vocabulary parameters whose padding changes with ``new_rows`` / ``vocab_size``."""
     plan = []
     for chunk in model_chunks:
         records = _chunk_records(chunk, tp)
@@ -275,6 +279,9 @@ def _plan(model_chunks, index: dict, tp: int) -> list[tuple]:
                 raise ValueError(f"cannot reshard: parameter {name} is not in the checkpoint")
             new = dict(records[local], tied_copy=False)
             _check_same_parameter(name, index[name]["record"], new)
+            if new["full_shape"] != index[name]["record"]["full_shape"]:   # vocabulary padding
+                index[name].update(new_rows=new["full_shape"][0],
+                                   vocab_size=chunk.config.vocab_size)
             plan.append((param, name))
     return plan
 
@@ -328,8 +335,6 @@ def load_resharded(folder: str, model_chunks, optimizer, state, new_layout: dict
     payloads = _all_payloads(folder, read_payload)
     old_layout = payloads[0]["layout"]
     index = _index_old_shards(payloads)
-    config = getattr(model_chunks[0], "config", None)
-    check_padded_vocab(index, getattr(config, "padded_vocab_size", None), old_layout, new_layout)
     plan = _plan(model_chunks, index, state.tp_size)
     _load_weights(plan, index, old_layout["tp"], state.tp_size, state.tp_rank)
     _load_optimizer(optimizer, plan, payloads, index, old_layout["tp"], state)
@@ -349,13 +354,10 @@ def load_model_weights(folder: str, model_chunks, tp: int, tp_rank: int, read_pa
     """Fill only the chunks' parameters (TP rank ``tp_rank`` of ``tp``) from a checkpoint folder
     of any layout; no optimizer state is read, none is needed. Local, not a collective.
 
-    The same checks as a resharding load (missing parameter, shape, padded vocabulary). Returns
+    The same checks as a resharding load (missing parameter, shape). Returns
     the old rank-0 payload (its ``model_config``, ``extra``, ``layout``, ...)."""
     payloads = [p for p in _all_payloads(folder, read_payload) if _is_dp0(p)]
     old_layout = payloads[0]["layout"]
     index = _index_old_shards(payloads, optimizer=False)
-    config = getattr(model_chunks[0], "config", None)
-    check_padded_vocab(index, getattr(config, "padded_vocab_size", None), old_layout,
-                       {"tp": tp})
     _load_weights(_plan(model_chunks, index, tp), index, old_layout["tp"], tp, tp_rank)
     return min(payloads, key=lambda p: p["rank"])

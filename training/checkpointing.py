@@ -1,0 +1,102 @@
+"""When and how the training loop saves, and when it stops early.
+
+- Start-up: ``--save`` must be writable (checked on every rank, before any work); what crashed
+  saves left there is removed; ``--load`` of an empty or missing folder starts fresh with a warning
+  (so a restarted command — ``torchrun --max-restarts``, a requeued job — resumes when it can), or
+  fails with ``--exit-on-missing-checkpoint``.
+- Each iteration: the pending ``--async-save`` is published once every rank's write is done; a
+  save every ``--save-interval``; an early exit (``exit_conditions.py``) saves first.
+- End: the final state is saved unless the last iteration was just saved, and an asynchronous
+  save is waited for, so the job never exits with a checkpoint half published.
+- ``--keep-last-checkpoints N`` deletes all but the newest N published checkpoints (never the one
+  the tracker names) after each publication.
+"""
+from __future__ import annotations
+
+import os
+
+import torch.distributed as dist
+
+from tpfuse.training import checkpoint as ckpt
+from tpfuse.training import checkpoint_io
+from tpfuse.training.async_checkpoint import AsyncCheckpointSaver
+from tpfuse.training.exit_conditions import ExitConditions
+
+
+def prepare_save_dir(root: str) -> None:
+    """Collective: every rank can write ``root`` (else a ValueError on every rank); rank 0 then
+    removes stale staging folders and temporary files of crashed saves."""
+    error = None
+    try:
+        checkpoint_io.check_writable(root)
+    except ValueError as caught:
+        error = caught
+    ckpt.agree(error, f"checking --save {root}")
+    if dist.get_rank() == 0:
+        for path in checkpoint_io.clean_stale(root):
+            print(f"> removed {path}: left by a save that did not complete", flush=True)
+
+
+def resume_point(root: str, exit_on_missing: bool) -> bool:
+    """True when ``root`` holds a checkpoint to load; False (with a warning) when it holds none."""
+    if ckpt.latest_iteration(root) is not None:
+        return True
+    message = f"--load {root}: no checkpoint there ({ckpt.TRACKER} is missing)"
+    if exit_on_missing:
+        raise FileNotFoundError(message + " and --exit-on-missing-checkpoint is set")
+    if dist.get_rank() == 0:
+        print(f"WARNING: {message}; starting from scratch", flush=True)
+    return False
+
+
+class Checkpointing:
+    """The loop's saving policy; ``run`` is the training run (model, optimizer, scheduler, state,
+    iteration, consumed_samples, and ``prepare_save() -> extra`` called before each save)."""
+
+    def __init__(self, args):
+        self.args = args
+        self.saver = AsyncCheckpointSaver(args.save, args.keep_last_checkpoints) \
+            if args.save and args.async_save else None
+        self.exits = ExitConditions(args)
+        self.last_saved = None
+
+    def save(self, run) -> None:
+        extra = run.prepare_save()
+        items = (run.iteration, run.model, run.optimizer, run.scheduler, run.state,
+                 run.consumed_samples, extra)
+        if self.saver is not None:
+            self.saver.save(*items)
+        else:
+            ckpt.save_checkpoint(self.args.save, *items,
+                                 keep_last=self.args.keep_last_checkpoints)
+        self.last_saved = run.iteration
+
+    def after_iteration(self, run) -> str | None:
+        """Publish / save as due; returns why training must stop now (None: go on)."""
+        if self.saver is not None:
+            self.saver.poll()
+        reason = self.exits.reason(run.iteration)
+        interval = self.args.save_interval
+        if self.args.save and (reason or (interval and run.iteration % interval == 0)):
+            self.save(run)
+        return reason
+
+    def finish(self, run) -> None:
+        """After the loop: the final save (unless this iteration was just saved, e.g. by an
+        early exit), then wait for an asynchronous save to be published. Collective: only on
+        the normal path."""
+        if self.args.save and self.last_saved != run.iteration:
+            self.save(run)
+        if self.saver is not None:
+            self.saver.wait()
+
+    def close(self) -> None:
+        """Always (also after an error): restore the signal handler. No collective here: after
+        an error an in-flight save stays unpublished (its staging folder is removed at the next
+        start-up) rather than risking a hang."""
+        self.exits.close()
+
+
+def describe_exit(reason: str, saved: bool, root: str | None) -> str:
+    where = f"checkpoint saved in {os.path.abspath(root)}" if saved else "no --save: nothing saved"
+    return f"> exiting early: {reason}; {where}"

@@ -1,0 +1,189 @@
+"""What a run reports besides its log line: TensorBoard, Weights & Biases, a torch.profiler Chrome
+trace, and a loss-curve PNG beside the metrics file.
+
+- ``--tensorboard-dir DIR``: scalars through ``torch.utils.tensorboard.SummaryWriter`` (needs the
+  optional ``tensorboard`` package), written by the logging rank every
+  ``--tensorboard-log-interval`` iterations, validation losses always.
+- ``--wandb-project P`` (``--wandb-exp-name``, ``--wandb-save-dir``): the same scalars through
+  ``wandb.log`` (optional ``wandb`` package), logging rank only.
+- ``--profile``: the ranks of ``--profile-ranks`` record iterations ``[--profile-step-start,
+  --profile-step-end)`` with ``torch.profiler`` (CPU, and CUDA when present) and write
+  ``<profile dir>/trace_rank<R>_iters<A>-<B>.json`` (open in chrome://tracing or Perfetto).
+- ``write_loss_curve(metrics_file)``: train and validation loss against iteration, as
+  ``<metrics file without .jsonl>.png``, at the end of a run.
+
+Optional packages are imported only when their flag is given; a missing one is a clear
+ImportError naming the flag and the package, raised at start-up.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from tpfuse.training.throughput import throughput
+
+SCALARS = {"loss": "lm loss", "lr": "learning-rate", "grad_norm": "grad-norm",
+           "global_batch_size": "batch-size", "tokens_per_s": "throughput/tokens-per-s",
+           "tflops_per_rank": "throughput/tflops-per-rank", "mfu": "throughput/mfu",
+           "valid_loss": "lm loss validation"}
+
+
+def _require(module: str, flag: str, extra: str):
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError as error:
+        raise ImportError(f"{flag} needs the optional package {extra!r} "
+                          f"(pip install {extra}): {error}") from error
+
+
+class TensorBoardWriter:
+    def __init__(self, log_dir: str, interval: int = 1):
+        _require("tensorboard", "--tensorboard-dir", "tensorboard")
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(log_dir=log_dir)
+        self.interval = interval
+
+    def log(self, iteration: int, record: dict) -> None:
+        if "valid_loss" not in record and iteration % self.interval:
+            return
+        for key, name in SCALARS.items():
+            if record.get(key) is not None:
+                self.writer.add_scalar(name, record[key], iteration)
+
+    def close(self) -> None:
+        self.writer.flush()
+        self.writer.close()
+
+
+class WandbWriter:
+    def __init__(self, project: str, name: str, save_dir: str, config: dict):
+        self.wandb = _require("wandb", "--wandb-project", "wandb")
+        self.run = self.wandb.init(project=project, name=name or None, dir=save_dir or None,
+                                   config=config)
+
+    def log(self, iteration: int, record: dict) -> None:
+        values = {SCALARS[k]: v for k, v in record.items() if k in SCALARS and v is not None}
+        self.run.log(values, step=iteration)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+def build_writers(args, is_logger: bool) -> list:
+    """The TensorBoard / wandb writers the flags ask for (none off the logging rank)."""
+    if not is_logger:
+        return []
+    writers = []
+    if args.tensorboard_dir:
+        writers.append(TensorBoardWriter(args.tensorboard_dir, args.tensorboard_log_interval))
+    if args.wandb_project:
+        config = {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool))}
+        writers.append(WandbWriter(args.wandb_project, args.wandb_exp_name,
+                                   args.wandb_save_dir, config))
+    return writers
+
+
+class StepProfiler:
+    """torch.profiler over iterations [start, end) on the chosen ranks; ``step(n)`` before
+    iteration n runs (n counts from 1), ``close()`` at the end writes what was recorded."""
+
+    def __init__(self, args, rank: int):
+        self.enabled = bool(args.profile) and rank in args.profile_ranks
+        self.start, self.end, self.rank = args.profile_step_start, args.profile_step_end, rank
+        self.folder = args.profile_dir or args.tensorboard_dir or "profile"
+        self.profiler = None
+        self.path = None
+
+    def step(self, iteration: int) -> None:
+        if not self.enabled:
+            return
+        if iteration == self.start and self.profiler is None:
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if torch.cuda.is_available():
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self.profiler = torch.profiler.profile(activities=activities, record_shapes=True)
+            self.profiler.start()
+        elif iteration == self.end:
+            self.close()
+
+    def close(self) -> None:
+        if self.profiler is None:
+            return
+        self.profiler.stop()
+        os.makedirs(self.folder, exist_ok=True)
+        self.path = os.path.join(self.folder,
+                                 f"trace_rank{self.rank}_iters{self.start}-{self.end}.json")
+        self.profiler.export_chrome_trace(self.path)
+        self.profiler = None
+        print(f"> rank {self.rank}: profiler trace written to {self.path}", flush=True)
+
+
+def loss_curve_path(metrics_file: str) -> str:
+    stem = metrics_file[:-len(".jsonl")] if metrics_file.endswith(".jsonl") else metrics_file
+    return stem + ".png"
+
+
+def write_loss_curve(metrics_file: str) -> str | None:
+    """Train and validation loss of ``metrics_file`` drawn into a PNG beside it (its path)."""
+    if not os.path.exists(metrics_file):
+        return None
+    train, valid = [], []
+    with open(metrics_file) as handle:
+        for line in handle:
+            record = json.loads(line)
+            if record.get("loss") is not None:
+                train.append((record["iteration"], record["loss"]))
+            if record.get("valid_loss") is not None:
+                valid.append((record["iteration"], record["valid_loss"]))
+    if not train and not valid:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(7, 4))
+    if train:
+        axes.plot(*zip(*train), label="train", linewidth=1)
+    if valid:
+        axes.plot(*zip(*valid), "o-", label="validation")
+    axes.set(xlabel="iteration", ylabel="lm loss", title=os.path.basename(metrics_file))
+    axes.legend()
+    axes.grid(alpha=0.3)
+    path = loss_curve_path(metrics_file)
+    figure.savefig(path, dpi=100, bbox_inches="tight")
+    plt.close(figure)
+    return path
+
+
+class RunMonitor:
+    """Everything above for one rank: ``before_iteration(n)`` (profiler), ``measure(batch,
+    seconds)`` (TFLOP/s per rank and MFU for the record), ``sinks`` (the writers, for the
+    logger), ``close()`` (trace, writers, loss curve)."""
+
+    def __init__(self, args, config, is_logger: bool, rank: int, world_size: int):
+        self.args, self.config, self.world_size = args, config, world_size
+        self.is_logger = is_logger
+        self.sinks = build_writers(args, is_logger)
+        self.profiler = StepProfiler(args, rank)
+
+    def before_iteration(self, iteration: int) -> None:
+        self.profiler.step(iteration)
+
+    def measure(self, global_batch_size: int, seconds: float) -> dict:
+        return throughput(self.config, global_batch_size, seconds, self.world_size,
+                          self.args.peak_tflops)
+
+    def close(self) -> None:
+        self.profiler.close()
+        for sink in self.sinks:
+            sink.close()
+        if self.is_logger and self.args.metrics_file:
+            path = write_loss_curve(self.args.metrics_file)
+            if path:
+                print(f"> loss curve written to {path}", flush=True)
