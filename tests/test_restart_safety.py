@@ -20,7 +20,7 @@ TINY = ["--num-layers", "2", "--hidden-size", "16", "--num-attention-heads", "2"
         "--lr", "1e-3", "--mock-data", "--vocab-size", "64", "--hidden-dropout", "0",
         "--attention-dropout", "0", "--eval-iters", "0", "--log-interval", "1",
         "--no-progress-bar", "--no-layout-table"]
-ITERS = 40
+ITERS = 24
 
 
 def _launch(args, tmp_path):
