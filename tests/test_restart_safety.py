@@ -1,7 +1,7 @@
 """Restart safety end to end, through ``tpfuse-train`` with the real trainer: a job killed at
 random moments (while asynchronous saves are in flight) and relaunched with the same command
 resumes and reproduces the uninterrupted run's losses, and its SIGKILLed launcher leaves no rank
-behind; SIGTERM with --exit-signal-handler saves at the iteration boundary and exits 0.
+behind; SIGTERM with --exit-signal-handler saves at the iteration boundary and returns normally.
 (The launcher's signal handling with several ranks: tests/test_train_launcher.py.)"""
 import json
 import os
@@ -69,12 +69,7 @@ def _iterations(metrics):
 
 
 def _reference_losses(argv):
-    from tpfuse.pretrain_gpt import (forward_step, model_provider,
-                                     train_valid_test_datasets_provider)
-    from tpfuse.training.pretrain import pretrain
-
-    return pretrain(train_valid_test_datasets_provider, model_provider, forward_step,
-                    argv=argv).train_losses
+    return _run_pretrain(argv).train_losses
 
 
 def test_killed_job_relaunched_resumes_and_reproduces_losses(run_distributed, tmp_path):
@@ -112,18 +107,35 @@ def test_killed_job_relaunched_resumes_and_reproduces_losses(run_distributed, tm
     assert kept == [f"iter_{ITERS - 1:07d}", f"iter_{ITERS:07d}"]   # --keep-last-checkpoints 2
 
 
-def test_sigterm_saves_at_the_iteration_boundary_and_exits_zero(tmp_path):
+def _train_until_sigterm(argv, metrics):
+    """pretrain in this worker; a watcher thread sends this process SIGTERM (as tpfuse-train
+    forwards a scheduler's) once two iterations are logged."""
+    import threading
+
+    def watch():
+        while len(_iterations(metrics)) < 2:
+            time.sleep(0.02)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, daemon=True).start()
+    result = _run_pretrain(argv)
+    return result.exit_reason, result.iterations
+
+
+def _run_pretrain(argv):
+    from tpfuse.pretrain_gpt import (forward_step, model_provider,
+                                     train_valid_test_datasets_provider)
+    from tpfuse.training.pretrain import pretrain
+
+    return pretrain(train_valid_test_datasets_provider, model_provider, forward_step, argv=argv)
+
+
+def test_sigterm_saves_at_the_iteration_boundary_and_returns(run_distributed, tmp_path):
+    """The rank side (the launcher's forwarding and exit 0: tests/test_train_launcher.py)."""
     save, metrics = str(tmp_path / "ckpt"), str(tmp_path / "m.jsonl")
-    job = _launch(["--nproc-per-node", "1", *TINY,
-                   "--train-iters", "100000", "--save", save, "--exit-signal-handler",
-                   "--metrics-file", metrics], tmp_path)
-    try:
-        _wait_for(lambda: len(_iterations(metrics)) >= 2 or job.poll() is not None)
-        job.send_signal(signal.SIGTERM)               # what a scheduler's preemption sends
-        out, err = job.communicate(timeout=120)
-    finally:
-        _kill_group(job)
-    assert job.returncode == 0, err[-3000:]
-    saved = ckpt.verify_checkpoint(save)
-    assert saved == _iterations(metrics)[-1] < 100000
-    assert "exiting early: SIGTERM received" in out
+    (reason, iterations), = run_distributed(
+        1, _train_until_sigterm, TINY + ["--train-iters", "100000", "--save", save,
+                                         "--exit-signal-handler", "--metrics-file", metrics],
+        metrics)
+    assert reason == "SIGTERM received (--exit-signal-handler)"
+    assert ckpt.verify_checkpoint(save) == iterations[-1] == _iterations(metrics)[-1] < 100000
