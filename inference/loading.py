@@ -79,7 +79,7 @@ def _default_device() -> torch.device:
     return torch.device("cpu")
 
 
-def _materialize(chunk, device):
+def materialize(chunk, device):
     """Real (uninitialised) storage for a meta-built chunk.
 
     ``to_empty`` makes a new Parameter per module: the tied output layer is re-tied and the
@@ -108,7 +108,7 @@ def load_model(checkpoint_dir: str, state=None, *, params_dtype: torch.dtype | N
                               state.vpp_size if state is not None else None, params_dtype)
     with torch.device("meta"):                      # shapes only: every value comes from disk
         chunks = build_model(make_gpt_model_provider(config), config, state)
-    chunks = [_materialize(chunk, device or _default_device()) for chunk in chunks]
+    chunks = [materialize(chunk, device or _default_device()) for chunk in chunks]
     reshard.load_model_weights(checkpoint_folder(checkpoint_dir), chunks, tp, tp_rank,
                                ckpt.read_payload)
     for chunk in chunks:

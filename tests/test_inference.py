@@ -24,13 +24,14 @@ TRAIN = [  # a GQA / rope / RMSNorm / SwiGLU / untied model, trained 3 steps at 
     "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
     "--num-query-groups", "2", "--ffn-hidden-size", "64", "--swiglu", "--normalization", "RMSNorm",
     "--position-embedding-type", "rope", "--disable-bias-linear",
-    "--untie-embeddings-and-output-weights", "--seq-length", "16", "--vocab-size", "260",
+    "--untie-embeddings-and-output-weights", "--seq-length", "16", "--tokenizer-type",
+    "ByteTokenizer",
     "--make-vocab-size-divisible-by", "8", "--hidden-dropout", "0.0", "--attention-dropout", "0.0",
     "--mock-data", "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "3",
     "--lr", "1e-2", "--eval-interval", "1000", "--eval-iters", "1", "--log-interval", "1000",
     "--no-progress-bar", "--no-layout-table", "--tensor-model-parallel-size", "2",
     "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
-    "--sequence-parallel",
+    "--sequence-parallel", "--sample-prompt", "def ", "--sample-max-new-tokens", "6",
 ]
 
 
@@ -39,14 +40,22 @@ def _pretrain(argv):
                                      train_valid_test_datasets_provider)
     from tpfuse.training.pretrain import pretrain
 
-    pretrain(train_valid_test_datasets_provider, model_provider, forward_step, argv=argv)
+    result = pretrain(train_valid_test_datasets_provider, model_provider, forward_step,
+                      argv=argv)
+    return result.sample
 
 
 @pytest.fixture(scope="module")
-def trained(run_distributed, tmp_path_factory):
+def trained_run(run_distributed, tmp_path_factory):
+    """(checkpoint dir, the end-of-training sample of every rank)."""
     root = str(tmp_path_factory.mktemp("inference") / "ckpt")
-    run_distributed(4, _pretrain, TRAIN + ["--save", root])
-    return root
+    samples = run_distributed(4, _pretrain, TRAIN + ["--save", root])
+    return root, samples
+
+
+@pytest.fixture(scope="module")
+def trained(trained_run):
+    return trained_run[0]
 
 
 def _config(**overrides):
@@ -185,4 +194,72 @@ def test_kv_cache_generation_equals_recomputation(run_distributed, trained, sing
     assert cached == recomputed == single_process[0]
     for other in per_rank[1:]:                 # every rank returns the same tokens
         assert other == per_rank[0]
-    assert all(0 <= t < 260 for seq in sampled for t in seq)
+    assert all(0 <= t < 257 for seq in sampled for t in seq)
+
+
+# -------------------------------------------------------------------- the trainer's sample, the CLI
+def _greedy_text(root, prompt, steps):
+    from tpfuse.data.tokenizer import ByteTokenizer
+
+    tokenizer = ByteTokenizer()
+    (model,) = load_model(root)
+    (tokens,) = generate(model, [tokenizer.tokenize(prompt)], steps, greedy=True,
+                         eos_id=tokenizer.eod)
+    return tokens, tokenizer.detokenize(tokens)
+
+
+def test_training_ends_with_a_sample_of_the_trained_model(trained_run):
+    """--sample-prompt: the greedy continuation the trainer printed is the saved model's."""
+    root, samples = trained_run
+    _, text = _greedy_text(root, "def ", 6)
+    assert samples == ["def " + text] * 4          # every rank of the dp-0 replica returns it
+
+
+def test_generate_cli_in_process_and_on_two_ranks(trained, monkeypatch, capsys):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from tpfuse.inference.cli import main
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    tokens, text = _greedy_text(trained, "x = ", 5)
+    argv = ["--load", trained, "--prompt", "x = ", "--max-new-tokens", "5", "--greedy", "--json"]
+    assert main(argv) == 0
+    line = capsys.readouterr().out.strip()
+    expected = {"prompt_ids": [120, 32, 61, 32], "generated_ids": tokens, "text": text}
+    assert json.loads(line) == expected
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    done = subprocess.run(
+        [sys.executable, "-m", "tpfuse.inference.cli", "--load", trained, "--prompt-ids",
+         "120 32 61 32", "--max-new-tokens", "5", "--greedy", "--json", "--nproc-per-node", "2",
+         "--tensor-model-parallel-size", "2"], capture_output=True, text=True, timeout=300,
+        env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert [json.loads(out) for out in done.stdout.splitlines()] == [expected]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--greedy", "--top-k", "5"], "--greedy cannot be combined with --top-k"),
+    (["--nproc-per-node", "3"], "--nproc-per-node 3 must equal"),
+    (["--prompt-ids", "1 x"], "expected integers"),
+])
+def test_generate_cli_bad_input_is_one_line(trained, monkeypatch, capsys, argv, message):
+    from tpfuse.inference.cli import main
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    base = ["--load", trained, "--max-new-tokens", "2"]
+    if "--prompt-ids" not in argv:
+        base += ["--prompt", "a"]
+    assert main(base + argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("tpfuse-generate: error:") and message in err[0]
+
+
+def test_generate_cli_names_a_missing_checkpoint(tmp_path, monkeypatch, capsys):
+    from tpfuse.inference.cli import main
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert main(["--load", str(tmp_path), "--prompt", "a", "--max-new-tokens", "2"]) == 2
+    assert "holds no complete tpfuse checkpoint" in capsys.readouterr().err

@@ -157,11 +157,20 @@ def _add_distributed_arguments(parser) -> None:
     add_precision_and_ddp_arguments(parser)
 
 
+def _add_sample_arguments(parser) -> None:
+    sample = parser.add_argument_group("sample at the end of training")
+    sample.add_argument("--sample-prompt", default=None,
+                        help="print this prompt's greedy continuation by the trained model "
+                             "(text for --tokenizer-type; default: no sample)")
+    sample.add_argument("--sample-max-new-tokens", type=int, default=64,
+                        help="length of that continuation in tokens")
+
+
 def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     presets.add_preset_argument(parser)
     for add in (_add_batch_arguments, _add_optimizer_arguments, _add_data_arguments,
                 _add_run_arguments, _add_checkpoint_arguments, _add_observability_arguments,
-                _add_distributed_arguments):
+                _add_distributed_arguments, _add_sample_arguments):
         add(parser)
 
 
@@ -218,7 +227,8 @@ REQUIRED = ("micro_batch_size", "train_iters", "lr")
 POSITIVE_INTS = ("micro_batch_size", "train_iters", "log_interval", "eval_interval",
                  "global_batch_size", "save_interval", "exit_interval", "keep_last_checkpoints",
                  "tensorboard_log_interval")
-NON_NEGATIVE_INTS = ("eval_iters", "lr_warmup_iters", "lr_decay_iters", "profile_step_start")
+NON_NEGATIVE_INTS = ("eval_iters", "lr_warmup_iters", "lr_decay_iters", "profile_step_start",
+                     "sample_max_new_tokens")
 # float flag -> (lowest allowed, lowest inclusive?, highest allowed, highest inclusive?)
 FLOAT_RANGES = {
     "lr": (0.0, True, None, False), "min_lr": (0.0, True, None, False),
@@ -307,6 +317,19 @@ def validate_training_args(args) -> None:
     validate_precision_and_ddp_args(args)
 
 
+def _check_sample_prompt(args) -> None:
+    """--sample-prompt must be text the tokenizer takes (checked before any training)."""
+    if not args.sample_prompt:
+        return
+    try:
+        ids = args.tokenizer.tokenize(args.sample_prompt)
+    except ValueError:
+        ids = []
+    if not ids:
+        raise ValueError(f"--sample-prompt {args.sample_prompt!r} gives no tokens with "
+                         f"{args.tokenizer!r} (NullTokenizer takes ids: \"1 2 3\")")
+
+
 def parse_args(argv=None, defaults: dict | None = None):
     """``(config, args)``; ``args.tokenizer`` holds the built tokenizer (None: the preset's or
     the caller's datasets provider needs none)."""
@@ -322,5 +345,6 @@ def parse_args(argv=None, defaults: dict | None = None):
     validate_training_args(args)
     args.tokenizer = build_tokenizer_from_args(args)
     _apply_tokenizer(args, args.tokenizer)
+    _check_sample_prompt(args)
     config = config_from_args(args)
     return config, args

@@ -48,6 +48,7 @@ STDLIB_DEMO = Preset(
         "adam_beta2": 0.95, "split": "969,30,1",
         "eval_interval": 20, "eval_iters": 4, "eval_at_start": True, "log_interval": 10,
         "hidden_dropout": 0.0, "attention_dropout": 0.0,
+        "sample_prompt": "def ", "sample_max_new_tokens": 96,   # ends with a sample of the model
     },
     nproc_per_node=8,
     stdlib_corpus=True,

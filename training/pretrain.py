@@ -73,6 +73,7 @@ class TrainingResult:
     valid_losses: list = field(default_factory=list)   # (iteration, loss)
     consumed_samples: int = 0
     exit_reason: str | None = None                     # why training stopped before train_iters
+    sample: str | None = None     # --sample-prompt's continuation (data-parallel rank 0 replica)
 
 
 class _Run:
@@ -291,9 +292,25 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step,
                    train_valid_test_datasets_provider)
         if run.is_logger:
             run_banner(run)
-        return run.train()
+        result = run.train()
+        if args.sample_prompt:
+            result.sample = print_sample(run)
+        return result
     finally:
         _GLOBALS.clear()
+
+
+def print_sample(run) -> str | None:
+    """The trained model's greedy continuation of ``--sample-prompt`` (printed by rank 0)."""
+    from tpfuse.inference.sample import training_sample
+
+    run.ddp.finish_param_sync()
+    text = training_sample(run.model, run.args.tokenizer, run.args.sample_prompt,
+                           run.args.sample_max_new_tokens, run.state)
+    if dist.get_rank() == 0:
+        print(f"> sample after {run.iteration} iterations (greedy, --sample-prompt "
+              f"{run.args.sample_prompt!r}):\n{text}", flush=True)
+    return text
 
 
 def run_banner(run) -> None:

@@ -1,0 +1,56 @@
+"""A short greedy sample from a model right after training (the trainer's ``--sample-prompt``).
+
+The trained chunks may use sequence parallelism, dropout or recompute, none of which a decode
+step can take, so the sample runs on inference copies: the same layout and layer split with
+those settings off, their weights copied from the trained chunks (same shapes, same names). Only
+the data-parallel rank 0 replica (cp rank 0) generates — it is a complete model-parallel group —
+the other replicas wait for nothing and return None.
+"""
+from __future__ import annotations
+
+import torch
+
+from tpfuse.models.cli import config_from_dict, config_to_dict
+from tpfuse.models.gpt import GPTModel, build_model, make_gpt_model_provider
+
+from .generate import generate
+from .loading import INFERENCE_SETTINGS, materialize
+
+LAYOUT_SETTINGS = ("num_layers_per_virtual_pipeline_stage", "microbatch_group_size_per_vp_stage",
+                   "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers")
+
+
+def inference_copies(model_chunks, state):
+    """Eval-mode chunks of the same layout with inference settings, holding the same weights."""
+    trained = model_chunks[0].config
+    settings = {k: v for k, v in INFERENCE_SETTINGS.items() if k not in LAYOUT_SETTINGS}
+    config = config_from_dict(config_to_dict(trained), **settings)
+    device = next(model_chunks[0].parameters()).device
+    with torch.device("meta"):
+        copies = build_model(make_gpt_model_provider(config), config, state)
+    for copy, chunk in zip(copies, model_chunks):
+        materialize(copy, device).load_state_dict(chunk.state_dict())
+        copy.eval()
+    return copies
+
+
+def training_sample(model_chunks, tokenizer, prompt: str, max_new_tokens: int,
+                    state) -> str | None:
+    """``prompt`` + its greedy continuation (text) on the dp-rank-0 replica, None elsewhere.
+
+    The continuation stops at the tokenizer's end-of-document id and is cut to the positions a
+    learned-position model has left after the prompt."""
+    if not all(isinstance(chunk, GPTModel) for chunk in model_chunks):
+        raise ValueError("a training sample needs GPTModel chunks (the model provider built "
+                         f"{type(model_chunks[0]).__name__})")
+    if state is not None and (state.dp_rank != 0 or (state.rank_in("cp") or 0) != 0):
+        return None
+    config = model_chunks[0].config
+    prompt_ids = tokenizer.tokenize(prompt)
+    if config.position_embedding_type == "learned_absolute":
+        max_new_tokens = min(max_new_tokens, config.max_position_embeddings - len(prompt_ids))
+    copies = inference_copies(model_chunks, state)
+    (tokens,) = generate(copies, [prompt_ids], max(max_new_tokens, 0), greedy=True,
+                         eos_id=tokenizer.eod if tokenizer.eod < config.vocab_size else None,
+                         state=state)
+    return prompt + tokenizer.detokenize(tokens)
