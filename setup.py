@@ -8,7 +8,7 @@ import os
 from setuptools import setup
 
 SUBPACKAGES = ["parallel", "kernels", "tp_layers", "models", "pipeline", "data", "training",
-               "inference"]
+               "inference", "convert"]
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -39,6 +39,7 @@ CONSOLE_SCRIPTS = [
     "tpfuse-preprocess=tpfuse.data.preprocess:main",
     "tpfuse-train=tpfuse.training.launcher:main",
     "tpfuse-generate=tpfuse.inference.cli:main",
+    "tpfuse-convert=tpfuse.convert.cli:main",
 ]
 
 setup(
@@ -59,15 +60,18 @@ setup(
         "tqdm",
         # the rank-grid / pipeline Gantt pictures (--png)
         "matplotlib",
+        # HuggingFace checkpoint files (tpfuse-convert reads and writes safetensors)
+        "safetensors",
     ],
     extras_require={
         # tokenizers: HuggingFace BPE tokenizers for tpfuse-preprocess (optional; the byte
-        # tokenizer is built in). The test extra carries it so that path is tested too.
-        "hf": ["tokenizers"],
+        # tokenizer is built in); transformers: only to check tpfuse-convert's output against
+        # HuggingFace's own models. The test extra carries both so those paths are tested too.
+        "hf": ["tokenizers", "transformers"],
         # training observability, imported only when --tensorboard-dir / --wandb-project is given
         "tensorboard": ["tensorboard"],
         "wandb": ["wandb"],
-        "test": ["pytest", "pytest-benchmark", "pytest-timeout", "tokenizers"],
+        "test": ["pytest", "pytest-benchmark", "pytest-timeout", "tokenizers", "transformers"],
     },
     entry_points={"console_scripts": CONSOLE_SCRIPTS},
 )

@@ -7,8 +7,9 @@
 Text goes through the tokenizer the checkpoint records. ``--json`` prints one line
 ``{"prompt_ids": [...], "generated_ids": [...], "text": ...}`` (text: the continuation, null
 without a tokenizer). Without sampling flags the tokens are drawn at temperature 1 (Megatron's
-default); ``--greedy`` takes the argmax. The end-of-document id of the tokenizer stops generation
-unless ``--eos-id`` says otherwise (``-1``: never stop early).
+default); ``--greedy`` takes the argmax. Generation stops at the checkpoint's eos id (a converted
+model's), else the tokenizer's end of document, unless ``--eos-id`` says otherwise (``-1``:
+never stop early).
 
 Launch: with ``--nproc-per-node 1`` (the default for tp = pp = 1) everything runs in this process
 without torch.distributed; otherwise N local processes (gloo on CPU, nccl on GPUs) are started as
@@ -37,7 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass")
     parser.add_argument("--seed", type=int, default=1234, help="sampling seed (same on all ranks)")
     parser.add_argument("--eos-id", type=int, default=None,
-                        help="stop at this id (default: the tokenizer's end of document; -1: never)")
+                        help="stop at this id (default: the checkpoint's eos id or the "
+                             "tokenizer's end of document; -1: never)")
     parser.add_argument("--json", action="store_true", help="print one JSON line")
     parser.add_argument("--nproc-per-node", type=int, default=None,
                         help="local processes (default tp × pp)")
@@ -87,6 +89,18 @@ def sampling_kwargs(args) -> dict:
             "top_k": args.top_k or 0, "top_p": 1.0 if args.top_p is None else args.top_p}
 
 
+def default_eos_id(checkpoint_dir: str, tokenizer, vocab_size: int) -> int | None:
+    """The checkpoint's recorded eos id (a converted model's), else the tokenizer's EOD."""
+    from tpfuse.inference.loading import read_checkpoint_head
+
+    recorded = (read_checkpoint_head(checkpoint_dir).get("extra") or {}).get("eos_id")
+    if isinstance(recorded, int) and 0 <= recorded < vocab_size:
+        return recorded
+    if tokenizer is not None and tokenizer.eod < vocab_size:
+        return tokenizer.eod
+    return None
+
+
 def run(args, state=None) -> dict:
     """Load, generate; the result dict every rank computes (rank 0 prints it)."""
     from tpfuse.inference.generate import generate
@@ -95,9 +109,8 @@ def run(args, state=None) -> dict:
     tokenizer = load_tokenizer(args.load)
     prompt_ids = prompt_ids_from(args, tokenizer)
     chunks = load_model(args.load, state)
-    eos = args.eos_id
-    if eos is None and tokenizer is not None and tokenizer.eod < chunks[0].config.vocab_size:
-        eos = tokenizer.eod
+    eos = args.eos_id if args.eos_id is not None else default_eos_id(args.load, tokenizer,
+                                                                     chunks[0].config.vocab_size)
     (generated,) = generate(chunks, [prompt_ids], args.max_new_tokens,
                             eos_id=None if eos is None or eos < 0 else eos, seed=args.seed,
                             state=state, **sampling_kwargs(args))

@@ -29,7 +29,7 @@ from .layer_assignment import stage_layer_counts
 
 CATEGORIES = ("model", "parallelism", "precision", "recompute")
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
-ACTIVATIONS = ("gelu", "swiglu")
+ACTIVATIONS = ("gelu", "gelu_tanh", "swiglu")
 POSITION_EMBEDDINGS = ("learned_absolute", "rope")
 RECOMPUTE_GRANULARITIES = ("full", "selective")
 RECOMPUTE_METHODS = ("uniform", "block")
@@ -64,8 +64,9 @@ class TransformerConfig:
         "model", "number of learned positions (default: = seq_length)", None)
     normalization: str = _f("model", "norm layer: LayerNorm | RMSNorm", "LayerNorm")
     layernorm_epsilon: float = _f("model", "epsilon of the norm layers", 1e-5, flag="--norm-epsilon")
-    activation: str = _f("model", "MLP activation: gelu | swiglu", "gelu",
-                         aliases={"--swiglu": "swiglu"})
+    activation: str = _f("model", "MLP activation: gelu | gelu_tanh (GPT-2's tanh approximation) "
+                         "| swiglu", "gelu", aliases={"--swiglu": "swiglu",
+                                                      "--openai-gelu": "gelu_tanh"})
     position_embedding_type: str = _f(
         "model", "position embedding: learned_absolute | rope", "learned_absolute")
     rotary_base: int = _f("model", "base of the rotary embedding frequencies", 10000)

@@ -1,6 +1,7 @@
 """ParallelMLP: fc1 column-parallel (activation fused into its GEMM), fc2 row-parallel.
 
   gelu:    x ─fc1 [ffn/tp rows], epilogue gelu→ (s, b, ffn/tp) ─fc2→ (s or s/tp, b, h)
+           (``gelu_tanh``: the same with GPT-2's tanh approximation in the epilogue)
   swiglu:  master fc1 ``[gate (ffn rows); up (ffn rows)]`` split with stride 2, so rank r holds
            ``[gate_r; up_r]``; ``a = silu(x W_gateᵀ + b_g) · (x W_upᵀ + b_u)`` → fc2.
 
@@ -17,7 +18,7 @@ from ._group import resolve_tp_group
 from .init import normal_init
 from .linear import ColumnParallelLinear, RowParallelLinear
 
-MLP_ACTIVATIONS = ("gelu", "swiglu")
+MLP_ACTIVATIONS = ("gelu", "gelu_tanh", "swiglu")
 
 
 class ParallelMLP(nn.Module):
@@ -38,7 +39,7 @@ class ParallelMLP(nn.Module):
                       params_dtype=params_dtype, group=self.tp.group)
         self.linear_fc1 = ColumnParallelLinear(
             hidden_size, 2 * ffn_hidden_size if gated else ffn_hidden_size,
-            stride=2 if gated else 1, activation=None if gated else "gelu",
+            stride=2 if gated else 1, activation=None if gated else activation,
             init_method=normal_init(init_method_std), **common)
         self.linear_fc2 = RowParallelLinear(
             ffn_hidden_size, hidden_size, input_is_parallel=True, skip_bias_add=True,

@@ -80,8 +80,9 @@ def _partition(param) -> tuple[int | None, int]:
     return None, 1
 
 
-def _chunk_records(chunk, tp: int) -> dict:
-    """local name → {global, dim, stride, full_shape, tied_copy} for one model chunk."""
+def chunk_records(chunk, tp: int) -> dict:
+    """local name → {global, dim, stride, full_shape, tied_copy} for one model chunk (what every
+    rank file carries under "reshard"; also used to write converted checkpoints)."""
     names = chunk.global_parameter_names()
     records = {}
     for local, param in chunk.named_parameters():
@@ -101,11 +102,11 @@ def save_metadata(model_chunks, optimizer, state) -> dict | None:
     ``optimizer_names[i]`` is the global name of ``optimizer.model_params[i]``."""
     if not all(hasattr(chunk, "global_parameter_names") for chunk in model_chunks):
         return None
-    records = [_chunk_records(chunk, state.tp_size) for chunk in model_chunks]
+    records = [chunk_records(chunk, state.tp_size) for chunk in model_chunks]
     global_by_id = {}
-    for chunk, chunk_records in zip(model_chunks, records):
+    for chunk, records_of_chunk in zip(model_chunks, records):
         for local, param in chunk.named_parameters():
-            global_by_id[id(param)] = chunk_records[local]["global"]
+            global_by_id[id(param)] = records_of_chunk[local]["global"]
     optimizer_names = [global_by_id[id(p)] for p in optimizer.model_params]
     coords = {"tp": state.tp_rank, "pp": state.pp_rank, "dp": state.dp_rank,
               "cp": state.rank_in("cp") or 0}
@@ -215,15 +216,16 @@ def fit_vocab_rows(full: torch.Tensor, rows: int, vocab_size: int) -> torch.Tens
     return torch.cat([real, real.new_zeros((rows - vocab_size, *real.shape[1:]))])
 
 
-def assemble_global_state(folder: str, read_payload) -> dict:
+def assemble_global_state(folder: str, read_payload, optimizer: bool = True) -> dict:
     """{global name: {"param": full tensor, <optimizer key>: full tensor or scalar}} of a folder.
 
-    The single-process view of any layout's checkpoint (tied copies folded into the embedding).
+    The single-process view of any layout's checkpoint (tied copies folded into the embedding);
+    ``optimizer=False``: parameters only (optimizer pieces are not read).
     """
     payloads = _all_payloads(folder, read_payload)
     old_tp = payloads[0]["layout"]["tp"]
     full = {}
-    for name, entry in _index_old_shards(payloads).items():
+    for name, entry in _index_old_shards(payloads, optimizer).items():
         record = entry["record"]
         weights = _ordered(entry["weights"], name, old_tp)
         full[name] = {"param": full_from_shards(weights, record["dim"], record["stride"])}
@@ -272,7 +274,7 @@ def _plan(model_chunks, index: dict, tp: int) -> list[tuple]:
     vocabulary parameters whose padding changes with ``new_rows`` / ``vocab_size``."""
     plan = []
     for chunk in model_chunks:
-        records = _chunk_records(chunk, tp)
+        records = chunk_records(chunk, tp)
         for local, param in chunk.named_parameters():
             name = _source_name(records[local])
             if name not in index:

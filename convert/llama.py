@@ -1,0 +1,171 @@
+"""Llama (``LlamaForCausalLM``) ↔ tpfuse GPTModel.
+
+Llama: pre-RMSNorm blocks, SwiGLU MLP ``down(silu(gate(x)) · up(x))`` (tpfuse fc1 master
+``[gate; up]``, fc2 = down), rotary positions, grouped-query attention (``num_key_value_heads``;
+query head i reads KV head i // (nh/ng) in both), no biases (``attention_bias`` / ``mlp_bias``
+together map to ``add_bias_linear``), an untied output layer (``lm_head``) unless
+``tie_word_embeddings``.
+
+Rotary layout: HuggingFace's Llama rotates the halves of each head (``rotate_half``: pairs
+(x_i, x_{i+d/2})), its q/k weights already permuted from Meta's interleaved-pair release at
+conversion time; tpfuse's rope is the same rotate-half form (tp_layers/rope.py, Megatron's
+non-interleaved default) with the same frequencies ``θ^(−2i/d)``. So q_proj / k_proj rows go
+into the fused QKV unpermuted — the logits test against ``transformers`` checks exactly this.
+Rotary scaling (``rope_scaling`` / a ``rope_type`` other than default: linear, dynamic, llama3,
+yarn ...) and a head_dim other than hidden/heads are not supported and say so.
+"""
+from __future__ import annotations
+
+import torch
+
+from .common import TensorSet, fuse_qkv, split_qkv
+
+MODEL_TYPE = "llama"
+ARCHITECTURE = "LlamaForCausalLM"
+IGNORED = (".rotary_emb.inv_freq",)
+PREFIX = "model."
+
+
+def _require(hf: dict, key: str):
+    if hf.get(key) is None:
+        raise ValueError(f"Llama config.json lacks {key!r}")
+    return hf[key]
+
+
+def rope_theta(hf: dict) -> float:
+    """The rotary base; ValueError for any rotary scaling (older ``rope_scaling`` or newer
+    ``rope_parameters`` with a rope_type other than default)."""
+    parameters = hf.get("rope_parameters") or {}
+    scaling = hf.get("rope_scaling") or {}
+    kind = parameters.get("rope_type") or scaling.get("rope_type") or scaling.get("type")
+    if kind not in (None, "default"):
+        raise ValueError(f"Llama rotary scaling rope_type={kind!r} is not supported (tpfuse's "
+                         "rope has no scaling)")
+    theta = hf.get("rope_theta") or parameters.get("rope_theta") or 10000.0
+    return int(theta) if float(theta).is_integer() else float(theta)
+
+
+def config_from_hf(hf: dict) -> dict:
+    """TransformerConfig values for a Llama config.json (ValueError for what tpfuse lacks)."""
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"Llama hidden_act={hf['hidden_act']!r} is not supported (silu: SwiGLU)")
+    hidden, heads = _require(hf, "hidden_size"), _require(hf, "num_attention_heads")
+    if hf.get("head_dim") not in (None, hidden // heads):
+        raise ValueError(f"Llama head_dim={hf['head_dim']} != hidden_size / num_attention_heads "
+                         f"= {hidden // heads} is not supported")
+    bias = hf.get("attention_bias", False)
+    if hf.get("mlp_bias", False) != bias:
+        raise ValueError(f"Llama attention_bias={bias} with mlp_bias={hf.get('mlp_bias')} is not "
+                         "supported (tpfuse's add_bias_linear covers both)")
+    positions = _require(hf, "max_position_embeddings")
+    return dict(
+        num_layers=_require(hf, "num_hidden_layers"), hidden_size=hidden,
+        num_attention_heads=heads, num_query_groups=hf.get("num_key_value_heads") or heads,
+        ffn_hidden_size=_require(hf, "intermediate_size"), vocab_size=_require(hf, "vocab_size"),
+        seq_length=positions, max_position_embeddings=positions, normalization="RMSNorm",
+        layernorm_epsilon=hf.get("rms_norm_eps", 1e-6), activation="swiglu",
+        position_embedding_type="rope", rotary_base=rope_theta(hf), add_bias_linear=bias,
+        untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
+        hidden_dropout=0.0, attention_dropout=hf.get("attention_dropout", 0.0),
+        init_method_std=hf.get("initializer_range", 0.02))
+
+
+def mismatches(config) -> list[str]:
+    """Why ``config`` is not a Llama (empty when it is)."""
+    wanted = [("normalization", config.normalization == "RMSNorm", "RMSNorm"),
+              ("activation", config.activation == "swiglu", "swiglu"),
+              ("position_embedding_type", config.position_embedding_type == "rope", "rope")]
+    return [f"{name}={getattr(config, name)} (needs {need})" for name, ok, need in wanted if not ok]
+
+
+def config_to_hf(config, eos_id: int | None) -> dict:
+    theta = config.rotary_base
+    return {
+        "architectures": [ARCHITECTURE], "model_type": MODEL_TYPE,
+        "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
+        "intermediate_size": config.ffn_hidden_size, "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.num_query_groups, "head_dim": config.kv_channels,
+        "hidden_act": "silu", "max_position_embeddings": config.max_position_embeddings,
+        "rms_norm_eps": config.layernorm_epsilon, "rope_theta": theta, "rope_scaling": None,
+        "rope_parameters": {"rope_type": "default", "rope_theta": theta},
+        "attention_bias": config.add_bias_linear, "mlp_bias": config.add_bias_linear,
+        "attention_dropout": config.attention_dropout,
+        "tie_word_embeddings": not config.untie_embeddings_and_output_weights,
+        "initializer_range": config.init_method_std, "bos_token_id": eos_id,
+        "eos_token_id": eos_id, "use_cache": True,
+    }
+
+
+def _per_layer(c) -> list[tuple]:
+    """(tpfuse suffix, HF suffix, shape) of the tensors taken as they are."""
+    h, f = c.hidden_size, c.ffn_hidden_size
+    names = [("input_norm.weight", "input_layernorm.weight", (h,)),
+             ("pre_mlp_norm.weight", "post_attention_layernorm.weight", (h,)),
+             ("self_attention.linear_proj.weight", "self_attn.o_proj.weight", (h, h)),
+             ("mlp.linear_fc2.weight", "mlp.down_proj.weight", (h, f))]
+    if c.add_bias_linear:
+        names += [("self_attention.linear_proj.bias", "self_attn.o_proj.bias", (h,)),
+                  ("mlp.linear_fc2.bias", "mlp.down_proj.bias", (h,))]
+    return names
+
+
+def _fused_parts(c):
+    """(tpfuse fused name, [(HF part suffix, rows)], fuse) for QKV and [gate; up]."""
+    d, heads, groups, f = c.kv_channels, c.num_attention_heads, c.num_query_groups, c.ffn_hidden_size
+    kinds = ["weight"] + (["bias"] if c.add_bias_linear else [])
+    for kind in kinds:
+        yield (f"self_attention.linear_qkv.{kind}", kind,
+               [(f"self_attn.q_proj.{kind}", heads * d), (f"self_attn.k_proj.{kind}", groups * d),
+                (f"self_attn.v_proj.{kind}", groups * d)])
+        yield (f"mlp.linear_fc1.{kind}", kind,
+               [(f"mlp.gate_proj.{kind}", f), (f"mlp.up_proj.{kind}", f)])
+
+
+def tensors_from_hf(tensors: dict, config, where: str) -> dict:
+    """tpfuse single-process name → tensor (vocabulary unpadded) from Llama's tensors."""
+    source = TensorSet(tensors, where, IGNORED)
+    c, h, p = config, config.hidden_size, PREFIX
+    out = {"embedding.word_embeddings.weight": source.take(p + "embed_tokens.weight",
+                                                           (c.vocab_size, h))}
+    for i in range(c.num_layers):
+        ours, theirs = f"layers.{i}.", f"{p}layers.{i}."
+        for suffix, hf_suffix, shape in _per_layer(c):
+            out[ours + suffix] = source.take(theirs + hf_suffix, shape)
+        for fused, kind, parts in _fused_parts(c):
+            pieces = [source.take(theirs + name, (rows, h) if kind == "weight" else (rows,))
+                      for name, rows in parts]
+            out[ours + fused] = (fuse_qkv(*pieces, c.num_query_groups) if len(parts) == 3
+                                 else torch.cat(pieces))
+    out["final_norm.weight"] = source.take(p + "norm.weight", (h,))
+    if c.untie_embeddings_and_output_weights:
+        out["output_layer.weight"] = source.take("lm_head.weight", (c.vocab_size, h))
+    elif source.has("lm_head.weight"):
+        if not source.take("lm_head.weight", (c.vocab_size, h)).equal(
+                out["embedding.word_embeddings.weight"]):
+            raise ValueError(f"{where}: lm_head.weight differs from embed_tokens.weight although "
+                             "tie_word_embeddings is true")
+    source.finish()
+    return out
+
+
+def tensors_to_hf(full: dict, config) -> dict:
+    """Llama's tensor names from tpfuse's single-process ones."""
+    c, p = config, PREFIX
+    out = {p + "embed_tokens.weight": full["embedding.word_embeddings.weight"]}
+    for i in range(c.num_layers):
+        ours, theirs = f"layers.{i}.", f"{p}layers.{i}."
+        for suffix, hf_suffix, _ in _per_layer(c):
+            out[theirs + hf_suffix] = full[ours + suffix]
+        for fused, _, parts in _fused_parts(c):
+            if len(parts) == 3:
+                pieces = split_qkv(full[ours + fused], c.num_attention_heads, c.num_query_groups,
+                                   c.kv_channels)
+            else:
+                pieces = [t.contiguous() for t in full[ours + fused].chunk(2)]
+            for (name, _), piece in zip(parts, pieces):
+                out[theirs + name] = piece
+    out[p + "norm.weight"] = full["final_norm.weight"]
+    if c.untie_embeddings_and_output_weights:
+        out["lm_head.weight"] = full["output_layer.weight"]
+    return out

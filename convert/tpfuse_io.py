@@ -1,0 +1,132 @@
+"""A tpfuse checkpoint written or read whole in one process (conversion), in the trainer's format.
+
+``write_checkpoint(root, config, params, extra)``: ``params`` are the single-process model's
+tensors (``GPTModel.global_parameter_names`` names, padded vocabulary). For every rank of the
+config's tp × pp layout (dp = cp = 1, so global rank = tp_rank + tp · pp_rank) it writes
+``iter_0000000/rank_RRRRR.pt`` with what ``save_checkpoint`` records about the model — the
+chunk's state dict (exactly ``GPTModel.state_dict()``'s keys: pipeline stage p holds
+``layers_for(config, p)`` renumbered from 0, the first the embedding, the last the final norm and
+the output layer, a tied one as the embedding's tensor or, with pp > 1, its copy), the
+``"reshard"`` records and ``"model_config"`` — and no optimizer, scheduler or RNG state. The
+whole directory appears at once (``staged_directory``).
+
+Which tensors are sharded, along which dimension and with which stride comes from the parameters
+of a single-process GPTModel built on the meta device, the same attributes resharding reads.
+
+``read_checkpoint(root)`` → (TransformerConfig, single-process tensors, extra) of any layout.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+
+import torch
+
+from tpfuse.models.cli import config_from_dict, config_to_dict
+from tpfuse.models.gpt import GPTModel
+from tpfuse.models.layer_assignment import layers_for
+from tpfuse.training import checkpoint as ckpt
+from tpfuse.training import reshard
+
+from .hf_io import staged_directory
+
+WORD = reshard.WORD_EMBEDDING
+TIED_OUTPUT = "output_layer.weight"
+
+
+def single_process_config(config):
+    """``config`` at tp = pp = 1 with the same padded vocabulary (the unsharded model)."""
+    return config_from_dict(
+        config_to_dict(config), tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
+        virtual_pipeline_model_parallel_size=None, num_layers_per_virtual_pipeline_stage=None,
+        decoder_first_pipeline_num_layers=None, decoder_last_pipeline_num_layers=None,
+        sequence_parallel=False, make_vocab_size_divisible_by=config.padded_vocab_size)
+
+
+def parameter_records(config) -> dict:
+    """Single-process name → {"global", "dim", "stride", "full_shape", "tied_copy"}."""
+    with torch.device("meta"):
+        model = GPTModel(single_process_config(config), state=None)
+    return reshard.chunk_records(model, 1)
+
+
+def _local_name(name: str, layers: list, pre: bool, post: bool) -> str | None:
+    """The name on a stage holding ``layers`` (None when the stage does not hold it)."""
+    parts = name.split(".")
+    if parts[0] == "layers":
+        index = int(parts[1])
+        return None if index not in layers else ".".join(["layers", str(layers.index(index))]
+                                                         + parts[2:])
+    if parts[0] == "embedding":
+        return name if pre else None
+    return name if post else None                      # final_norm.*, output_layer.weight
+
+
+def rank_payload(config, params: dict, records: dict, tp_rank: int, pp_rank: int,
+                 extra: dict) -> dict:
+    tp, pp = config.tensor_model_parallel_size, config.pipeline_model_parallel_size
+    layers = layers_for(config, pp_rank)
+    pre, post = pp_rank == 0, pp_rank == pp - 1
+    state, local_records = {}, {}
+    for name, record in records.items():
+        local = _local_name(name, layers, pre, post)
+        if local is not None:
+            state[local] = reshard.shard_for(params[name], record["dim"], record["stride"], tp,
+                                             tp_rank)
+            local_records[local] = record
+    if post and not config.untie_embeddings_and_output_weights:
+        if pre:                                        # the very same tensor (state_dict lists it)
+            state[TIED_OUTPUT] = state[WORD]
+        else:                                          # the last stage's copy of the embedding
+            state[TIED_OUTPUT] = reshard.shard_for(params[WORD], 0, 1, tp, tp_rank)
+            local_records[TIED_OUTPUT] = {**records[WORD], "global": TIED_OUTPUT,
+                                          "tied_copy": True}
+    return {
+        "format_version": ckpt.FORMAT_VERSION, "iteration": 0, "consumed_samples": 0,
+        "layout": {"world_size": tp * pp, "tp": tp, "pp": pp, "dp": 1, "cp": 1, "vpp": 1},
+        "rank": tp_rank + tp * pp_rank, "model": [state], "model_config": config_to_dict(config),
+        "extra": extra,
+        "reshard": {"coords": {"tp": tp_rank, "pp": pp_rank, "dp": 0, "cp": 0},
+                    "params": [local_records], "optimizer_names": []},
+    }
+
+
+def write_checkpoint(root: str, config, params: dict, extra: dict, files: dict | None = None):
+    """Every rank file of ``config``'s layout, plus ``files`` (name → source path) at the root."""
+    records = parameter_records(config)
+    missing = sorted(set(records) - set(params))
+    if missing:
+        raise ValueError(f"no tensor for parameters {missing[:3]} of the tpfuse model")
+    for name, record in records.items():
+        if list(params[name].shape) != record["full_shape"]:
+            raise ValueError(f"tensor for {name} has shape {list(params[name].shape)}, the tpfuse "
+                             f"model needs {record['full_shape']}")
+    with staged_directory(root) as staging:
+        folder = ckpt.iteration_dir(staging, 0)
+        os.makedirs(folder)
+        for pp_rank in range(config.pipeline_model_parallel_size):
+            for tp_rank in range(config.tensor_model_parallel_size):
+                payload = rank_payload(config, params, records, tp_rank, pp_rank, extra)
+                torch.save(payload, os.path.join(folder, f"rank_{payload['rank']:05d}.pt"))
+        for name, source in (files or {}).items():
+            shutil.copyfile(source, os.path.join(staging, name))
+        with open(os.path.join(staging, ckpt.TRACKER), "w") as handle:
+            handle.write("0\n")
+
+
+def read_checkpoint(root: str):
+    """(TransformerConfig, {single-process name: full tensor}, extra) of a tpfuse checkpoint."""
+    from tpfuse.inference.loading import checkpoint_folder, read_checkpoint_head
+
+    if os.path.exists(os.path.join(root, "config.json")) and not os.path.exists(
+            os.path.join(root, ckpt.TRACKER)):
+        raise ValueError(f"{root} is a HuggingFace model directory, not a tpfuse checkpoint "
+                         "(use --from-hf)")
+    head = read_checkpoint_head(root)
+    if head.get("model_config") is None:
+        raise ValueError(f"checkpoint {root} records no model config (written by an older "
+                         "tpfuse): it cannot be converted")
+    config = config_from_dict(head["model_config"])
+    state = reshard.assemble_global_state(checkpoint_folder(root), ckpt.read_payload,
+                                          optimizer=False)
+    return config, {name: entry["param"] for name, entry in state.items()}, head.get("extra") or {}
