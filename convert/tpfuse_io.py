@@ -7,8 +7,9 @@ config's tp × pp layout (dp = cp = 1, so global rank = tp_rank + tp · pp_rank)
 chunk's state dict (exactly ``GPTModel.state_dict()``'s keys: pipeline stage p holds
 ``layers_for(config, p)`` renumbered from 0, the first the embedding, the last the final norm and
 the output layer, a tied one as the embedding's tensor or, with pp > 1, its copy), the
-``"reshard"`` records and ``"model_config"`` — and no optimizer, scheduler or RNG state. The
-whole directory appears at once (``staged_directory``).
+``"reshard"`` records and ``"model_config"`` — and no optimizer, scheduler or RNG state, then the
+iteration's ``manifest.json`` (each file's size and sha256, the layout, the model signature) the
+trainer's loaders verify. The whole directory appears at once (``staged_directory``).
 
 Which tensors are sharded, along which dimension and with which stride comes from the parameters
 of a single-process GPTModel built on the meta device, the same attributes resharding reads.
@@ -17,6 +18,7 @@ of a single-process GPTModel built on the meta device, the same attributes resha
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 
@@ -26,6 +28,7 @@ from tpfuse.models.cli import config_from_dict, config_to_dict
 from tpfuse.models.gpt import GPTModel
 from tpfuse.models.layer_assignment import layers_for
 from tpfuse.training import checkpoint as ckpt
+from tpfuse.training import checkpoint_io as io
 from tpfuse.training import reshard
 
 from .hf_io import staged_directory
@@ -43,11 +46,10 @@ def single_process_config(config):
         sequence_parallel=False, make_vocab_size_divisible_by=config.padded_vocab_size)
 
 
-def parameter_records(config) -> dict:
-    """Single-process name → {"global", "dim", "stride", "full_shape", "tied_copy"}."""
+def single_process_model(config):
+    """The unsharded GPTModel on the meta device: its parameters' shapes and TP attributes."""
     with torch.device("meta"):
-        model = GPTModel(single_process_config(config), state=None)
-    return reshard.chunk_records(model, 1)
+        return GPTModel(single_process_config(config), state=None)
 
 
 def _local_name(name: str, layers: list, pre: bool, post: bool) -> str | None:
@@ -63,7 +65,7 @@ def _local_name(name: str, layers: list, pre: bool, post: bool) -> str | None:
 
 
 def rank_payload(config, params: dict, records: dict, tp_rank: int, pp_rank: int,
-                 extra: dict) -> dict:
+                 header: dict, extra: dict) -> dict:
     tp, pp = config.tensor_model_parallel_size, config.pipeline_model_parallel_size
     layers = layers_for(config, pp_rank)
     pre, post = pp_rank == 0, pp_rank == pp - 1
@@ -83,17 +85,22 @@ def rank_payload(config, params: dict, records: dict, tp_rank: int, pp_rank: int
                                           "tied_copy": True}
     return {
         "format_version": ckpt.FORMAT_VERSION, "iteration": 0, "consumed_samples": 0,
-        "layout": {"world_size": tp * pp, "tp": tp, "pp": pp, "dp": 1, "cp": 1, "vpp": 1},
-        "rank": tp_rank + tp * pp_rank, "model": [state], "model_config": config_to_dict(config),
-        "extra": extra,
+        **header, "rank": tp_rank + tp * pp_rank, "model": [state],
+        "model_config": config_to_dict(config), "extra": extra,
         "reshard": {"coords": {"tp": tp_rank, "pp": pp_rank, "dp": 0, "cp": 0},
                     "params": [local_records], "optimizer_names": []},
     }
 
 
 def write_checkpoint(root: str, config, params: dict, extra: dict, files: dict | None = None):
-    """Every rank file of ``config``'s layout, plus ``files`` (name → source path) at the root."""
-    records = parameter_records(config)
+    """Every rank file of ``config``'s layout with its manifest (sizes and sha256, layout, model
+    signature: what the trainer's loaders verify), plus ``files`` (name → source) at the root."""
+    model = single_process_model(config)
+    records = reshard.chunk_records(model, 1)
+    tp, pp = config.tensor_model_parallel_size, config.pipeline_model_parallel_size
+    header = {"layout": {"world_size": tp * pp, "tp": tp, "pp": pp, "dp": 1, "cp": 1, "vpp": 1,
+                         "distributed_optimizer": False},
+              "model_signature": ckpt.model_signature([model])}
     missing = sorted(set(records) - set(params))
     if missing:
         raise ValueError(f"no tensor for parameters {missing[:3]} of the tpfuse model")
@@ -104,14 +111,18 @@ def write_checkpoint(root: str, config, params: dict, extra: dict, files: dict |
     with staged_directory(root) as staging:
         folder = ckpt.iteration_dir(staging, 0)
         os.makedirs(folder)
-        for pp_rank in range(config.pipeline_model_parallel_size):
-            for tp_rank in range(config.tensor_model_parallel_size):
-                payload = rank_payload(config, params, records, tp_rank, pp_rank, extra)
-                torch.save(payload, os.path.join(folder, f"rank_{payload['rank']:05d}.pt"))
+        digests = {}
+        for pp_rank in range(pp):
+            for tp_rank in range(tp):
+                payload = rank_payload(config, params, records, tp_rank, pp_rank, header, extra)
+                name = f"rank_{payload['rank']:05d}.pt"
+                digests[name] = io.atomic_torch_save(payload, os.path.join(folder, name))
+        manifest = dict(header, format_version=ckpt.FORMAT_VERSION, iteration=0, files=digests)
+        io.atomic_write_bytes(os.path.join(folder, ckpt.MANIFEST),
+                              json.dumps(manifest, indent=1).encode())
         for name, source in (files or {}).items():
             shutil.copyfile(source, os.path.join(staging, name))
-        with open(os.path.join(staging, ckpt.TRACKER), "w") as handle:
-            handle.write("0\n")
+        io.atomic_write_bytes(os.path.join(staging, ckpt.TRACKER), b"0\n")
 
 
 def read_checkpoint(root: str):
@@ -127,6 +138,5 @@ def read_checkpoint(root: str):
         raise ValueError(f"checkpoint {root} records no model config (written by an older "
                          "tpfuse): it cannot be converted")
     config = config_from_dict(head["model_config"])
-    state = reshard.assemble_global_state(checkpoint_folder(root), ckpt.read_payload,
-                                          optimizer=False)
+    state = reshard.assemble_global_state(*checkpoint_folder(root), optimizer=False)
     return config, {name: entry["param"] for name, entry in state.items()}, head.get("extra") or {}

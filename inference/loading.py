@@ -12,9 +12,10 @@ torch.distributed is tp = pp = 1), whatever layout wrote the checkpoint:
 
 Inference settings: sequence parallelism off (a decode step holds one token per sequence, which
 cannot be split over TP), dropout 0, no recompute, no context parallelism, layers split evenly
-over the pipeline stages. The padded vocabulary stays the checkpoint's: its rows are parameters,
-so ``make_vocab_size_divisible_by`` becomes padded / tp (a tp that does not divide the padded
-size is a ValueError naming both). Local: no collective, so any subset of ranks may load.
+over the pipeline stages. The padded vocabulary stays the checkpoint's where tp divides it
+(``make_vocab_size_divisible_by`` becomes padded / tp); otherwise the zero padding rows are refitted
+to this tp's padding, as the trainer's resharding does (generation never produces padded ids).
+Local: no collective, so any subset of ranks may load.
 """
 from __future__ import annotations
 
@@ -37,35 +38,33 @@ INFERENCE_SETTINGS = {
 PRECISION_FLAGS = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
-def checkpoint_folder(checkpoint_dir: str) -> str:
-    """The newest complete iteration folder of ``checkpoint_dir``."""
+def checkpoint_folder(checkpoint_dir: str):
+    """(folder, verified reader) of the newest complete checkpoint: the reader checks each rank
+    file against the manifest's size and sha256 (``training/checkpoint.py``)."""
     if not os.path.isdir(checkpoint_dir):
         raise FileNotFoundError(f"checkpoint directory {checkpoint_dir} does not exist")
     iteration = ckpt.latest_iteration(checkpoint_dir)
     if iteration is None:
         raise FileNotFoundError(f"{checkpoint_dir} holds no complete tpfuse checkpoint (no "
                                 f"{ckpt.TRACKER})")
-    return ckpt.iteration_dir(checkpoint_dir, iteration)
+    folder, manifest = ckpt.read_manifest(checkpoint_dir, iteration)
+    return folder, ckpt.verified_reader(manifest)
 
 
 def read_checkpoint_head(checkpoint_dir: str) -> dict:
-    """Rank 0's payload of the newest checkpoint (memory-mapped; what every rank file shares)."""
-    path = os.path.join(checkpoint_folder(checkpoint_dir), "rank_00000.pt")
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"checkpoint file {path} is missing")
-    return ckpt.read_payload(path, mmap=True)
+    """Rank 0's payload of the newest checkpoint (verified; what every rank file shares)."""
+    folder, read = checkpoint_folder(checkpoint_dir)
+    return read(os.path.join(folder, "rank_00000.pt"), mmap=True)
 
 
 def inference_config(saved: dict, tp: int = 1, pp: int = 1, vpp: int | None = None,
                      params_dtype: torch.dtype | None = None):
     """The checkpoint's TransformerConfig re-targeted to (tp, pp, vpp) for inference."""
     padded = config_from_dict(saved).padded_vocab_size
-    if padded % tp:
-        raise ValueError(f"tensor_model_parallel_size={tp} does not divide the checkpoint's "
-                         f"padded vocabulary size {padded}")
+    divisible = padded // tp if padded % tp == 0 else saved["make_vocab_size_divisible_by"]
     overrides = dict(INFERENCE_SETTINGS, tensor_model_parallel_size=tp,
                      pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp,
-                     make_vocab_size_divisible_by=padded // tp)
+                     make_vocab_size_divisible_by=divisible)
     if params_dtype is not None:
         overrides.update(params_dtype=params_dtype, bf16=False, fp16=False)
         if params_dtype in PRECISION_FLAGS:
@@ -109,8 +108,7 @@ def load_model(checkpoint_dir: str, state=None, *, params_dtype: torch.dtype | N
     with torch.device("meta"):                      # shapes only: every value comes from disk
         chunks = build_model(make_gpt_model_provider(config), config, state)
     chunks = [materialize(chunk, device or _default_device()) for chunk in chunks]
-    reshard.load_model_weights(checkpoint_folder(checkpoint_dir), chunks, tp, tp_rank,
-                               ckpt.read_payload)
+    reshard.load_model_weights(*checkpoint_folder(checkpoint_dir), chunks, tp, tp_rank)
     for chunk in chunks:
         chunk.eval()
     return chunks

@@ -114,16 +114,15 @@ def test_rank_files_load_into_the_trainers_model_strictly(converted, run_distrib
 
 
 def _strict_load(root):
-    from tpfuse.inference.loading import inference_config, read_checkpoint_head
+    from tpfuse.inference.loading import checkpoint_folder, inference_config
     from tpfuse.models import build_model, make_gpt_model_provider
     from tpfuse.parallel import parallel_state
-    from tpfuse.training.checkpoint import read_payload
 
     state = parallel_state.initialize_model_parallel(2, 2)
-    head = read_checkpoint_head(root)
-    config = inference_config(head["model_config"], 2, 2)
+    folder, read = checkpoint_folder(root)           # every file checked against the manifest
+    payload = read(os.path.join(folder, f"rank_{state.rank:05d}.pt"))
+    config = inference_config(payload["model_config"], 2, 2)
     (chunk,) = build_model(make_gpt_model_provider(config), config, state)
-    payload = read_payload(os.path.join(root, "iter_0000000", f"rank_{state.rank:05d}.pt"))
     chunk.load_state_dict(payload["model"][0], strict=True)
     return True
 
@@ -172,7 +171,7 @@ def test_cli_text_generation_through_the_converted_tokenizer(converted, tmp_path
 # -------------------------------------------------------------------- a model trained by tpfuse
 TRAIN = [  # the main job's shape (LayerNorm, GeLU, learned positions, biases, tied), tp2 + SP
     "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-    "--seq-length", "16", "--max-position-embeddings", "32", "--vocab-size", "257",
+    "--seq-length", "16", "--max-position-embeddings", "32", "--tokenizer-type", "ByteTokenizer",
     "--make-vocab-size-divisible-by", "16", "--hidden-dropout", "0.0", "--attention-dropout", "0.0",
     "--mock-data", "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "3",
     "--lr", "1e-2", "--eval-interval", "1000", "--eval-iters", "1", "--log-interval", "1000",

@@ -138,11 +138,11 @@ def test_eos_stops_a_sequence():
 # -------------------------------------------------------------------- a trained checkpoint
 def test_load_model_holds_the_checkpoint_weights(trained):
     """Single process from a tp2 pp2 vpp2 checkpoint: every tensor equal (resharding moves values)."""
-    from tpfuse.training.checkpoint import iteration_dir, read_payload
+    from tpfuse.inference.loading import checkpoint_folder
     from tpfuse.training.reshard import assemble_global_state
 
     (model,) = load_model(trained)
-    saved = assemble_global_state(iteration_dir(trained, 3), read_payload)
+    saved = assemble_global_state(*checkpoint_folder(trained))
     names = model.global_parameter_names()
     loaded = dict(model.named_parameters())
     assert sorted(names[n] for n in loaded) == sorted(saved)

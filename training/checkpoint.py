@@ -279,9 +279,6 @@ def _read_payload(path: str, mmap: bool = False) -> dict:
     return payload
 
 
-read_payload = _read_payload   # for loaders outside the trainer (tpfuse.inference.load_model)
-
-
 def verified_reader(manifest: dict):
     """``read(path, mmap=False)``: a rank file checked against ``manifest`` — size and sha256 of
     its bytes, then its own iteration, rank and layout."""

@@ -352,7 +352,7 @@ def _is_global_rank_zero() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
-def load_model_weights(folder: str, model_chunks, tp: int, tp_rank: int, read_payload) -> dict:
+def load_model_weights(folder: str, read_payload, model_chunks, tp: int, tp_rank: int) -> dict:
     """Fill only the chunks' parameters (TP rank ``tp_rank`` of ``tp``) from a checkpoint folder
     of any layout; no optimizer state is read, none is needed. Local, not a collective.
 
