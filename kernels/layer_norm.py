@@ -157,13 +157,13 @@ CPU_CHUNK_N = 256      # the interpreter's chunk, small so the tests' rows cross
 
 def row_launch_params(n_cols: int, element_size: int, is_cuda: bool, backward: bool = False) -> dict:
     """Block width and, on GPU, warps. The block is the next power of two ≥ n_cols up to the chunk
-    width (CHUNK_N; the backward keeps two pipelined copies of x and dy in shared memory, so its
-    chunk holds at most 32 KB of one operand's row); ``ONE_BLOCK`` tells whether a row fits in
-    one. Warps give each thread 8 (forward) to 16 (backward, more live vectors) columns at most
+    width (CHUNK_N; the backward holds x, dy, w, x̂ and two accumulators per column and keeps two
+    pipelined copies of x and dy in shared memory, so its chunk holds 16 KB of one operand's row);
+    ``ONE_BLOCK`` tells whether a row fits in one. Warps give each thread 8 (forward) to 16 (backward, more live vectors) columns at most
     up to 16 warps: enough loads in flight without spilling the per-thread vectors."""
     chunk = CHUNK_N if is_cuda else CPU_CHUNK_N
-    if is_cuda and backward:
-        chunk = min(chunk, 32768 // element_size)
+    if is_cuda and backward:  # 16 KB of a row per operand: 8K bf16 / 4K fp32 columns (ptxas: no spills)
+        chunk = min(chunk, 16384 // element_size)
     block = min(triton.next_power_of_2(n_cols), chunk)
     params = {"BLOCK_N": block}
     if is_cuda:

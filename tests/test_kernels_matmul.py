@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tpfuse.kernels import matmul
-from tpfuse.kernels.matmul import ACTIVATIONS, as_matrix, matmul_reference
+from tpfuse.kernels.matmul import ACTIVATIONS, MatmulOptions, as_matrix, matmul_reference, pinned_config
 
 M, N, K = 37, 53, 61
 UNIT_ROUNDOFF = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float64: 2.0**-53}
@@ -37,13 +37,14 @@ def _assert_within(actual, expected, bound, what):
     assert worst <= 0, f"{what}: error exceeds bound by {worst:.3g} (max err {err.max().item():.3g})"
 
 
-def _inputs(dtype, bias_on, seed=0, a_transposed=False, b_transposed=False):
+def _inputs(dtype, bias_on, seed=0, a_transposed=False, b_transposed=False, dims=(M, N, K)):
+    m, n, k = dims
     gen = torch.Generator().manual_seed(seed)
-    a = torch.randn(K, M, generator=gen).t() if a_transposed else torch.randn(M, K, generator=gen)
-    b = torch.randn(N, K, generator=gen).t() if b_transposed else torch.randn(K, N, generator=gen)
-    bias = torch.randn(N, generator=gen) if bias_on else None
+    a = torch.randn(k, m, generator=gen).t() if a_transposed else torch.randn(m, k, generator=gen)
+    b = torch.randn(n, k, generator=gen).t() if b_transposed else torch.randn(k, n, generator=gen)
+    bias = torch.randn(n, generator=gen) if bias_on else None
     leaves = [t.to(dtype).requires_grad_() if t is not None else None for t in (a, b, bias)]
-    return leaves, torch.randn(M, N, generator=gen).to(dtype)
+    return leaves, torch.randn(m, n, generator=gen).to(dtype)
 
 
 def _run(fn, leaves, dy):
@@ -52,11 +53,14 @@ def _run(fn, leaves, dy):
     return y, grads
 
 
-def _check_against_reference(leaves, dy, activation, backend, out_dtype=None):
+def _check_against_reference(leaves, dy, activation, backend, out_dtype=None, options=None):
     """Forward and the gradients of a, b, bias of ``matmul`` vs the fp32 reference (autograd)."""
     a, b, bias = leaves
+    M, K = a.shape
+    N = b.shape[1]
     out_dtype = out_dtype or a.dtype
-    y, grads = _run(lambda a, b, bias: matmul(a, b, bias, activation, out_dtype, backend=backend), leaves, dy.to(out_dtype))
+    y, grads = _run(lambda a, b, bias: matmul(a, b, bias, activation, out_dtype, backend=backend, options=options),
+                    leaves, dy.to(out_dtype))
     y_ref, grads_ref = _run(lambda a, b, bias: matmul_reference(a, b, bias, activation, torch.float32), leaves, dy.float())
     assert y.dtype == out_dtype
     y_bound = _bound(a, b, K, out_dtype, torch.float32, y_ref)
@@ -126,6 +130,40 @@ def test_triton_shapes_smaller_or_longer_than_one_tile(m, n, k, poisoned_outputs
     _assert_within(grads[1], grads_ref[1], _bound(a.t(), dy.abs(), m, torch.float32, torch.float32, grads_ref[1]), "db")
     _assert_within(grads[2], grads_ref[2], _bound(torch.ones(1, m), dy.abs(), m, torch.float32, torch.float32,
                                                   grads_ref[2]), "dbias")
+
+
+@pytest.mark.parametrize("kernel", ["tma", "pointer"])
+@pytest.mark.parametrize("a_transposed,b_transposed,activation", [
+    (False, True, "gelu"), (True, False, "gelu_tanh"), (False, False, "relu"), (True, True, None)])
+def test_triton_tma_kernel_and_pointer_fallback(kernel, a_transposed, b_transposed, activation, poisoned_outputs):
+    """The persistent TMA kernel (descriptors over each operand's storage, transposed tiles in
+    shared memory, 3 persistent programs walking 12 tiles, split epilogue) and the pointer kernel
+    it falls back to, on every operand layout; bf16, dims that are multiples of 8 (TMA strides must
+    be 16-byte multiples) but of no tile size (edge tiles are zero-padded by the descriptor)."""
+    leaves, dy = _inputs(torch.bfloat16, activation is not None, seed=7, a_transposed=a_transposed,
+                         b_transposed=b_transposed, dims=(40, 88, 56))
+    _check_against_reference(leaves, dy, activation, "triton", options=MatmulOptions(kernel=kernel))
+
+
+def test_tma_kernel_refuses_what_a_descriptor_cannot_describe():
+    a, b = torch.randn(M, K).bfloat16(), torch.randn(K, N).bfloat16()  # K = 61: row stride 122 bytes
+    with pytest.raises(ValueError, match="kernel='tma'"):
+        matmul(a, b, backend="triton", options=MatmulOptions(kernel="tma"))
+    with pytest.raises(ValueError, match="MatmulOptions.kernel"):
+        MatmulOptions(kernel="cublas")
+
+
+def test_pinned_config_is_a_function_of_the_problem_only():
+    """Every rank of a job computes the same tile for the same GEMM (no timing, no collective):
+    the largest tile that still fills all SMs, smaller tiles for small problems, and fp32 tiles
+    that fit in shared memory."""
+    big = pinned_config(8192, 8192, torch.bfloat16, "tma", 132)
+    assert (big.kwargs["BLOCK_M"], big.kwargs["BLOCK_N"], big.num_warps) == (128, 256, 8)
+    small = pinned_config(256, 256, torch.bfloat16, "tma", 132)
+    assert (small.kwargs["BLOCK_M"], small.kwargs["BLOCK_N"]) == (64, 128)
+    fp32 = pinned_config(8192, 8192, torch.float32, "pointer", 132)
+    assert fp32.kwargs["BLOCK_K"] == 32
+    assert pinned_config(8192, 8192, torch.bfloat16, "tma", 132).all_kwargs() == big.all_kwargs()
 
 
 def test_transposed_operands_are_views_not_copies():

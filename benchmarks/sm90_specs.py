@@ -1,0 +1,183 @@
+"""What ``sm90_report.py`` compiles: per kernel, the configurations its launcher or autotuner can
+run on an H100/H200, at the specialisation of the training shapes (bf16, aligned, ragged edges).
+
+Kernels launched with an autotuner and no spec here are compiled generically: every config, the
+argument types inferred from names (``sm90_report.infer_signature``) and the constexprs that are
+not tile sizes taken from ``GENERIC_CONSTEXPRS``. Launched kernels are the ``@triton.jit``
+functions whose name ends in ``_kernel`` (helpers do not).
+"""
+from __future__ import annotations
+
+import importlib
+
+GENERIC_CONSTEXPRS = {"BLOCK_D": 128, "CAUSAL": True, "DOT_F32": False, "DOT_IN_FP32": False,
+                      "INPUT_PRECISION": "tf32", "HAS_BIAS": True, "ACTIVATION": 1}
+NUM_SMS = 132  # H100 SXM / H200
+
+
+def _module(name):
+    return importlib.import_module(f"tpfuse.kernels.{name}")
+
+
+def _case(name, kernel, meta, warps, stages, extra=None, dtype="bf16", types=None, label=None):
+    from sm90_report import config_text
+    constexprs = dict(meta, **(extra or {}))
+    text = label or config_text(meta, warps, stages)
+    return (name, text, kernel, constexprs, warps, stages, dtype, types)
+
+
+def matmul_cases():
+    mk = _module("matmul_kernels")
+    gelu_z = {"HAS_BIAS": True, "ACTIVATION": 1, "SAVE_PREACT": True}
+    plain = {"HAS_BIAS": False, "ACTIVATION": 0, "SAVE_PREACT": False}
+    out = []
+    # pointer kernel: the linear forward (bias+gelu+z, b = wᵀ, ragged edges) for every config, and
+    # the weight-gradient layout (a transposed: unit stride along M, full tiles) for every config
+    for dtype, shapes, precision in (("bf16", mk.POINTER_SHAPES, "tf32"),
+                                     ("fp32", mk.POINTER_SHAPES_FP32, "tf32")):
+        for config in mk.make_configs(shapes):
+            split = config.kwargs["BLOCK_N"] >= 256
+            for label, epilogue, layout in (("fwd bias+gelu", gelu_z, {"stride_ak": 1, "stride_yn": 1,
+                                                                        "stride_bk": 1, "A_ROW_MAJOR": True,
+                                                                        "B_ROW_MAJOR": False,
+                                                                        "EVEN_M": False, "EVEN_N": False}),
+                                            ("wgrad aᵀ", plain, {"stride_am": 1, "stride_bn": 1, "stride_yn": 1,
+                                                                 "A_ROW_MAJOR": False, "B_ROW_MAJOR": True,
+                                                                 "EVEN_M": True, "EVEN_N": True})):
+                if dtype == "fp32" and label.startswith("wgrad"):
+                    continue
+                extra = dict(epilogue, **layout, INPUT_PRECISION=precision, DOT_IN_FP32=False,
+                             EPILOGUE_SPLIT=split)
+                text = f"{label} {dtype}: " + _tiles(config)
+                out.append(_case("matmul (pointer)", mk._matmul_kernel, config.kwargs, config.num_warps,
+                                 config.num_stages, extra, dtype=dtype, label=text))
+    # TMA kernel: every config with the forward epilogue; every layout at the largest tile
+    for index, config in enumerate(mk.make_configs(mk.TMA_SHAPES)):
+        layouts = [(True, False)] if index else [(True, False), (False, True), (True, True), (False, False)]
+        for a_row, b_row in layouts:
+            bm, bn, bk = (config.kwargs[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K"))
+            types = {"a_desc": f"tensordesc<bf16[{bm}, {bk}]>" if a_row else f"tensordesc<bf16[{bk}, {bm}]>",
+                     "b_desc": f"tensordesc<bf16[{bk}, {bn}]>" if b_row else f"tensordesc<bf16[{bn}, {bk}]>"}
+            epilogue = gelu_z if (a_row, b_row) == (True, False) else plain
+            extra = dict(epilogue, A_ROW_MAJOR=a_row, B_ROW_MAJOR=b_row, DOT_IN_FP32=False, NUM_SMS=NUM_SMS,
+                         EPILOGUE_SPLIT=bn >= 256, stride_yn=1)
+            kind = "bias+gelu" if epilogue is gelu_z else "plain"
+            text = f"a {'row' if a_row else 'col'}-major, b {'row' if b_row else 'col'}-major, {kind}: " + _tiles(config)
+            out.append(_case("matmul (TMA, persistent)", mk._matmul_tma_kernel, config.kwargs, config.num_warps,
+                             config.num_stages, extra, types=types, label=text))
+    for act in (1, 2, 3):
+        out.append(_case("matmul activation grad", mk._activation_grad_kernel, {"ACTIVATION": act, "BLOCK": 1024},
+                         4, 3))
+    return out
+
+
+def _tiles(config):
+    k = config.kwargs
+    return (f"{k['BLOCK_M']}x{k['BLOCK_N']}x{k['BLOCK_K']}, warps={config.num_warps}, "
+            f"stages={config.num_stages}")
+
+
+def norm_cases():
+    out = []
+    ln, rms = _module("layer_norm"), _module("rms_norm")
+    for width in (1024, 4096, 8192, 16384, 65536):
+        fwd = ln.row_launch_params(width, 2, is_cuda=True)
+        bwd = ln.row_launch_params(width, 2, is_cuda=True, backward=True)
+        one_fwd, one_bwd = fwd["BLOCK_N"] >= width, bwd["BLOCK_N"] >= width
+        meta_f = {"BLOCK_N": fwd["BLOCK_N"], "ONE_BLOCK": one_fwd}
+        meta_b = {"BLOCK_N": bwd["BLOCK_N"]}
+        tag = f"width {width}"
+        for name, module, prefix, has_bias in (("layer_norm", ln, "_layer_norm", {"HAS_BIAS": True}),
+                                               ("rms_norm", rms, "_rms_norm", {})):
+            out.append(_case(f"{name} fwd", getattr(module, f"{prefix}_fwd_kernel"), meta_f, fwd["num_warps"], 3,
+                             dict(has_bias), label=f"{tag}: BLOCK_N={meta_f['BLOCK_N']}, one block={one_fwd}, "
+                                                   f"warps={fwd['num_warps']}"))
+            kernels = ([f"{prefix}_bwd_kernel"] if one_bwd else
+                       [f"{prefix}_bwd_row_sums_kernel", f"{prefix}_bwd_chunk_kernel"])
+            for kernel in kernels:
+                out.append(_case(f"{name} {kernel.replace(prefix + '_', '').replace('_kernel', '')}",
+                                 getattr(module, kernel), meta_b, bwd["num_warps"], 3,
+                                 label=f"{tag}: BLOCK_N={meta_b['BLOCK_N']}, warps={bwd['num_warps']}"))
+    return out
+
+
+def elementwise_cases():
+    out = []
+    ce = _module("cross_entropy")
+    for kernel in (ce._shard_stats_kernel, ce._shard_grad_kernel):
+        for config in kernel.configs:
+            out.append(_case(f"cross_entropy {kernel.fn.__name__}", kernel, config.kwargs, config.num_warps,
+                             config.num_stages))
+    bda = _module("bias_dropout_add")
+    tile = bda.tile_params(4096, is_cuda=True)
+    meta = {"BLOCK_R": tile["BLOCK_R"], "BLOCK_Q": tile["BLOCK_Q"]}
+    out.append(_case("bias_dropout_add fwd", bda._bias_dropout_add_fwd_kernel, meta, tile["num_warps"], 3,
+                     {"HAS_BIAS": True, "DROPOUT": True}))
+    out.append(_case("bias_dropout_add bwd", bda._dropout_bwd_kernel, meta, tile["num_warps"], 3))
+    return out
+
+
+def _example_args(kernel, constexprs):
+    """Named arguments an ``early_config_prune`` may read: bf16 / fp32 one-element tensors for
+    pointers (dtype only), training-size integers, the constexprs."""
+    import torch
+    from sm90_report import _arg_type
+
+    args = {}
+    for name in kernel.fn.arg_names:
+        kind = _arg_type(name)
+        if kind.startswith("*"):
+            dtype = {"*fp32": torch.float32, "*i64": torch.int64, "*i32": torch.int32}.get(kind, torch.bfloat16)
+            args[name] = torch.empty(1, dtype=dtype)
+        else:
+            args[name] = constexprs.get(name, 4096)
+    return args
+
+
+def generic_cases(covered):
+    """Autotuned kernels without a spec above: every config that survives the kernel's own
+    ``early_config_prune`` (if any), GENERIC_CONSTEXPRS for the rest."""
+    from sm90_report import autotuned_configs, discover_kernels
+    import triton
+
+    out = []
+    for name, kernel in sorted(discover_kernels().items()):
+        if name in covered or not isinstance(kernel, triton.runtime.Autotuner):
+            continue
+        extra = {k: v for k, v in GENERIC_CONSTEXPRS.items() if k in kernel.fn.arg_names}
+        for config in autotuned_configs(kernel, _example_args(kernel, extra)):
+            out.append(_case(name, kernel, config.kwargs, config.num_warps, config.num_stages,
+                             {k: v for k, v in extra.items() if k not in config.kwargs}))
+    return out
+
+
+def special_cases():
+    """Kernels launched with fixed meta-parameters by their launchers."""
+    out = []
+    try:
+        fa = _module("flash_attention_bwd")
+    except ImportError:  # pragma: no cover
+        fa = None
+    if fa is not None and hasattr(fa, "_attn_bwd_delta_kernel"):
+        out.append(_case("flash_attention_bwd._attn_bwd_delta_kernel", fa._attn_bwd_delta_kernel,
+                         {"BLOCK_M": 128, "BLOCK_D": 128}, 4, 3))
+    out.extend(symm_mem_cases())
+    return out
+
+
+def symm_mem_cases():
+    symm = _module("symm_mem_ag_matmul")
+    types = {"a_ptrs": "*i64", "flags_ptr": "*i32", "flag_ptrs": "*i64"}
+    return [_case("symm_mem_ag_matmul publish", symm._publish_kernel, {"TP": 8}, 1, 1, types=types),
+            _case("symm_mem_ag_matmul gemm", symm._symm_ag_matmul_kernel,
+                  {"BLOCK_M": symm.BLOCK_M, "BLOCK_N": symm.BLOCK_N, "BLOCK_K": symm.BLOCK_K}, 8, 3,
+                  {"HAS_BIAS": True, "ACTIVATION": 1, "SAVE_Z": True, "WRITE_A": True,
+                   "INPUT_PRECISION": "tf32", "stride_wk": 1}, types=types)]
+
+
+def all_cases():
+    from sm90_report import _jit
+
+    specific = matmul_cases() + norm_cases() + elementwise_cases() + special_cases()
+    covered = {f"{_jit(c[2]).fn.__module__.rsplit('.', 1)[-1]}.{_jit(c[2]).__name__}" for c in specific}
+    return specific + generic_cases(covered)
