@@ -162,7 +162,18 @@ def special_cases():
         out.append(_case("flash_attention_bwd._attn_bwd_delta_kernel", fa._attn_bwd_delta_kernel,
                          {"BLOCK_M": 128, "BLOCK_D": 128}, 4, 3))
     out.extend(symm_mem_cases())
+    out.extend(wgrad_cases())
     return out
+
+
+def wgrad_cases():
+    """The fp32 weight-gradient accumulation into main_grad (bf16 g and x, fp32 out)."""
+    wg = _module("wgrad")
+    kernel = wg._wgrad_accumulate_kernel
+    units = {"stride_gn": 1, "stride_xk": 1, "stride_ok": 1}
+    return [_case("wgrad accumulate into fp32 main_grad", kernel, config.kwargs, config.num_warps,
+                  config.num_stages, dict(units, INPUT_PRECISION="tf32", DOT_IN_FP32=False),
+                  types={"out_ptr": "*fp32"}) for config in kernel.configs]
 
 
 def symm_mem_cases():
