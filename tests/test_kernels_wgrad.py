@@ -154,15 +154,15 @@ def test_ring_comm_gemms_accumulate_into_main_grad(run_distributed):
 @pytest.mark.filterwarnings("ignore::UserWarning")     # triton 3.9's FP-fusion default notice
 def test_wgrad_kernel_compiles_for_sm90():
     triton = pytest.importorskip("triton")
-    from test_kernels_sm90_compile import compile_sm90
+    import os
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+    from sm90_report import compile_sm90
 
     from tpfuse.kernels import wgrad
     config = wgrad._hopper_configs()[0]
-    ptrs = {"g_ptr": "*bf16", "x_ptr": "*bf16", "out_ptr": "*fp32"}
-    ints = {n: "i32" for n in ("N", "K", "M", "stride_gm", "stride_xm", "stride_on")}
     constexprs = dict(stride_gn=1, stride_xk=1, stride_ok=1, INPUT_PRECISION="tf32",
                       DOT_IN_FP32=False, **config.kwargs)
-    ptx, _ = compile_sm90(wgrad._wgrad_accumulate_kernel, {**ptrs, **ints}, constexprs,
-                          div16=list(ptrs) + list(ints), num_warps=config.num_warps,
-                          num_stages=config.num_stages)
+    ptx, _ = compile_sm90(wgrad._wgrad_accumulate_kernel, constexprs, config.num_warps,
+                          config.num_stages, types={"out_ptr": "*fp32"})
     assert triton is not None and "wgmma.mma_async" in ptx and "ld.global" in ptx
