@@ -178,12 +178,11 @@ def wgrad_cases():
 
 def symm_mem_cases():
     symm = _module("symm_mem_ag_matmul")
-    types = {"a_ptrs": "*i64", "flags_ptr": "*i32", "flag_ptrs": "*i64"}
-    return [_case("symm_mem_ag_matmul publish", symm._publish_kernel, {"TP": 8}, 1, 1, types=types),
-            _case("symm_mem_ag_matmul gemm", symm._symm_ag_matmul_kernel,
-                  {"BLOCK_M": symm.BLOCK_M, "BLOCK_N": symm.BLOCK_N, "BLOCK_K": symm.BLOCK_K}, 8, 3,
-                  {"HAS_BIAS": True, "ACTIVATION": 1, "SAVE_Z": True, "WRITE_A": True,
-                   "INPUT_PRECISION": "tf32", "stride_wk": 1}, types=types)]
+    meta = {"BLOCK_M": symm.BLOCK_M, "BLOCK_N": symm.BLOCK_N, "BLOCK_K": symm.BLOCK_K}
+    return [_case("symm_mem_ag_matmul staged gemm", symm._staged_ag_matmul_kernel, meta, symm.NUM_WARPS,
+                  symm.NUM_STAGES, {"HAS_BIAS": True, "ACTIVATION": 1, "SAVE_PREACT": True,
+                                    "INPUT_PRECISION": "tf32", "stride_wk": 1},
+                  types={"ready_ptr": "*u32"})]
 
 
 def all_cases():

@@ -8,8 +8,8 @@
   ring: each rank sends to r-1 and receives from r+1);
   ``ring_reduce_scatter``: the partial output for rank r+1, r+2, ... is computed and sent straight to
   its owner while the next one is computed, the local chunk last; partials are summed in fp32;
-- ``linear``: the one place the GEMMs are called (``tpfuse.kernels.matmul``), with the
-  pre-activation kept when an exact backward needs it, and ``activation_grad``.
+- ``linear`` / ``dgrad`` / ``activation_grad``: the GEMM pieces, straight on matmul's path
+  functions (one backend resolution per op, outputs written into slices of the whole result).
 
 Communication is ``torch.distributed.batch_isend_irecv`` (gloo: async send/recv on the transport
 threads; NCCL: one grouped launch on the communicator's stream, and ``work.wait()`` makes the
@@ -23,7 +23,6 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from tpfuse.parallel.mappings import group_rank, group_size
 
@@ -110,60 +109,50 @@ def validate_linear(op: str, x, w, bias=None, activation=None) -> None:
         raise ValueError(f"{op}: bias must have shape ({w.shape[0]},), got {tuple(bias.shape)}")
 
 
-# ----------------------------------------------------------------------------- GEMM helper
+# ----------------------------------------------------------------------------- GEMM pieces
+# The ops validate once and resolve the backend once ("triton" | "torch"); every chunk's GEMM then
+# goes straight to matmul's path functions (``kernels.matmul.PATHS``): no nested autograd
+# Function, no per-chunk validation, outputs written into the caller's slices.
 
-def _matmul():
-    from tpfuse.kernels.matmul import matmul       # imported late: matmul.py imports triton
-    return matmul
-
-
-def _forward_keeping_preact(x, w, bias, activation, out_dtype, backend):
-    """``(y, z)`` from one GEMM whose epilogue writes both act(z) and z, through the same Triton
-    kernel / torch path as ``matmul`` (its backend rule); None if those paths are not there."""
-    try:
-        from tpfuse.kernels.backend import resolve
-        from tpfuse.kernels.matmul import matmul_torch_forward, matmul_triton_forward
-    except ImportError:                                   # pragma: no cover - older matmul.py
-        return None
-    forward = {"triton": matmul_triton_forward, "torch": matmul_torch_forward}
-    path = resolve(backend, x, w, bias)
-    y2d, z2d = forward[path](x.reshape(-1, x.shape[-1]), w.t(), bias, activation,
-                             out_dtype or x.dtype)                  # (M, N) each
-    out_shape = tuple(x.shape[:-1]) + (w.shape[0],)
-    return y2d.view(out_shape), z2d.view(out_shape)
+def gemm_path(backend, *tensors) -> str:
+    from tpfuse.kernels.backend import resolve      # imported late: matmul.py imports triton
+    return resolve(backend, *tensors)
 
 
-def linear(x, w, bias=None, activation=None, *, save_preact=False, out_dtype=None, backend=None):
-    """``act(x @ wᵀ + bias)`` → ``(y, saved)``; ``saved`` is what ``activation_grad`` needs.
-
-    Bias and activation run in the GEMM's epilogue (``tpfuse.kernels.matmul``). An exact gelu
-    backward needs the pre-activation z: with ``save_preact`` the same epilogue also writes z
-    (matmul's forward paths); relu needs only y, ``[z > 0] = [y > 0]``.
-    """
-    if activation in ("gelu", "gelu_tanh") and save_preact:
-        both = _forward_keeping_preact(x, w, bias, activation, out_dtype, backend)
-        if both is not None:
-            return both
-        z = _matmul()(x, w.t(), bias, None, out_dtype, backend=backend)
-        return F.gelu(z, approximate="tanh" if activation == "gelu_tanh" else "none"), z
-    y = _matmul()(x, w.t(), bias, activation, out_dtype, backend=backend)
-    return y, (y if activation == "relu" else None)
+def _paths(path):
+    from tpfuse.kernels.matmul import PATHS
+    return PATHS[path]
 
 
-def activation_grad(dy, saved, activation):
+def linear(x, w, path, bias=None, activation=None, *, out=None, preact_out=None):
+    """``act(x @ wᵀ + bias)`` → ``(y, saved)`` with saved what ``activation_grad`` needs (z for
+    gelu*, y for relu, None otherwise), one GEMM with the bias and activation in its epilogue.
+    x (..., k), w (n, k); ``out`` / ``preact_out`` (..., n) views (e.g. row slices of the
+    whole output) are written in place."""
+    n = w.shape[0]
+    rows = x.reshape(-1, x.shape[-1])                                   # (M, k)
+    flat = lambda t: None if t is None else t.view(-1, n)               # noqa: E731  (M, n)
+    y2d, saved2d = _paths(path)[0](rows, w.t(), bias, activation, x.dtype, out=flat(out),
+                                   preact_out=flat(preact_out))
+    y = out if out is not None else y2d.view(*x.shape[:-1], n)
+    if saved2d is None or saved2d is y2d:                               # nothing, or relu's y
+        return y, (None if saved2d is None else y)
+    return y, (preact_out if preact_out is not None else saved2d.view(*x.shape[:-1], n))
+
+
+def dgrad(g, w, path, *, out=None):
+    """``g @ w``: g (..., n), w (n, k) → (..., k) (into ``out`` when given)."""
+    rows = g.reshape(-1, g.shape[-1])
+    flat_out = None if out is None else out.view(-1, w.shape[1])
+    result = _paths(path)[2](rows, w, g.dtype, out=flat_out)
+    return out if out is not None else result.view(*g.shape[:-1], w.shape[1])
+
+
+def activation_grad(dy, saved, activation, path):
     """``dy ⊙ act'(z)`` from what ``linear`` saved (z for gelu*, y for relu)."""
     if activation is None:
         return dy
-    if activation == "relu":
-        return torch.ops.aten.threshold_backward(dy, saved, 0)
-    approximate = "tanh" if activation == "gelu_tanh" else "none"
-    return torch.ops.aten.gelu_backward(dy, saved, approximate=approximate)
-
-
-def wgrad(g, x, backend=None):
-    """``gᵀ · x`` over all leading dims in fp32: g (s, ..., n), x (s, ..., k) → (n, k)."""
-    g2d, x2d = g.reshape(-1, g.shape[-1]), x.reshape(-1, x.shape[-1])
-    return _matmul()(g2d.t(), x2d, out_dtype=torch.float32, backend=backend)
+    return _paths(path)[1](dy, saved, activation, dy.dtype)
 
 
 # ----------------------------------------------------------------------------- ring schedules
@@ -185,7 +174,8 @@ def _wait(works) -> None:
     global _exposed_comm_s
     start = time.perf_counter()
     for work in works:
-        work.wait()
+        if work is not None:                       # None: a no-op collective (group size 1)
+            work.wait()
     _exposed_comm_s += time.perf_counter() - start
 
 
@@ -226,36 +216,54 @@ def ring_all_gather(x_shard, group, on_chunk):
     return full
 
 
-def ring_reduce_scatter(partial_for, group, after_partial=None):
+def ring_reduce_scatter(partial_for, group, after_partial=None, *, gather=None, on_gathered=None):
     """``Σ_ranks partial`` for this rank's chunk: ``partial_for(dst)`` returns this rank's partial
     output rows destined for rank dst. Computed for dst = r+1, r+2, ... and sent to dst while the
     next is computed; the local one last. ``after_partial(dst)`` (optional) runs right after each
     partial is handed off (its transfer posted; for the local one, before the last wait), so extra
     work such as a wgrad GEMM also hides the transfers. Received partials are summed in fp32;
-    returns the sum in the partials' dtype."""
+    returns the sum in the partials' dtype.
+
+    ``gather`` (optional, this rank's shard ``(s/tp, ...)``) is all-gathered in the same ring: each
+    step also sends it to dst and receives the shard of src = r − step (the same two peers, one
+    batched launch); ``on_gathered(src, shard)`` runs for the local shard while the first
+    transfers fly, then for each peer's shard as soon as it is there (the backward's re-gathered
+    input: its weight-gradient share is computed while the next step's transfers fly)."""
     tp, r = group_size(group), group_rank(group)
     after_partial = after_partial or (lambda dst: None)
-    pending = None                                 # (works, received, sent) of the previous step
-    acc = None                                     # fp32 running sum of received partials
+    pending = None                          # (works, received partial, src, received shard)
+    acc = None                              # fp32 running sum of received partials
 
     def drain(acc, pending):
-        works, received, _sent = pending
+        works, received, src, shard = pending
         _wait(works)
+        if shard is not None:
+            on_gathered(src, shard)
         return received.float() if acc is None else acc.add_(received)
 
     for step in range(1, tp):
         dst, src = (r + step) % tp, (r - step) % tp
         part = partial_for(dst).contiguous()                         # (s/tp, ..., n)
         received = torch.empty_like(part)
-        ops = [dist.P2POp(dist.isend, part, _global(group, dst), group, tag=step),
-               dist.P2POp(dist.irecv, received, _global(group, src), group, tag=step)]
+        peer_dst, peer_src = _global(group, dst), _global(group, src)
+        ops = [dist.P2POp(dist.isend, part, peer_dst, group, tag=step),
+               dist.P2POp(dist.irecv, received, peer_src, group, tag=step)]
+        shard = None
+        if gather is not None:
+            shard = torch.empty_like(gather)
+            ops += [dist.P2POp(dist.isend, gather, peer_dst, group, tag=tp + step),
+                    dist.P2POp(dist.irecv, shard, peer_src, group, tag=tp + step)]
         works = _post(ops)
         after_partial(dst)
+        if step == 1 and gather is not None:
+            on_gathered(r, gather)
         if pending is not None:
             acc = drain(acc, pending)
-        pending = (works, received, part)
+        pending = (works, received, src, shard)
     local = partial_for(r)
     after_partial(r)
+    if tp == 1 and gather is not None:
+        on_gathered(r, gather)
     if pending is not None:
         acc = drain(acc, pending)
     if acc is None:

@@ -31,17 +31,16 @@ class _MatmulReduceScatter(torch.autograd.Function):
     """forward: GEMM then reduce-scatter s; backward: all-gather s then GEMMs (dgrad, wgrad)."""
 
     @staticmethod
-    def forward(ctx, x, w, group, fused, backend):
+    def forward(ctx, x, w, group, fused, path):
         tp = group_size(group)
         rows = x.shape[0] // tp
         if fused:
             y_shard = common.ring_reduce_scatter(                   # (s/tp, b, n)
-                lambda dst: common.linear(x[dst * rows:(dst + 1) * rows], w, backend=backend)[0],
-                group)
+                lambda dst: common.linear(x[dst * rows:(dst + 1) * rows], w, path)[0], group)
         else:
-            y_shard = reduce_scatter_first_dim(common.linear(x, w, backend=backend)[0], group)
+            y_shard = reduce_scatter_first_dim(common.linear(x, w, path)[0], group)
         ctx.save_for_backward(x, w)
-        ctx.group, ctx.fused, ctx.backend = group, fused, backend
+        ctx.group, ctx.fused, ctx.path = group, fused, path
         return y_shard
 
     @staticmethod
@@ -54,12 +53,14 @@ class _MatmulReduceScatter(torch.autograd.Function):
 
 def _backward_plain(ctx, dy_shard, x, w):
     dy = all_gather_first_dim(dy_shard, ctx.group)                  # (s, b, n)
-    dx = common.linear(dy, w.t(), backend=ctx.backend)[0]           # (s, b, k_local)
-    dw = weight_grad(w, dy, x, backend=ctx.backend) if ctx.needs_input_grad[1] else None
+    dx = common.dgrad(dy, w, ctx.path)                              # (s, b, k_local)
+    dw = weight_grad(w, dy, x, backend=ctx.path) if ctx.needs_input_grad[1] else None
     return dx, dw
 
 
 def _backward_fused(ctx, dy_shard, x, w):
+    """As each dy chunk arrives: its dgrad rows written in place into dx, its wgrad share
+    accumulated in place (fp32, into main_grad when set)."""
     rows = dy_shard.shape[0]
     want_dw = ctx.needs_input_grad[1]
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)       # (s, b, k_local)
@@ -67,9 +68,9 @@ def _backward_fused(ctx, dy_shard, x, w):
 
     def on_chunk(src, dy_chunk):                                    # dy_chunk (s/tp, b, n)
         lo, hi = src * rows, (src + 1) * rows
-        dx[lo:hi] = common.linear(dy_chunk, w.t(), backend=ctx.backend)[0]
+        common.dgrad(dy_chunk, w, ctx.path, out=dx[lo:hi])
         if want_dw:
-            accumulate_wgrad(dw, dy_chunk, x[lo:hi], backend=ctx.backend)
+            accumulate_wgrad(dw, dy_chunk, x[lo:hi], backend=ctx.path)
 
     common.ring_all_gather(dy_shard, ctx.group, on_chunk)
     return dx, (wgrad_for_autograd(w, dw) if want_dw else None)
@@ -77,15 +78,16 @@ def _backward_fused(ctx, dy_shard, x, w):
 
 def matmul_reduce_scatter(x, w, group, *, backend=None):
     """``reduce_scatter_s(x @ wᵀ)``: x (s, b, k_local), w (n, k_local) → (s/tp, b, n).
-    ``backend`` is passed to ``tpfuse.kernels.matmul``."""
+    ``backend`` is resolved once for all the op's GEMMs (``tpfuse.kernels.matmul`` paths)."""
     common.validate_linear("matmul_reduce_scatter", x, w)
     tp = group_size(group)
     check_divisible(x, 0, tp, "matmul_reduce_scatter")
     fused = common.should_fuse(common.gemm_flops(x, w.shape[0]), tp, x.device.type)
-    return _MatmulReduceScatter.apply(x, w, group, fused, backend)
+    return _MatmulReduceScatter.apply(x, w, group, fused, common.gemm_path(backend, x, w))
 
 
 def matmul_reduce_scatter_reference(x, w, group):
     """The unfused composition: one GEMM, then reduce-scatter along s (autograd: all-gather)."""
+    from tpfuse.kernels.matmul import matmul
     from tpfuse.parallel.mappings import reduce_scatter_to_sequence_parallel_region
-    return reduce_scatter_to_sequence_parallel_region(common._matmul()(x, w.t()), group)
+    return reduce_scatter_to_sequence_parallel_region(matmul(x, w.t()), group)

@@ -1,24 +1,31 @@
-"""All-gather + GEMM in one Triton kernel over CUDA symmetric memory (one NVLink node; opt-in).
+"""All-gather + GEMM over CUDA symmetric memory (one NVLink node; opt-in): the peer shards are
+staged into local memory by the copy engine while the GEMM already runs on the shards present.
 
 Every rank of the group owns a symmetric buffer ``A_r (M_r, K)`` (``torch.distributed.
-_symmetric_memory``: each rank can address every peer's buffer by pointer) and a symmetric flag
-array ``flags (tp,)`` int32. One forward:
+_symmetric_memory``: each rank can address every peer's buffer). One forward (the design of
+PyTorch's async-TP ``fused_all_gather_matmul`` and of Triton-distributed's AG-GEMM):
 
-  1. copy x_shard into the local buffer A_r;                          (current stream)
-  2. publish: store ``epoch`` into flags[r] of every peer (release, system scope);
-  3. the GEMM kernel: tile (pid_m, pid_n) of y = act(cat_r A_r @ wᵀ + bias). Tiles are swizzled so
-     each rank starts on its own rows, pid_m' = (pid_m + r · tiles_per_rank) mod tiles_m; before
-     loading a tile's A rows the program spins (acquire, system scope) on the local
-     flags[src] >= epoch of every source rank src its rows come from, then reads those rows
-     straight from the peer's buffer over NVLink. The pid_n = 0 programs also store the A tile they
-     loaded into the local gathered x (kept for the wgrad GEMM), so the gather costs no extra pass;
-  4. a symmetric-memory barrier: nobody overwrites its buffer while a peer may still read it.
-``epoch`` grows by one per call (the same on every rank, calls being collective), so flags are
-never reset.
+  1. copy x_shard into the local symmetric buffer; a symmetric-memory barrier (every shard is
+     published before any peer reads it);
+  2. the local gathered input ``x_full (tp·M_r, K)`` and per-shard signals ``ready (tp,)`` (zeros):
+     the own shard is copied into its rows and ``ready[r]`` set at once; on a side stream, for
+     src = r+1, r+2, ... the copy engine copies peer src's buffer over NVLink into its rows
+     (``Tensor.copy_``, a DMA, no SMs) and then writes ``ready[src] = 1`` with
+     ``cuStreamWriteValue32`` (a stream memory operation, fenced after the copy, no SMs);
+  3. the GEMM kernel (on the compute stream, concurrently): tile (pid_m, pid_n) of
+     y = act(x_full @ wᵀ + bias), tiles swizzled so each rank starts with its own rows,
+     pid_m' = (pid_m + r · tiles_per_rank) mod tiles_m; before the main loop a tile spins (acquire)
+     until ``ready[src]`` is set for every shard its rows come from, then reads them from local
+     memory with ordinary vectorised loads;
+  4. the compute stream waits for the side stream; a barrier, so nobody overwrites its buffer while
+     a peer may still copy from it.
+No SM ever waits on work that needs an SM (copies and signals are copy-engine / stream memory
+operations), so a grid of spinning tiles cannot deadlock. ``x_full`` is returned for the backward.
 
-Algebra as in ``ag_matmul.py`` (forward only: the backward of the op runs the NCCL ring path).
-Requires CUDA tensors, an initialised NCCL group whose ranks share one node, torch's symmetric
-memory; ``available()`` says whether it can run here. Never used on CPU.
+Algebra as in ``ag_matmul.py`` (forward only; the backward runs the NCCL ring path). Requires
+CUDA, an initialised group whose ranks share one node (``same_node`` checks hostnames once per
+group), torch's symmetric memory with ``stream_write_value32``; ``available(group)`` says whether
+it can run here. Never used on CPU.
 """
 from __future__ import annotations
 
@@ -30,154 +37,159 @@ import triton.language as tl
 
 from tpfuse.parallel.mappings import group_rank, group_size
 
+from .matmul_kernels import _epilogue
+
 _ACT_CODE = {None: 0, "gelu": 1, "gelu_tanh": 2, "relu": 3}
-BLOCK_M, BLOCK_N, BLOCK_K = 128, 128, 64
+BLOCK_M, BLOCK_N, BLOCK_K, NUM_WARPS, NUM_STAGES = 128, 128, 64, 8, 4
 
 
-# ----------------------------------------------------------------------------- Triton kernels
-
-@triton.jit
-def _publish_kernel(flag_ptrs, rank, epoch, TP: tl.constexpr):
-    """flags[rank] = epoch on every peer (release: the shard copy before it is visible first)."""
-    for peer in tl.static_range(TP):
-        peer_flags = tl.load(flag_ptrs + peer).to(tl.pointer_type(tl.int32))
-        tl.atomic_xchg(peer_flags + rank, epoch, sem="release", scope="sys")
-
+# ----------------------------------------------------------------------------- Triton kernel
 
 @triton.jit
-def _epilogue_activation(z, ACTIVATION: tl.constexpr):
-    if ACTIVATION == 1:                                   # gelu (erf)
-        z = 0.5 * z * (1.0 + tl.erf(z * 0.7071067811865476))
-    elif ACTIVATION == 2:                                 # gelu (tanh), tanh(u) = 2σ(2u) − 1
-        u = 0.7978845608028654 * (z + 0.044715 * z * z * z)
-        z = 0.5 * z * (1.0 + (2.0 * tl.sigmoid(2.0 * u) - 1.0))
-    elif ACTIVATION == 3:                                 # relu
-        z = tl.maximum(z, 0.0)
-    return z
-
-
-@triton.jit
-def _symm_ag_matmul_kernel(
-        a_ptrs, flags_ptr, w_ptr, bias_ptr, y_ptr, z_ptr, x_out_ptr,
-        M_r, N, K, epoch, rank, tp, stride_wn, stride_wk,
-        HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, SAVE_Z: tl.constexpr,
-        WRITE_A: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+def _staged_ag_matmul_kernel(
+        a_ptr, ready_ptr, w_ptr, bias_ptr, y_ptr, z_ptr,
+        M_r, N, K, rank, tp, stride_am, stride_wn, stride_wk,
+        HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, SAVE_PREACT: tl.constexpr,
+        INPUT_PRECISION: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     M = M_r * tp
     tiles_m = tl.cdiv(M, BLOCK_M)
     pid_m = (tl.program_id(0) + rank * tl.cdiv(M_r, BLOCK_M)) % tiles_m   # own rows first
     pid_n = tl.program_id(1)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_m, mask_n = offs_m < M, offs_n < N
-    rows = tl.where(mask_m, offs_m, 0)
-    src = rows // M_r                                                  # source rank of each row
-
-    # wait until every peer whose rows this tile reads has published its shard
+    # wait until every shard this tile's rows come from has been staged locally
     first_src = (pid_m * BLOCK_M) // M_r
     last_src = (tl.minimum(pid_m * BLOCK_M + BLOCK_M, M) - 1) // M_r
-    for s in range(first_src, last_src + 1):
-        if s != rank:
-            while tl.atomic_add(flags_ptr + s, 0, sem="acquire", scope="sys") < epoch:
-                pass
+    for src in range(first_src, last_src + 1):
+        while tl.atomic_add(ready_ptr + src, 0, sem="acquire", scope="gpu") == 0:
+            pass
 
-    dtype = w_ptr.dtype.element_ty
-    row_base = tl.load(a_ptrs + src).to(tl.pointer_type(dtype))       # (BLOCK_M,) peer buffers
-    row_ptr = row_base + (rows - src * M_r).to(tl.int64) * K
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.where(offs_m < M, offs_m, 0).to(tl.int64)
+    cols = tl.where(offs_n < N, offs_n, 0).to(tl.int64)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        mask_k = offs_k < K
-        a_mask = mask_m[:, None] & mask_k[None, :]
-        a = tl.load(row_ptr[:, None] + offs_k[None, :], mask=a_mask, other=0.0)
-        if WRITE_A:
-            if pid_n == 0:
-                tl.store(x_out_ptr + offs_m[:, None].to(tl.int64) * K + offs_k[None, :], a,
-                         mask=a_mask)
-        b = tl.load(w_ptr + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk,
-                    mask=mask_k[:, None] & mask_n[None, :], other=0.0)      # (BLOCK_K, BLOCK_N) of wᵀ
+        a = tl.load(a_ptr + rows[:, None] * stride_am + offs_k[None, :],
+                    mask=offs_k[None, :] < K, other=0.0)                      # (BM, BK)
+        b = tl.load(w_ptr + cols[None, :] * stride_wn + offs_k[:, None] * stride_wk,
+                    mask=offs_k[:, None] < K, other=0.0)                      # (BK, BN) of wᵀ
         acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
-
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-    out_offs = offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
-    out_mask = mask_m[:, None] & mask_n[None, :]
-    if SAVE_Z:
-        tl.store(z_ptr + out_offs, acc.to(z_ptr.dtype.element_ty), mask=out_mask)
-    acc = _epilogue_activation(acc, ACTIVATION)
-    tl.store(y_ptr + out_offs, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
+    _epilogue(acc, pid_m, pid_n, M, N, bias_ptr, y_ptr, z_ptr, N, 1, HAS_BIAS, ACTIVATION,
+              SAVE_PREACT, BLOCK_M, BLOCK_N, False)
 
 
 # ----------------------------------------------------------------------------- launcher
 
 class _Workspace:
-    """One group's symmetric buffer (M_r, K) of a dtype, its flags and pointer tables."""
+    """One group's symmetric buffer (M_r, K) of a dtype, and the side stream of the copies."""
 
     def __init__(self, group, shape, dtype, device):
         import torch.distributed._symmetric_memory as symm_mem
 
         self.data = symm_mem.empty(shape, dtype=dtype, device=device)          # (M_r, K)
         self.handle = symm_mem.rendezvous(self.data, group)
-        self.flags = symm_mem.empty(group_size(group), dtype=torch.int32, device=device)
-        self.flags.zero_()
-        self.flag_handle = symm_mem.rendezvous(self.flags, group)
-        self.a_ptrs = torch.tensor(self.handle.buffer_ptrs, dtype=torch.int64, device=device)
-        self.flag_ptrs = torch.tensor(self.flag_handle.buffer_ptrs, dtype=torch.int64,
-                                      device=device)
-        self.epoch = 0
-        self.handle.barrier(channel=0)            # every rank's flags are zero before any publish
+        self.stream = torch.cuda.Stream(device=device, priority=-1)
 
 
 _workspaces: dict = {}
+_same_node: dict = {}
+
+
+def _group_name(group):
+    import torch.distributed as dist
+    return (group if group is not None else dist.group.WORLD).group_name
 
 
 def _workspace(group, shape, dtype, device) -> _Workspace:
     import torch.distributed as dist
 
-    group = group if group is not None else dist.group.WORLD
-    key = (group.group_name, tuple(shape), dtype, device)
+    key = (_group_name(group), tuple(shape), dtype, device)
     if key not in _workspaces:
-        _workspaces[key] = _Workspace(group, shape, dtype, device)
+        _workspaces[key] = _Workspace(group if group is not None else dist.group.WORLD, shape,
+                                      dtype, device)
     return _workspaces[key]
 
 
-def available() -> bool:
-    """CUDA, an initialised process group and torch's symmetric memory are all present."""
+def same_node(group) -> bool:
+    """Whether every rank of ``group`` runs on this host (NVLink peers): one all-gather of host
+    names per group, cached. Collective: every rank of the group calls it at the same point."""
+    import socket
+
+    import torch.distributed as dist
+
+    name = _group_name(group)
+    if name not in _same_node:
+        hosts = [None] * group_size(group)
+        dist.all_gather_object(hosts, socket.gethostname(), group=group)
+        _same_node[name] = len(set(hosts)) == 1
+    return _same_node[name]
+
+
+def available(group=None) -> bool:
+    """CUDA, an initialised process group whose ranks share one node, and torch's symmetric
+    memory with copy-engine signal writes are all present. Collective (see ``same_node``)."""
     import torch.distributed as dist
 
     if not (torch.cuda.is_available() and dist.is_available() and dist.is_initialized()):
         return False
     try:
+        from torch._C._distributed_c10d import _SymmetricMemory
         import torch.distributed._symmetric_memory  # noqa: F401
     except ImportError:
         return False
-    return True
+    if not hasattr(_SymmetricMemory, "stream_write_value32"):
+        return False
+    return same_node(group)
+
+
+def _stage_peers(ws, x_full, ready, rank, tp, m_r):
+    """On the side stream: each peer's shard into its rows of x_full, then its ready flag."""
+    from torch._C._distributed_c10d import _SymmetricMemory
+
+    for step in range(1, tp):
+        src = (rank + step) % tp
+        peer = ws.handle.get_buffer(src, tuple(ws.data.shape), ws.data.dtype)
+        x_full[src * m_r:(src + 1) * m_r].copy_(peer)                  # copy engine, NVLink
+        _SymmetricMemory.stream_write_value32(ready, src, 1)            # after the copy
 
 
 def forward(x_shard, w, bias, group, activation, save_preact):
     """→ (y, saved, x_full) like ``ag_matmul._forward_chunks``: x_shard (s/tp, b, h) CUDA,
     w (n_local, h) → y (s, b, n_local), z or y for the backward, gathered x (s, b, h)."""
+    from torch._C._distributed_c10d import _SymmetricMemory
+
     tp, rank = group_size(group), group_rank(group)
     K = x_shard.shape[-1]
     m_r = math.prod(x_shard.shape[:-1])                                     # rows per rank
     ws = _workspace(group, (m_r, K), x_shard.dtype, x_shard.device)
-    ws.epoch += 1
     ws.data.copy_(x_shard.reshape(m_r, K))
-    _publish_kernel[(1,)](ws.flag_ptrs, rank, ws.epoch, TP=tp)
+    ws.handle.barrier(channel=0)                   # every shard is in its buffer
+    x_full = torch.empty((tp * m_r, K), dtype=x_shard.dtype, device=x_shard.device)
+    ready = torch.zeros(tp, dtype=torch.uint32, device=x_shard.device)
+    x_full[rank * m_r:(rank + 1) * m_r].copy_(ws.data)
+    _SymmetricMemory.stream_write_value32(ready, rank, 1)
+    current = torch.cuda.current_stream()
+    ws.stream.wait_stream(current)                 # the side stream sees x_full / ready allocated
+    with torch.cuda.stream(ws.stream):
+        _stage_peers(ws, x_full, ready, rank, tp, m_r)
 
     N = w.shape[0]
     keeps_z = save_preact and activation in ("gelu", "gelu_tanh")
     y = torch.empty((tp * m_r, N), dtype=x_shard.dtype, device=x_shard.device)
     z = torch.empty_like(y) if keeps_z else y
-    x_full = torch.empty((tp * m_r, K), dtype=x_shard.dtype, device=x_shard.device)
     grid = (triton.cdiv(tp * m_r, BLOCK_M), triton.cdiv(N, BLOCK_N))
-    _symm_ag_matmul_kernel[grid](
-        ws.a_ptrs, ws.flags, w, bias if bias is not None else y, y, z, x_full,
-        m_r, N, K, ws.epoch, rank, tp, w.stride(0), w.stride(1),
-        HAS_BIAS=bias is not None, ACTIVATION=_ACT_CODE[activation], SAVE_Z=keeps_z,
-        WRITE_A=True, INPUT_PRECISION="ieee" if x_shard.dtype == torch.float32 else "tf32",
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=8, num_stages=3)
-    ws.handle.barrier(channel=0)                  # peers are done reading our buffer
+    _staged_ag_matmul_kernel[grid](
+        x_full, ready, w, bias if bias is not None else y, y, z,
+        m_r, N, K, rank, tp, x_full.stride(0), w.stride(0), w.stride(1),
+        HAS_BIAS=bias is not None, ACTIVATION=_ACT_CODE[activation], SAVE_PREACT=keeps_z,
+        INPUT_PRECISION="ieee" if x_shard.dtype == torch.float32 else "tf32",
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=NUM_WARPS,
+        num_stages=NUM_STAGES)
+    current.wait_stream(ws.stream)                 # x_full complete for its other users
+    x_full.record_stream(ws.stream)
+    ready.record_stream(ws.stream)
+    ws.handle.barrier(channel=0)                   # peers are done copying from our buffer
 
     lead = (tp * x_shard.shape[0],) + tuple(x_shard.shape[1:-1])
     saved = z if keeps_z else (y if activation == "relu" and save_preact else None)

@@ -33,7 +33,7 @@ import triton.language as tl
 
 from . import backend as _backend
 from .comm_gemm_common import validate_linear
-from .matmul import (activation_grad_torch, activation_grad_triton, as_matrix, matmul,
+from .matmul import (PATHS, activation_grad_torch, activation_grad_triton, as_matrix,
                      matmul_torch_forward, matmul_triton_forward)
 
 CPU_META = {"BLOCK_N": 16, "BLOCK_K": 32, "BLOCK_M": 32}
@@ -201,7 +201,7 @@ class _LinearWithGradAccumulation(torch.autograd.Function):
             g = _ACTIVATION_GRAD[ctx.path](dy, saved, ctx.activation, x2d.dtype)
         dx = dw = dbias = None
         if ctx.needs_input_grad[0]:
-            dx = matmul(g, weight, backend=ctx.path)                      # (M, n) @ (n, k)
+            dx = PATHS[ctx.path][2](g, weight, x2d.dtype)                    # (M, n) @ (n, k)
         if ctx.needs_input_grad[1]:
             dw = weight_grad(weight, g, x2d, backend=ctx.path)               # (n, k) or None
         if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:

@@ -126,8 +126,10 @@ class ColumnParallelLinear(nn.Module):
                              f"{tuple(self.weight.shape)}")
         bias = None if self.skip_bias_add else self.bias
         if self.sequence_parallel and tp > 1:
-            # (s/tp, b, in) -> (s, b, out/tp): gather over s fused with the GEMM
-            y = _deps.all_gather_matmul(x, weight, group, bias=bias, activation=self.activation)
+            # (s/tp, b, in) -> (s, b, out/tp): gather over s fused with the GEMM; only the shard
+            # is kept for backward, which re-gathers it inside the dgrad ring (Korthikanti et al.)
+            y = _deps.all_gather_matmul(x, weight, group, bias=bias, activation=self.activation,
+                                        keep_gathered=False)
         else:
             if tp > 1:
                 x = _deps.copy_to_region(x, group)  # backward: all-reduce dx
