@@ -38,6 +38,7 @@ from tpfuse.parallel.mappings import (all_gather_first_dim, group_rank, group_si
 
 from . import comm_gemm_common as common
 from .wgrad import accumulate_wgrad, weight_grad, wgrad_accumulator, wgrad_for_autograd
+from .wgrad_deferral import weight_grads_deferred
 
 _use_symm_mem = os.environ.get("TPFUSE_SYMM_MEM", "0") == "1"
 
@@ -136,23 +137,33 @@ def _backward_fused(ctx, g, kept, w, extra):
     tp = group_size(group)
     rows = g.shape[0] // tp
     want_dw = ctx.needs_input_grad[1]
-    dw = wgrad_accumulator(w) if want_dw else None                  # main_grad or fp32 zeros
+    defer = want_dw and weight_grads_deferred()   # zero-bubble I pass: dw is W's, in one GEMM
+    dw = wgrad_accumulator(w) if want_dw and not defer else None  # main_grad or fp32 zeros
+    x_full = kept if defer and ctx.keep_gathered else None
+    if defer and not ctx.keep_gathered:                             # W needs the gathered x
+        x_full = torch.empty(g.shape[:-1] + kept.shape[-1:], dtype=kept.dtype,
+                             device=kept.device)                    # (s, b, h)
 
     def partial_for(dst):                                           # dgrad rows of rank dst
         return _dgrad_rows(g, w, extra, dst * rows, (dst + 1) * rows, path)
 
     def wgrad_chunk(src, x_chunk):                                  # x_chunk (s/tp, b, h)
-        accumulate_wgrad(dw, g[src * rows:(src + 1) * rows], x_chunk, backend=path)
+        if defer:
+            x_full[src * rows:(src + 1) * rows] = x_chunk
+        else:
+            accumulate_wgrad(dw, g[src * rows:(src + 1) * rows], x_chunk, backend=path)
 
-    if want_dw and ctx.keep_gathered:
+    if want_dw and ctx.keep_gathered and not defer:
         def after_partial(dst):                 # this chunk's share while its partial flies
             wgrad_chunk(dst, kept[dst * rows:(dst + 1) * rows])
         dx_shard = common.ring_reduce_scatter(partial_for, group, after_partial)
-    elif want_dw:
+    elif want_dw and not ctx.keep_gathered:
         dx_shard = common.ring_reduce_scatter(partial_for, group, gather=kept.contiguous(),
                                               on_gathered=wgrad_chunk)
     else:
         dx_shard = common.ring_reduce_scatter(partial_for, group)   # (s/tp, b, h)
+    if defer:
+        return dx_shard, weight_grad(w, g, x_full, backend=path)    # queued for W: None
     return dx_shard, (wgrad_for_autograd(w, dw) if want_dw else None)
 
 

@@ -25,6 +25,7 @@ from tpfuse.parallel.mappings import (all_gather_first_dim, check_divisible, gro
 
 from . import comm_gemm_common as common
 from .wgrad import accumulate_wgrad, weight_grad, wgrad_accumulator, wgrad_for_autograd
+from .wgrad_deferral import weight_grads_deferred
 
 
 class _MatmulReduceScatter(torch.autograd.Function):
@@ -63,16 +64,19 @@ def _backward_fused(ctx, dy_shard, x, w):
     accumulated in place (fp32, into main_grad when set)."""
     rows = dy_shard.shape[0]
     want_dw = ctx.needs_input_grad[1]
+    defer = want_dw and weight_grads_deferred()   # zero-bubble I pass: dw is W's, in one GEMM
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)       # (s, b, k_local)
-    dw = wgrad_accumulator(w) if want_dw else None                  # main_grad or fp32 zeros
+    dw = wgrad_accumulator(w) if want_dw and not defer else None  # main_grad or fp32 zeros
 
     def on_chunk(src, dy_chunk):                                    # dy_chunk (s/tp, b, n)
         lo, hi = src * rows, (src + 1) * rows
         common.dgrad(dy_chunk, w, ctx.path, out=dx[lo:hi])
-        if want_dw:
+        if dw is not None:
             accumulate_wgrad(dw, dy_chunk, x[lo:hi], backend=ctx.path)
 
-    common.ring_all_gather(dy_shard, ctx.group, on_chunk)
+    dy = common.ring_all_gather(dy_shard, ctx.group, on_chunk)     # (s, b, n)
+    if defer:
+        return dx, weight_grad(w, dy, x, backend=ctx.path)         # queued for W: None
     return dx, (wgrad_for_autograd(w, dw) if want_dw else None)
 
 

@@ -27,12 +27,15 @@ Function of the linear op.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
 from . import backend as _backend
 from .comm_gemm_common import validate_linear
+from .wgrad_deferral import defer_weight_grad
 from .matmul import (PATHS, activation_grad_torch, activation_grad_triton, as_matrix,
                      matmul_torch_forward, matmul_triton_forward)
 
@@ -169,10 +172,30 @@ def weight_grad(weight: torch.Tensor, grad_output: torch.Tensor, input: torch.Te
                 backend=None):
     """The weight gradient of ``y = input @ weightᵀ``: ``grad_outputᵀ · input`` accumulated in
     fp32 into ``weight.main_grad`` (returns None), or returned in weight's dtype when there is
-    none. grad_output ``(..., n)``, input ``(..., k)``, weight ``(n, k)``."""
+    none. grad_output ``(..., n)``, input ``(..., k)``, weight ``(n, k)``.
+
+    Inside a zero-bubble I pass (``wgrad_deferral``) the GEMM is queued for the W action instead
+    and autograd gets None; W then accumulates into ``main_grad``, or into ``weight.grad``."""
+    if defer_weight_grad(functools.partial(deferred_weight_grad, weight, grad_output, input,
+                                           backend)):
+        return None
     accumulator = wgrad_accumulator(weight)
     accumulate_wgrad(accumulator, grad_output, input, backend=backend)
     return wgrad_for_autograd(weight, accumulator)
+
+
+def deferred_weight_grad(weight, grad_output, input, backend=None) -> None:
+    """The W half of ``weight_grad``: autograd got None in the I pass, so the gradient goes to
+    ``main_grad``, else it is added to ``weight.grad`` (created when absent)."""
+    if getattr(weight, "main_grad", None) is not None:
+        accumulate_wgrad(weight.main_grad, grad_output, input, backend=backend)
+        return
+    accumulator = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+    accumulate_wgrad(accumulator, grad_output, input, backend=backend)
+    if weight.grad is None:
+        weight.grad = accumulator.to(weight.dtype)
+    else:
+        weight.grad.add_(accumulator.to(weight.dtype))
 
 
 # ----------------------------------------------------------------------------- the linear op

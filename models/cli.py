@@ -22,13 +22,15 @@ import sys
 
 import torch
 
-from .config import (ACTIVATIONS, CATEGORIES, DERIVED, DTYPES, NORMALIZATIONS, POSITION_EMBEDDINGS,
-                     RECOMPUTE_GRANULARITIES, RECOMPUTE_METHODS, TransformerConfig, config_fields)
+from .config import (ACTIVATIONS, CATEGORIES, DERIVED, DTYPES, NORMALIZATIONS, PIPELINE_SCHEDULES,
+                     POSITION_EMBEDDINGS, RECOMPUTE_GRANULARITIES, RECOMPUTE_METHODS,
+                     TransformerConfig, config_fields)
 
 CHOICES = {
     "normalization": NORMALIZATIONS, "activation": ACTIVATIONS,
     "position_embedding_type": POSITION_EMBEDDINGS,
     "recompute_granularity": RECOMPUTE_GRANULARITIES, "recompute_method": RECOMPUTE_METHODS,
+    "pipeline_schedule": PIPELINE_SCHEDULES,
 }
 
 

@@ -31,6 +31,7 @@ CATEGORIES = ("model", "parallelism", "precision", "recompute")
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 ACTIVATIONS = ("gelu", "gelu_tanh", "swiglu")
 POSITION_EMBEDDINGS = ("learned_absolute", "rope")
+PIPELINE_SCHEDULES = ("1f1b", "interleaved", "zb-h1")
 RECOMPUTE_GRANULARITIES = ("full", "selective")
 RECOMPUTE_METHODS = ("uniform", "block")
 DERIVED = ("num_query_groups", "ffn_hidden_size", "max_position_embeddings",
@@ -90,6 +91,9 @@ class TransformerConfig:
     microbatch_group_size_per_vp_stage: int | None = _f(
         "parallelism", "interleaved schedule: micro-batches per chunk group (None: = pp)", None,
         flag="--microbatch-group-size-per-virtual-stage")
+    pipeline_schedule: str | None = _f(
+        "parallelism", "1f1b | interleaved | zb-h1 (zero bubble, weight gradients deferred); "
+        "default: interleaved when vpp > 1, else 1f1b", None)
     context_parallel_size: int = _f("parallelism", "context-parallel group size cp", 1)
     expert_model_parallel_size: int = _f("parallelism", "expert-parallel group size ep", 1)
     expert_tensor_parallel_size: int | None = _f(
@@ -247,6 +251,19 @@ class TransformerConfig:
                              f"pipeline_model_parallel_size={pp} (Megatron's interleaving)")
         stage_layer_counts(self.num_layers, pp, vpp or 1, self.decoder_first_pipeline_num_layers,
                            self.decoder_last_pipeline_num_layers)
+        self._validate_pipeline_schedule(pp, vpp)
+
+    def _validate_pipeline_schedule(self, pp, vpp):
+        schedule = self.pipeline_schedule
+        if schedule is None:
+            return
+        _require_choice(self, "pipeline_schedule", PIPELINE_SCHEDULES)
+        if pp == 1:
+            raise ValueError(f"pipeline_schedule={schedule!r} needs pipeline_model_parallel_size "
+                             "> 1 (got 1)")
+        if schedule != "interleaved" and vpp is not None:
+            raise ValueError(f"pipeline_schedule={schedule!r} runs one model chunk per rank, but "
+                             f"virtual_pipeline_model_parallel_size={vpp}")
 
     def _validate_precision(self):
         if self.bf16 and self.fp16:

@@ -10,8 +10,6 @@ _EXPORTS = {
     "build_no_pipelining_schedule": "schedules", "bubble_fraction_formula": "schedules",
     "build_zb_h1_schedule": "zero_bubble",
     "rank_plan": "plan", "RankPlan": "plan", "SCHEDULE_KINDS": "plan",
-    "WeightGradQueue": "weight_grad_store", "defer_weight_grad": "weight_grad_store",
-    "deferring_weight_grads": "weight_grad_store",
     "simulate": "simulate", "SimulationResult": "simulate",
     "get_forward_backward_func": "executor", "forward_backward_no_pipelining": "executor",
     "forward_backward_pipelining_without_interleaving": "executor",

@@ -36,7 +36,7 @@ from __future__ import annotations
 import torch
 
 from .p2p import PipelineP2P
-from .plan import rank_plan
+from .plan import SCHEDULE_KINDS, rank_plan
 from .schedules import build_no_pipelining_schedule, forward_only as forward_only_actions
 from .stage_actions import NO_TIMERS, StageRun, execute
 
@@ -49,16 +49,19 @@ def _default_state(state):
     return get_default_state()
 
 
-def get_forward_backward_func(state=None):
-    """The schedule for this layout: no pipelining (pp 1), 1F1B (vpp None or 1), interleaved.
+def get_forward_backward_func(state=None, pipeline_schedule: str | None = None):
+    """The schedule for this layout: no pipelining (pp 1), else ``pipeline_schedule`` ("1f1b",
+    "interleaved", "zb-h1"; default interleaved when vpp > 1, else 1F1B).
 
     ``state`` is a ParallelState (default: the default state) or a config with
-    ``pipeline_model_parallel_size`` / ``virtual_pipeline_model_parallel_size``. A state given
-    here is passed on to the returned function unless the call names another.
+    ``pipeline_model_parallel_size`` / ``virtual_pipeline_model_parallel_size`` (and optionally
+    ``pipeline_schedule``). A state given here is passed on to the returned function unless the
+    call names another.
     """
     if hasattr(state, "pipeline_model_parallel_size"):
         pp_size = state.pipeline_model_parallel_size
         vpp_size = state.virtual_pipeline_model_parallel_size
+        pipeline_schedule = pipeline_schedule or getattr(state, "pipeline_schedule", None)
         bound_state = None
     else:
         bound_state = _default_state(state)
@@ -66,11 +69,18 @@ def get_forward_backward_func(state=None):
     if pp_size == 1:
         if vpp_size not in (None, 1):
             raise ValueError(f"virtual pipeline size {vpp_size} needs pp > 1, got pp=1")
+        if pipeline_schedule is not None:
+            raise ValueError(f"pipeline_schedule={pipeline_schedule!r} needs pp > 1, got pp=1")
         chosen = forward_backward_no_pipelining
-    elif vpp_size is not None and vpp_size > 1:
-        chosen = forward_backward_pipelining_with_interleaving
     else:
-        chosen = forward_backward_pipelining_without_interleaving
+        chosen = _SCHEDULES.get(pipeline_schedule or ("interleaved" if (vpp_size or 1) > 1
+                                                      else "1f1b"))
+        if chosen is None:
+            raise ValueError(f"pipeline_schedule must be one of {SCHEDULE_KINDS}, got "
+                             f"{pipeline_schedule!r}")
+        if chosen is not forward_backward_pipelining_with_interleaving and (vpp_size or 1) > 1:
+            raise ValueError(f"pipeline_schedule={pipeline_schedule!r} runs one model chunk "
+                             f"per rank, but the virtual pipeline size is {vpp_size}")
     if bound_state is None:
         return chosen
 
@@ -221,3 +231,8 @@ def forward_backward_pipelining_zb_h1(
         raise ValueError(f"ZB-H1 runs one model chunk per rank, got {len(chunks)}")
     return _pipelined("zb-h1", forward_step_func, data_iterator, chunks, num_microbatches,
                       seq_length, micro_batch_size, forward_only, state, tensor_shape, timers)
+
+
+_SCHEDULES = {"1f1b": forward_backward_pipelining_without_interleaving,
+              "interleaved": forward_backward_pipelining_with_interleaving,
+              "zb-h1": forward_backward_pipelining_zb_h1}

@@ -9,7 +9,7 @@ names the index of the message it receives and of the one it sends in this rank'
 - **B** receives the output gradient (last stage: the loss itself), runs the autograd engine
   from the output and sends the input's gradient upstream.
 - **I** (zero-bubble) is B with the weight gradients of deferring layers queued
-  (:mod:`tpfuse.pipeline.weight_grad_store`); **W** runs that queue.
+  (:mod:`tpfuse.kernels.wgrad_deferral`); **W** runs that queue.
 
 Timers (``training.timers.Timers``, level 2): ``forward-compute`` / ``backward-compute`` /
 ``weight-grad-compute`` cover the compute of F / B or I / W; ``forward-recv`` /
@@ -24,7 +24,7 @@ import torch
 from torch.autograd.variable import Variable
 
 from .p2p import PipelineP2P
-from .weight_grad_store import WeightGradQueue, deferring_weight_grads
+from tpfuse.kernels.wgrad_deferral import WeightGradQueue, deferring_weight_grads
 
 
 class _NoTimers:

@@ -19,7 +19,7 @@ For m ≥ p and T_W ≤ min(T_F, T_I) (a W fits every wait) the makespan is
 
 ``tpfuse.pipeline.executor.forward_backward_pipelining_zb_h1`` runs it: I is the autograd backward
 with the weight-gradient GEMMs of deferring layers queued, W runs that queue
-(:mod:`tpfuse.pipeline.weight_grad_store`).
+(:mod:`tpfuse.kernels.wgrad_deferral`).
 """
 from __future__ import annotations
 

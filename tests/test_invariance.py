@@ -70,6 +70,7 @@ LAYOUTS = {
     "pp2-vpp2": (2, _parallel(pp=2, vpp_layers=2)),
     "pp4-vpp2": (4, _parallel(pp=4, vpp_layers=1)),
     "dp2": (2, _parallel()),
+    "tp2-pp2-zb-h1-sp": (4, _parallel(tp=2, pp=2, sp=True) + ["--pipeline-schedule", "zb-h1"]),
     "tp2-pp2-dp2-vpp2-sp": (8, _parallel(tp=2, pp=2, vpp_layers=2, sp=True)),
 }
 

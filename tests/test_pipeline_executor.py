@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from tpfuse.pipeline.weight_grad_store import defer_weight_grad
+from tpfuse.kernels.wgrad_deferral import defer_weight_grad
 from tpfuse.pipeline.executor import (
     forward_backward_pipelining_with_interleaving, forward_backward_pipelining_zb_h1,
     forward_backward_pipelining_without_interleaving, get_forward_backward_func)
@@ -301,7 +301,7 @@ def test_get_forward_backward_func_choice_from_config():
 
 
 def test_weight_grad_queue_defers_only_inside_an_open_pass():
-    from tpfuse.pipeline.weight_grad_store import WeightGradQueue, deferring_weight_grads
+    from tpfuse.kernels.wgrad_deferral import WeightGradQueue, deferring_weight_grads
 
     ran = []
     assert not defer_weight_grad(lambda: ran.append("now"))   # no I pass: caller computes

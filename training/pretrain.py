@@ -96,7 +96,7 @@ class _Run:
         self.scheduler = LRScheduler(self.optimizer, args.lr, args.min_lr, args.lr_warmup_iters,
                                      args.lr_decay_iters or args.train_iters,
                                      args.lr_decay_style)
-        self.forward_backward = get_forward_backward_func(self.state)
+        self.forward_backward = get_forward_backward_func(self.state, config.pipeline_schedule)
         self.calculator = MicrobatchCalculator(
             args.global_batch_size, args.micro_batch_size, self.state.dp_size,
             rampup_batch_size=args.rampup_batch_size)

@@ -1,9 +1,10 @@
-"""Weight-gradient GEMMs held back from a backward pass until the schedule's W action.
+"""Weight-gradient GEMMs held back from a backward pass until a pipeline schedule's W action.
 
 Zero-bubble schedules split a stage's backward into I (the gradient w.r.t. the stage input, which
 the previous stage waits for) and W (the weight gradients, which nobody waits for). The executor
 runs I as an ordinary autograd backward inside :func:`deferring_weight_grads`; while it is open,
-a layer's weight-gradient code calls :func:`defer_weight_grad` with a closure that computes and
+the weight-gradient helper of the TP linear layers (``kernels/wgrad.weight_grad``, also reached
+by the ring comm-GEMMs' backward) calls :func:`defer_weight_grad` with a closure that computes and
 accumulates the gradient, and the closure is queued instead of run. The W action later runs the
 queue of that I pass (:meth:`WeightGradQueue.run`), in the order the closures were queued.
 
@@ -54,6 +55,11 @@ def deferring_weight_grads(queue: WeightGradQueue):
         yield queue
     finally:
         _open_queue = None
+
+
+def weight_grads_deferred() -> bool:
+    """True inside an I pass (weight gradients asked for now will be queued)."""
+    return _open_queue is not None
 
 
 def defer_weight_grad(closure) -> bool:
