@@ -26,6 +26,7 @@ import os
 
 from tpfuse.models.cli import add_config_arguments, config_from_args
 from tpfuse.training import presets
+from tpfuse.training.timers import add_timing_arguments
 from tpfuse.training.precision_args import (add_precision_and_ddp_arguments,
                                             validate_precision_and_ddp_args)
 
@@ -179,6 +180,7 @@ def build_parser(prog: str = "tpfuse.pretrain_gpt") -> argparse.ArgumentParser:
                                      allow_abbrev=False)
     add_config_arguments(parser)
     add_training_arguments(parser)
+    add_timing_arguments(parser)
     return parser
 
 

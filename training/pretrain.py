@@ -38,6 +38,7 @@ from tpfuse.training.initialize import (check_layout, device_for_backend,
 from tpfuse.training.logging_utils import TrainingLogger
 from tpfuse.training.observability import RunMonitor
 from tpfuse.training.scheduler import LRScheduler
+from tpfuse.training.timers import Timers
 from tpfuse.training.train_step import (NonFinitePolicy, build_buffers_and_optimizer,
                                         loss_nonfinite, loss_scaled)
 
@@ -97,6 +98,7 @@ class _Run:
                                      args.lr_decay_iters or args.train_iters,
                                      args.lr_decay_style)
         self.forward_backward = get_forward_backward_func(self.state, config.pipeline_schedule)
+        self.timers = Timers(args.timing_log_level, args.timing_log_option, self.device)
         self.calculator = MicrobatchCalculator(
             args.global_batch_size, args.micro_batch_size, self.state.dp_size,
             rampup_batch_size=args.rampup_batch_size)
@@ -148,14 +150,21 @@ class _Run:
         num_microbatches = self.calculator.num_microbatches
         self.ddp.zero_grad_buffer()
         self.ddp.begin_step(num_microbatches)
+        timers = self.timers
+        timers("forward-backward", 1).start(barrier=self.args.barrier_with_L1_time)
         loss_dicts = self.forward_backward(
             forward_step_func=loss_scaled(self.forward_step, self.optimizer),
             data_iterator=iterators, model=self.model,
             num_microbatches=num_microbatches, seq_length=self.config.seq_length,
-            micro_batch_size=self.args.micro_batch_size, forward_only=False, state=self.state)
-        self.ddp.finish_grad_sync()
-        allreduce_embedding_grads(self.model, self.state)
-        result = self.optimizer.step(loss_nonfinite(loss_dicts, self.device))
+            micro_batch_size=self.args.micro_batch_size, forward_only=False, state=self.state,
+            timers=timers if timers.log_level >= 2 else None)
+        timers("forward-backward", 1).stop()
+        with timers("all-grads-sync", 1):
+            self.ddp.finish_grad_sync()
+        with timers("embedding-grads-all-reduce", 1):
+            allreduce_embedding_grads(self.model, self.state)
+        with timers("optimizer", 1):
+            result = self.optimizer.step(loss_nonfinite(loss_dicts, self.device))
         if result.success:
             self.scheduler.step()
         return self._mean_loss(loss_dicts), result
@@ -222,12 +231,17 @@ class _Run:
                           **monitor.measure(batch, elapsed)}
                 if self.optimizer.grad_scaler is not None:
                     record["loss_scale"] = self.optimizer.loss_scale
+                timing = self.timers.step_summary(self.device)   # every rank (a gather)
+                if timing:
+                    record["timers_ms"] = timing
                 if self.is_logger:
                     result.iterations.append(self.iteration)
                     result.train_losses.append(loss)
                     result.grad_norms.append(grad_norm)
                 logger.iteration(self.iteration, record,
                                  log_now=self.iteration % args.log_interval == 0)
+                if timing and self.iteration % args.log_interval == 0:
+                    logger.print(self.timers.interval_text())
                 if args.eval_interval and self.iteration % args.eval_interval == 0:
                     self._evaluate_and_log(logger, result)
                 result.exit_reason = checkpointing.after_iteration(self)
