@@ -189,6 +189,7 @@ def test_schedule_choice_and_trainer_flags():
         executor.forward_backward_pipelining_with_interleaving
     argv = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",
             "--seq-length", "8", "--vocab-size", "61", "--mock-data",
+            "--micro-batch-size", "1", "--lr", "1e-3", "--train-iters", "2",
             "--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-h1"]
     config, _ = parse_args(argv)
     assert config.pipeline_schedule == "zb-h1"
