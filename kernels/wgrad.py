@@ -35,9 +35,9 @@ import triton.language as tl
 
 from . import backend as _backend
 from .comm_gemm_common import validate_linear
-from .wgrad_deferral import defer_weight_grad
 from .matmul import (PATHS, activation_grad_torch, activation_grad_triton, as_matrix,
                      matmul_torch_forward, matmul_triton_forward)
+from .wgrad_deferral import defer_weight_grad
 
 CPU_META = {"BLOCK_N": 16, "BLOCK_K": 32, "BLOCK_M": 32}
 
