@@ -14,10 +14,16 @@ transposed operation, so that ``y = f(x)`` and ``dx = fᵀ(dy)``:
                                                                     (split s if the output grad
                                                                      is not tensor-parallel)
     reduce_scatter_to_sequence_parallel_region  forward: reduce-scatter s  backward: all-gather s
+    all_gather_last_dim_region              forward: all-gather h   backward: reduce-scatter h
+    reduce_scatter_last_dim_region          forward: reduce-scatter h  backward: all-gather h
+    all_to_all_region                       forward: all-to-all rows  backward: the reverse
 
-Every one takes its process group explicitly and is the identity at group size 1 (or when
-``torch.distributed`` is not initialised). A dim that does not divide by the group size raises
-``ValueError`` before any collective is entered.
+Every one takes its process group explicitly (``None`` is torch's world group) and is the
+identity at group size 1 (or when ``torch.distributed`` is not initialised). A dim that does not
+divide by the group size raises ``ValueError`` before any collective is entered. Megatron's names,
+argument order and default group (the default ParallelState's TP group) are in
+``tpfuse.megatron_compat.tensor_parallel.mappings``; ``default_tensor_parallel_group(group)``
+resolves that default.
 
 The plain (non-autograd) collectives ``all_gather_first_dim`` / ``reduce_scatter_first_dim`` are
 public too: the fused comm+GEMM kernels use them for their unfused fallback.
@@ -269,6 +275,10 @@ def gather_from_sequence_parallel_region(x, group, tensor_parallel_output_grad=T
     """forward: all-gather the sequence dim 0, backward: reduce-scatter it (split it if
     ``tensor_parallel_output_grad=False``, i.e. the output's grad is the same on every rank).
     ``(s/tp, b, h) -> (s, b, h)``."""
+    if isinstance(group, bool):
+        raise TypeError("gather_from_sequence_parallel_region(x, group, tensor_parallel_output_grad)"
+                        f": got the bool {group} as group; Megatron's argument order (x, "
+                        "tensor_parallel_output_grad, group) is tpfuse.megatron_compat's")
     if group_size(group) == 1:
         return x
     return _GatherFromSequenceParallelRegion.apply(x, group, bool(tensor_parallel_output_grad))
@@ -281,3 +291,106 @@ def reduce_scatter_to_sequence_parallel_region(x, group):
         return x
     check_divisible(x, 0, group_size(group), "reduce_scatter_to_sequence_parallel_region")
     return _ReduceScatterToSequenceParallelRegion.apply(x, group)
+
+
+# ----------------------------------------------------------------------------- hidden-dim pair, all-to-all
+
+def _reduce_scatter_last_dim(x: torch.Tensor, group) -> torch.Tensor:
+    """Sum over the ranks and keep this rank's slice of the last dim: (..., h) -> (..., h/tp)."""
+    size = group_size(group)
+    if size == 1:
+        return x
+    check_divisible(x, -1, size, "reduce_scatter_last_dim")
+    stacked = torch.stack(x.chunk(size, dim=-1))                     # (tp, ..., h/tp)
+    return reduce_scatter_first_dim(stacked, group)[0]               # (..., h/tp)
+
+
+def _all_to_all(x: torch.Tensor, group, output_split_sizes, input_split_sizes):
+    if group_size(group) == 1:
+        return x
+    x = x.detach().contiguous()
+    rows = x.shape[0] if output_split_sizes is None else sum(output_split_sizes)
+    out = torch.empty((rows,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+    dist.all_to_all_single(out, x, output_split_sizes=output_split_sizes,
+                           input_split_sizes=input_split_sizes, group=group)
+    return out
+
+
+class _AllGatherLastDim(torch.autograd.Function):
+    """forward: all-gather the last dim; backward: reduce-scatter it (the output's grads differ
+    per rank, unlike gather_from_region's)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _all_gather_last_dim(x, group)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return _reduce_scatter_last_dim(dy, ctx.group), None
+
+
+class _ReduceScatterLastDim(torch.autograd.Function):
+    """forward: reduce-scatter the last dim; backward: all-gather it."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _reduce_scatter_last_dim(x, group)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return _all_gather_last_dim(dy, ctx.group), None
+
+
+class _AllToAll(torch.autograd.Function):
+    """forward: all-to-all along dim 0 (rows split by ``input_split_sizes``, received rows by
+    ``output_split_sizes``; equal parts when None); backward: the reverse all-to-all."""
+
+    @staticmethod
+    def forward(ctx, x, group, output_split_sizes, input_split_sizes):
+        ctx.group, ctx.splits = group, (output_split_sizes, input_split_sizes)
+        return _all_to_all(x, group, output_split_sizes, input_split_sizes)
+
+    @staticmethod
+    def backward(ctx, dy):
+        output_split_sizes, input_split_sizes = ctx.splits
+        dx = _all_to_all(dy, ctx.group, input_split_sizes, output_split_sizes)
+        return dx, None, None, None
+
+
+def all_gather_last_dim_region(x, group):
+    """forward: all-gather the hidden (last) dim, backward: reduce-scatter it.
+    ``(s, b, h/tp) -> (s, b, h)``."""
+    return x if group_size(group) == 1 else _AllGatherLastDim.apply(x, group)
+
+
+def reduce_scatter_last_dim_region(x, group):
+    """forward: reduce-scatter the hidden (last) dim, backward: all-gather it.
+    ``(s, b, h) -> (s, b, h/tp)``."""
+    if group_size(group) == 1:
+        return x
+    check_divisible(x, -1, group_size(group), "reduce_scatter_last_dim_region")
+    return _ReduceScatterLastDim.apply(x, group)
+
+
+def all_to_all_region(x, group, output_split_sizes=None, input_split_sizes=None):
+    """forward: all-to-all of dim-0 rows, backward: the reverse all-to-all. Equal splits need
+    dim 0 divisible by the group size."""
+    if group_size(group) == 1:
+        return x
+    if input_split_sizes is None:
+        check_divisible(x, 0, group_size(group), "all_to_all_region")
+    return _AllToAll.apply(x, group, output_split_sizes, input_split_sizes)
+
+
+def default_tensor_parallel_group(group=None):
+    """``group``, else the default ParallelState's TP group (Megatron's default when a mapping
+    is called without a group); None in a plain process without torch.distributed."""
+    if group is not None:
+        return group
+    from tpfuse.parallel.state import get_default_state, has_default_state
+
+    if not has_default_state() and not (dist.is_available() and dist.is_initialized()):
+        return None
+    return get_default_state().tp_group

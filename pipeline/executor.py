@@ -16,7 +16,8 @@
   chunk), ``[]`` on every other rank. ``forward_only`` runs only the forwards.
 - Activations/gradients exchanged between stages have ``tensor_shape`` or, by default,
   ``(seq_length / (tp if sequence_parallel) / cp, micro_batch_size, hidden_size)`` from
-  ``model[0].config`` in ``config.params_dtype`` (fp32 when absent).
+  ``model[0].config`` in ``config.pipeline_dtype`` (Megatron's field), else
+  ``config.params_dtype`` (fp32 when absent).
 - After its activation is sent, a chunk output's storage is freed (``.data`` replaced by a
   1-element tensor; ``grad_fn`` survives). Its backward then calls the autograd engine directly
   with the received gradient, as Megatron's ``custom_backward`` does: ``torch.autograd.backward``
@@ -123,7 +124,8 @@ def _unwrap_config(chunk):
 def _recv_tensor_spec(chunks, seq_length, micro_batch_size, state, tensor_shape):
     """(shape, dtype, device) of the activations and gradients sent between stages."""
     config = _unwrap_config(chunks[0])
-    dtype = getattr(config, "params_dtype", None) or torch.float32
+    dtype = (getattr(config, "pipeline_dtype", None) or getattr(config, "params_dtype", None)
+             or torch.float32)
     parameter = next(iter(chunks[0].parameters()), None)
     device = parameter.device if parameter is not None else torch.device("cpu")
     if tensor_shape is not None:

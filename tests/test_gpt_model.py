@@ -181,7 +181,8 @@ def test_full_recompute_reproduces_gradients_with_dropout(method, num):
                                    recompute_num_layers=num)):
         config = make_config(hidden_dropout=0.2, attention_dropout=0.2, **recompute)
         model = GPTModel(config)
-        model_parallel_seed(3)                  # same dropout masks in both runs
+        torch.manual_seed(3)                    # same dropout masks in both runs: the default
+        model_parallel_seed(3)                  # generator and the tracker's streams
         model(ids, positions, labels=labels).mean().backward()
         results.append({n: p.grad for n, p in model.named_parameters()})
     for name, grad in results[0].items():

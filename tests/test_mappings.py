@@ -76,6 +76,23 @@ def _check_all(group, ranks):
     assert torch.equal(dx, _cat(lambda q: dys(q, (rows, B, H)), range(tp), 0)), \
         "reduce_scatter_to_sequence_parallel_region backward"
 
+    y, dx = _grad_of(lambda t: M.all_gather_last_dim_region(t, group), xs(r, (S, B, cols)),
+                     dys(r))
+    assert torch.equal(y, _cat(lambda q: xs(q, (S, B, cols)), range(tp), -1)), \
+        "all_gather_last_dim_region forward"
+    assert torch.equal(dx, total(dys)[..., hid]), "all_gather_last_dim_region backward"
+
+    y, dx = _grad_of(lambda t: M.reduce_scatter_last_dim_region(t, group), xs(r),
+                     dys(r, (S, B, cols)))
+    assert torch.equal(y, total(xs)[..., hid]), "reduce_scatter_last_dim_region forward"
+    assert torch.equal(dx, _cat(lambda q: dys(q, (S, B, cols)), range(tp), -1)), \
+        "reduce_scatter_last_dim_region backward"
+
+    # all-to-all: rank r receives block r of every rank's rows, in rank order
+    y, dx = _grad_of(lambda t: M.all_to_all_region(t, group), xs(r), dys(r))
+    assert torch.equal(y, _cat(lambda q: xs(q)[seq], range(tp), 0)), "all_to_all_region forward"
+    assert torch.equal(dx, _cat(lambda q: dys(q)[seq], range(tp), 0)), "all_to_all_region backward"
+
 
 def _check_value_errors(group):
     tp = M.group_size(group)
@@ -85,6 +102,8 @@ def _check_value_errors(group):
         (M.scatter_to_sequence_parallel_region, "sequence dim 0 of size 13"),
         (M.reduce_scatter_to_sequence_parallel_region, "sequence dim 0 of size 13"),
         (M.reduce_scatter_first_dim, "sequence dim 0 of size 13"),
+        (M.reduce_scatter_last_dim_region, "dim -1 of size 9"),
+        (M.all_to_all_region, "sequence dim 0 of size 13"),
     ]
     for fn, message in calls:
         with pytest.raises(ValueError, match=message + r".*group size " + str(tp)):
@@ -121,8 +140,12 @@ def test_mappings_are_identity_at_group_size_one(run_distributed):
     for fn in (M.copy_to_region, M.reduce_from_region, M.scatter_to_region,
                M.gather_from_region, M.scatter_to_sequence_parallel_region,
                M.gather_from_sequence_parallel_region,
-               M.reduce_scatter_to_sequence_parallel_region):
+               M.reduce_scatter_to_sequence_parallel_region, M.all_gather_last_dim_region,
+               M.reduce_scatter_last_dim_region, M.all_to_all_region):
         assert fn(x, None) is x, fn.__name__     # no process group in this process: size 1
+    assert M.default_tensor_parallel_group() is None       # no default state, no processes
+    with pytest.raises(TypeError, match="tensor_parallel_output_grad"):
+        M.gather_from_sequence_parallel_region(x, False)   # Megatron's order, native function
 
 
 def test_unknown_reduce_scatter_strategy_is_rejected():

@@ -1,7 +1,8 @@
 """The model-parallel RNG tracker and where each dropout draws its randomness.
 
-Rules (tp_layers/random.py): the default generator is seeded with ``seed`` on every rank, the
-tracker stream with ``seed + 2718 + tp_rank``. Dropout on replicated activations (hidden dropout
+Rules (tp_layers/random.py): the caller seeds the default generator (``torch.manual_seed``;
+``model_parallel_seed`` leaves it alone), the tracker's model-parallel stream is
+``seed + 2718 + tp_rank``. Dropout on replicated activations (hidden dropout
 without sequence parallelism) draws from the default generator, so its masks agree over TP ranks;
 attention dropout (this rank's heads) and hidden dropout under sequence parallelism (this rank's
 tokens) draw from the tracker stream, so masks differ over TP ranks. Expected values are computed
@@ -22,11 +23,17 @@ def _stream(seed, n_draws, size=5):
     return [torch.rand(size, generator=gen) for _ in range(n_draws)]
 
 
+def _seed_all(seed, state):
+    torch.manual_seed(seed)
+    model_parallel_seed(seed, state)
+
+
 def _stream_values():
     for tp, state in tp_layouts((2, 4)):
-        model_parallel_seed(1234, state)
+        torch.manual_seed(99)
+        model_parallel_seed(1234, state)          # must not re-seed the default generator
         tracked = _stream(1234 + 2718 + state.tp_rank, 2)
-        default = _stream(1234, 2)
+        default = _stream(99, 2)
         assert torch.equal(torch.rand(5), default[0])
         with get_rng_tracker().fork():
             first = torch.rand(5)
@@ -50,7 +57,7 @@ def _probe_layer(state, sp):
 
 
 def _masks(layer, state, sp, seed):
-    model_parallel_seed(seed, state)
+    _seed_all(seed, state)
     x = seeded_randn(1, S, B, H)
     x = torch.chunk(x, state.tp_size)[state.tp_rank] if sp else x
     with torch.no_grad():
@@ -91,7 +98,7 @@ def _attention_dropout_placement():
         x = seeded_randn(1, S, B, H)
         with torch.no_grad():
             reference = layer.eval()(x)
-            model_parallel_seed(11, state)
+            _seed_all(11, state)
             out = layer.train()(x)
         default_untouched, tracker_untouched = _streams_untouched(state, 11)
         assert default_untouched and not tracker_untouched, "attention dropout must use the fork"
@@ -125,3 +132,36 @@ def test_tracker_errors_and_state_round_trip():
     with tracker.fork():
         assert torch.equal(torch.rand(4), first)
     assert torch.equal(first, _stream(5, 1, size=4)[0])
+
+
+def test_megatron_streams_and_state_format():
+    """Megatron's three streams and seeds; states are {name: uint8 generator state}; the default
+    generator is not touched; a state dict in Megatron's format restores the streams."""
+    torch.manual_seed(5)
+    expected_default = torch.rand(3)
+    torch.manual_seed(5)
+    model_parallel_seed(100)                  # single process: tp, ep, etp ranks 0
+    assert torch.equal(torch.rand(3), expected_default), "model_parallel_seed re-seeded torch"
+    tracker = get_rng_tracker()
+    seeds = {"data-parallel-rng": 100, "model-parallel-rng": 100 + 2718,
+             "expert-parallel-rng": 100 + 1024}
+    states = tracker.get_states()
+    assert sorted(states) == sorted(seeds) and tracker.is_initialized()
+    for name, seed in seeds.items():
+        assert states[name].dtype == torch.uint8
+        with tracker.fork(name):
+            assert torch.equal(torch.rand(4), _stream(seed, 1, size=4)[0]), name
+    # a checkpoint's {name: state} (Megatron's rng_tracker_states) restores every stream
+    fresh = RNGStatesTracker()
+    fresh.set_states(states)
+    for name, seed in seeds.items():
+        with fresh.fork(name):
+            assert torch.equal(torch.rand(4), _stream(seed, 1, size=4)[0]), name
+    with pytest.raises(ValueError, match="uint8"):
+        fresh.set_states({"model-parallel-rng": [1, 2]})
+    if not torch.cuda.is_available():
+        philox = torch.zeros(16, dtype=torch.uint8)            # a CUDA generator's state
+        with pytest.raises(ValueError, match="CUDA"):
+            tracker.set_states({**tracker.get_states(), "model-parallel-rng": philox})
+    with pytest.raises(ValueError, match="seed 100 already exists"):
+        tracker.add("another-rng", 100)

@@ -21,7 +21,8 @@ class TPGroup:
     rank: int
 
 
-def resolve_tp_group(group=None, state=None) -> TPGroup:
+def resolve_tp_group(group=None, state=None, expert: bool = False) -> TPGroup:
+    """``expert=True`` takes the state's expert tensor-parallel group (Megatron's ``is_expert``)."""
     if group is not None and state is not None:
         raise ValueError("pass either group= or state=, not both")
     if group is not None:
@@ -30,6 +31,8 @@ def resolve_tp_group(group=None, state=None) -> TPGroup:
         state = _default_state_or_none()
         if state is None:
             return TPGroup(None, 1, 0)
+    if expert:
+        return TPGroup(state.etp_group, state.etp_size, state.etp_rank)
     return TPGroup(state.tp_group, state.tp_size, state.tp_rank)
 
 

@@ -1,21 +1,28 @@
 """The model-parallel RNG tracker: which random stream a dropout draws from.
 
-Two streams exist on every rank:
+Megatron-core's tracker, by name and state format (``CudaRNGStatesTracker``,
+``get_cuda_rng_tracker``; ``get_states()`` → ``{stream name: generator state ByteTensor}``, so a
+Megatron checkpoint's ``rng_tracker_states`` can be restored with ``set_states``). Three streams
+are seeded by ``model_parallel_seed(seed)`` (Megatron's ``model_parallel_cuda_manual_seed``):
 
-- torch's *default* generator, seeded with ``seed`` — the same on every TP rank of a
-  data-parallel replica. Dropout on *replicated* activations (the hidden states between layers
-  without sequence parallelism) draws here, so every TP rank drops the same elements and the
-  replicas stay identical.
-- the tracker's ``"model-parallel-rng"`` stream, seeded with ``seed + 2718 + tp_rank`` — different
-  on every TP rank. Dropout on *partitioned* activations (attention probabilities of this rank's
-  heads, or the sequence chunk under sequence parallelism) draws here inside
-  ``get_rng_tracker().fork()``, so different heads / tokens get independent masks.
+- ``"data-parallel-rng"``: ``seed`` — the same on every rank of a model replica;
+- ``"model-parallel-rng"``: ``seed + 2718 + tp_rank`` — different on every TP rank. Dropout on
+  *partitioned* activations (attention probabilities of this rank's heads, the sequence chunk
+  under sequence parallelism) draws here inside ``get_rng_tracker().fork()``, so different heads
+  / tokens get independent masks;
+- ``"expert-parallel-rng"``: ``seed + 1024 + 100·ep_rank + etp_rank`` — per expert shard.
 
-``fork()`` swaps the stream into torch's default CPU generator (and the current CUDA device's
-generator when CUDA is initialised), so anything that draws from the default generator inside the
-block — ``torch.nn.functional.dropout``, or the seed ``kernels.bias_dropout_add`` takes from the CPU
-generator — uses the tracked stream; on exit the tracked state is saved and the default restored.
-Everything is reproducible from ``seed``.
+Torch's default generators are never re-seeded here: seed them yourself (``torch.manual_seed``;
+the trainer does). Dropout on *replicated* activations (between layers without sequence
+parallelism) draws from the default generator, so every TP rank that seeded it alike drops the
+same elements.
+
+``fork(name)`` swaps the stream into torch's default CPU generator (and the current CUDA device's
+generator once CUDA is initialised), so anything that draws from the default generator inside the
+block — ``torch.nn.functional.dropout``, or the seed ``kernels.bias_dropout_add`` takes from the
+CPU generator — uses the tracked stream; on exit the stream's state is saved and the previous
+state restored. A stream's state in ``get_states()`` is its CUDA generator state when it has one
+(Megatron's format) plus its CPU state under ``"<name>/cpu"``, else its CPU generator state.
 """
 from __future__ import annotations
 
@@ -26,83 +33,144 @@ import torch
 from ._group import resolve_tp_group
 
 MODEL_PARALLEL_RNG = "model-parallel-rng"
+DATA_PARALLEL_RNG = "data-parallel-rng"
+EXPERT_PARALLEL_RNG = "expert-parallel-rng"
 TP_SEED_OFFSET = 2718
+EXPERT_SEED_OFFSET = 1024
+CPU_SUFFIX = "/cpu"
+_CPU_STATE_NUMEL = torch.get_rng_state().numel()
 
 
 def _cuda_in_use() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_initialized()
 
 
-class RNGStatesTracker:
+class CudaRNGStatesTracker:
     """Named generator streams (CPU, and CUDA once in use) that ``fork`` swaps in and out."""
 
     def __init__(self):
-        self._states: dict[str, dict] = {}   # name -> {"seed", "cpu", "cuda" (None until used)}
+        self.reset()
 
     def reset(self) -> None:
-        self._states = {}
+        self._is_initialized = False
+        self.seeds_: dict[str, int] = {}
+        self.cpu_states_: dict[str, torch.Tensor] = {}
+        self.cuda_states_: dict[str, torch.Tensor] = {}
 
-    def is_initialized(self, name: str = MODEL_PARALLEL_RNG) -> bool:
-        return name in self._states
+    def is_initialized(self, name: str | None = None) -> bool:
+        """Megatron's form (no name): were streams added or set; with a name: does it exist."""
+        return self._is_initialized if name is None else name in self.cpu_states_
 
     def add(self, name: str, seed: int) -> None:
-        if name in self._states:
+        if name in self.cpu_states_:
             raise ValueError(f"RNG state {name!r} already exists; reset() the tracker first")
-        self._states[name] = {"seed": seed, "cpu": torch.Generator().manual_seed(seed).get_state(),
-                              "cuda": None}
+        if seed in self.seeds_.values():
+            raise ValueError(f"seed {seed} already exists (each stream needs its own seed)")
+        self._is_initialized = True
+        self.seeds_[name] = seed
+        self.cpu_states_[name] = torch.Generator().manual_seed(seed).get_state()
+        if _cuda_in_use():
+            self.cuda_states_[name] = self._fresh_cuda_state(seed)
+
+    @staticmethod
+    def _fresh_cuda_state(seed: int) -> torch.Tensor:
+        gen = torch.Generator(device=f"cuda:{torch.cuda.current_device()}")
+        return gen.manual_seed(seed).get_state()
 
     def get_states(self) -> dict:
-        """A copy of every tracked stream (for checkpoints)."""
-        return {name: _copy_state(st) for name, st in self._states.items()}
+        """A copy of every stream in Megatron's format (see the module docstring)."""
+        states = {}
+        for name, cpu in self.cpu_states_.items():
+            if name in self.cuda_states_:
+                states[name] = self.cuda_states_[name].clone()
+                states[name + CPU_SUFFIX] = cpu.clone()
+            else:
+                states[name] = cpu.clone()
+        return states
 
     def set_states(self, states: dict) -> None:
-        self._states = {name: _copy_state(st) for name, st in states.items()}
+        """Restore streams from ``get_states()`` — tpfuse's or a Megatron checkpoint's."""
+        cpu, cuda = {}, {}
+        for name, value in states.items():
+            if not isinstance(value, torch.Tensor) or value.dtype != torch.uint8:
+                raise ValueError(f"RNG state {name!r} must be a uint8 generator state tensor, "
+                                 f"got {type(value).__name__}")
+            if name.endswith(CPU_SUFFIX):
+                cpu[name[:-len(CPU_SUFFIX)]] = value.clone()
+            elif value.numel() == _CPU_STATE_NUMEL:
+                cpu[name] = value.clone()
+            else:
+                cuda[name] = value.clone()
+        for name in cuda:
+            if name not in cpu:   # a Megatron checkpoint: no CPU side, keep the current one
+                if name not in self.cpu_states_:
+                    raise ValueError(f"RNG state {name!r} holds only a CUDA generator state; "
+                                     "seed the tracker (model_parallel_seed) before restoring it")
+                cpu[name] = self.cpu_states_[name]
+        if cuda and not torch.cuda.is_available():
+            raise ValueError(f"RNG states {sorted(cuda)} are CUDA generator states; this process "
+                             "has no CUDA device to restore them on")
+        self.cpu_states_, self.cuda_states_ = cpu, cuda
+        self._is_initialized = True
 
     @contextlib.contextmanager
     def fork(self, name: str = MODEL_PARALLEL_RNG):
         """Draw from the tracked stream ``name`` inside the block."""
-        if name not in self._states:
+        if name not in self.cpu_states_:
             raise RuntimeError(
                 f"RNG state {name!r} is not set: call tpfuse.tp_layers.random.model_parallel_seed"
                 "(seed) before running dropout inside tensor- or sequence-parallel regions")
-        stream = self._states[name]
         use_cuda = _cuda_in_use()
-        if use_cuda and stream["cuda"] is None:  # CUDA initialised after seeding: start it now
-            gen = torch.Generator(device=f"cuda:{torch.cuda.current_device()}")
-            stream["cuda"] = gen.manual_seed(stream["seed"]).get_state()
+        if use_cuda and name not in self.cuda_states_:   # CUDA initialised after seeding
+            if name not in self.seeds_:
+                raise RuntimeError(f"RNG state {name!r} was restored without a CUDA state and "
+                                   "its seed is unknown; call model_parallel_seed first")
+            self.cuda_states_[name] = self._fresh_cuda_state(self.seeds_[name])
         saved_cpu = torch.get_rng_state()
         saved_cuda = torch.cuda.get_rng_state() if use_cuda else None
-        torch.set_rng_state(stream["cpu"])
+        torch.set_rng_state(self.cpu_states_[name])
         if use_cuda:
-            torch.cuda.set_rng_state(stream["cuda"])
+            torch.cuda.set_rng_state(self.cuda_states_[name])
         try:
             yield
         finally:
-            stream["cpu"] = torch.get_rng_state()
+            self.cpu_states_[name] = torch.get_rng_state()
             torch.set_rng_state(saved_cpu)
             if use_cuda:
-                stream["cuda"] = torch.cuda.get_rng_state()
+                self.cuda_states_[name] = torch.cuda.get_rng_state()
                 torch.cuda.set_rng_state(saved_cuda)
 
 
-def _copy_state(stream: dict) -> dict:
-    return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in stream.items()}
+RNGStatesTracker = CudaRNGStatesTracker   # tpfuse's earlier name
+_TRACKER = CudaRNGStatesTracker()
 
 
-_TRACKER = RNGStatesTracker()
-
-
-def get_rng_tracker() -> RNGStatesTracker:
+def get_rng_tracker() -> CudaRNGStatesTracker:
     """The process-wide tracker (Megatron's ``get_cuda_rng_tracker``)."""
     return _TRACKER
 
 
-def model_parallel_seed(seed: int, state=None, group=None) -> None:
-    """Seed the default generator with ``seed`` and the TP stream with ``seed + 2718 + tp_rank``."""
+get_cuda_rng_tracker = get_rng_tracker
+
+
+def model_parallel_seed(seed: int, state=None, group=None, *, ep_rank: int | None = None,
+                        etp_rank: int | None = None) -> None:
+    """(Re)seed the tracker's three streams (module docstring); the default generators are left
+    untouched. Ranks come from ``state`` (default: the default ParallelState) or ``group`` (the
+    TP group; then ep_rank 0 and etp_rank = tp_rank unless given)."""
     tp = resolve_tp_group(group, state)
-    torch.manual_seed(seed)
+    if state is None and group is None:
+        from ._group import _default_state_or_none
+
+        state = _default_state_or_none()
+    if ep_rank is None:
+        ep_rank = state.ep_rank if state is not None else 0
+    if etp_rank is None:
+        etp_rank = state.etp_rank if state is not None else tp.rank
     _TRACKER.reset()
+    _TRACKER.add(DATA_PARALLEL_RNG, seed)
     _TRACKER.add(MODEL_PARALLEL_RNG, seed + TP_SEED_OFFSET + tp.rank)
+    _TRACKER.add(EXPERT_PARALLEL_RNG, seed + EXPERT_SEED_OFFSET + 100 * ep_rank + etp_rank)
 
 
 def partitioned_region_rng(partitioned: bool):

@@ -300,7 +300,8 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step,
     _GLOBALS.update(args=args, config=config)
     from tpfuse.tp_layers.random import model_parallel_seed
 
-    model_parallel_seed(config.seed)
+    torch.manual_seed(config.seed)          # the default generator: replicated-region dropout
+    model_parallel_seed(config.seed)        # the tracker's streams (it leaves the default alone)
     try:
         run = _Run(config, args, model_provider, forward_step,
                    train_valid_test_datasets_provider)
