@@ -1,0 +1,166 @@
+"""megatron-core 0.16's ``tensor_parallel.layers``: Megatron's constructor signatures and
+return conventions over tpfuse's layers.
+
+``ColumnParallelLinear(input_size, output_size, *, config, init_method, bias=True, ...)`` and
+``RowParallelLinear(input_size, output_size, *, config, init_method, bias, input_is_parallel,
+skip_bias_add, ...)`` always return ``(output, bias)`` (bias None unless ``skip_bias_add``);
+``VocabParallelEmbedding(num_embeddings, embedding_dim, *, init_method,
+reduce_scatter_embeddings=False, config, tp_group=None)`` returns the embeddings. Initialisation
+is Megatron's CPU path (the full master weight from the default generator, this rank's slice
+kept) whatever ``config.use_cpu_initialization`` says, so the weights do not depend on the layout.
+``keep_master_weight_for_test`` keeps that master as ``.master_weight``.
+"""
+from __future__ import annotations
+
+import torch
+
+from tpfuse.kernels.matmul import matmul
+from tpfuse.parallel import mappings as _m
+from tpfuse.parallel.mappings import default_tensor_parallel_group as _tp
+from tpfuse.tp_layers import embedding as _embedding
+from tpfuse.tp_layers import linear as _linear
+from tpfuse.tp_layers._group import TPGroup
+from tpfuse.tp_layers.init import draw_master_weight
+
+_TP_ATTRIBUTES = {"tensor_model_parallel": False, "partition_dim": -1, "partition_stride": 1}
+
+
+def _master_for(rows, cols, init_method, config, keep, skip):
+    """The master weight drawn as the native layer would (or zeros without a draw)."""
+    if skip or not getattr(config, "perform_initialization", True):
+        return torch.zeros(rows, cols, dtype=config.params_dtype)
+    if not keep:
+        return None
+    return draw_master_weight(rows, cols, init_method, config.params_dtype)
+
+
+class ColumnParallelLinear(_linear.ColumnParallelLinear):
+    def __init__(self, input_size, output_size, *, config, init_method, bias=True,
+                 gather_output=False, stride=1, keep_master_weight_for_test=False,
+                 skip_bias_add=False, skip_weight_param_allocation=False,
+                 embedding_activation_buffer=None, grad_output_buffer=None, is_expert=False,
+                 tp_comm_buffer_name=None, disable_grad_reduce=False, tp_group=None):
+        master = _master_for(output_size, input_size, init_method, config,
+                             keep_master_weight_for_test, skip_weight_param_allocation)
+        super().__init__(input_size, output_size, bias=bias, gather_output=gather_output,
+                         skip_bias_add=skip_bias_add, init_method=init_method, stride=stride,
+                         master_weight=master, config=config, is_expert=is_expert,
+                         tp_group=tp_group)
+        self.config, self.disable_grad_reduce = config, disable_grad_reduce
+        self.output_size_per_partition = output_size // self.tp.size
+        self.embedding_activation_buffer = embedding_activation_buffer
+        self.grad_output_buffer = grad_output_buffer
+        if keep_master_weight_for_test:
+            self.master_weight = master
+        if disable_grad_reduce:
+            if self.sequence_parallel or gather_output:
+                raise ValueError("disable_grad_reduce=True is supported without sequence "
+                                 "parallelism and gather_output only")
+            self.comm = TPGroup(None, 1, 0)          # no dgrad all-reduce (caller reduces)
+        if skip_weight_param_allocation:
+            self.register_parameter("weight", None)
+
+    def forward(self, input_, weight=None, runtime_gather_output=None):
+        """``(output, bias)``; ``weight`` replaces (or, without allocation, supplies) the
+        weight; ``runtime_gather_output`` overrides ``gather_output`` for this call."""
+        if weight is None and self.weight is None:
+            raise RuntimeError("weight was not supplied to ColumnParallelLinear forward pass "
+                               "and skip_weight_param_allocation is True")
+        gather = self.gather_output if runtime_gather_output is None else runtime_gather_output
+        saved, self.gather_output = self.gather_output, bool(gather)
+        try:
+            out = super().forward(input_, weight)
+        finally:
+            self.gather_output = saved
+        return out if self.skip_bias_add else (out, None)
+
+
+class RowParallelLinear(_linear.RowParallelLinear):
+    def __init__(self, input_size, output_size, *, config, init_method, bias, input_is_parallel,
+                 skip_bias_add, stride=1, keep_master_weight_for_test=False, is_expert=False,
+                 tp_comm_buffer_name=None, tp_group=None):
+        master = _master_for(output_size, input_size, init_method, config,
+                             keep_master_weight_for_test, False)
+        super().__init__(input_size, output_size, bias=bias,
+                         input_is_parallel=input_is_parallel, skip_bias_add=skip_bias_add,
+                         init_method=init_method, stride=stride, master_weight=master,
+                         config=config, is_expert=is_expert, tp_group=tp_group)
+        self.config = config
+        self.input_size_per_partition = input_size // self.tp.size
+        if keep_master_weight_for_test:
+            self.master_weight = master
+
+    def forward(self, input_):
+        """``(output, bias)``: the bias is added unless ``skip_bias_add`` (then returned)."""
+        out = super().forward(input_)
+        return out if self.skip_bias_add else (out, None)
+
+
+class VocabParallelEmbedding(_embedding.VocabParallelEmbedding):
+    def __init__(self, num_embeddings, embedding_dim, *, init_method,
+                 reduce_scatter_embeddings=False, config, tp_group=None):
+        super().__init__(num_embeddings, embedding_dim, init_method=init_method,
+                         reduce_scatter_embeddings=reduce_scatter_embeddings, config=config,
+                         tp_group=tp_group)
+        self.config, self.reduce_scatter_embeddings = config, reduce_scatter_embeddings
+        self.vocab_start_index = self.vocab_start
+        self.vocab_end_index = self.vocab_start + self.vocab_per_rank
+        self.num_embeddings_per_partition = self.vocab_per_rank
+        self.deterministic_mode = getattr(config, "deterministic_mode", False)
+
+
+# ----------------------------------------------------------------------------- functions
+def linear_with_grad_accumulation_and_async_allreduce(
+        input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel,
+        grad_output_buffer=None, wgrad_deferral_limit=0, async_grad_allreduce=None,
+        tp_group=None):
+    """``y = x Wᵀ + b`` with x all-gathered over the sequence first (``sequence_parallel``; its
+    grad reduce-scattered) or its grad all-reduced (``allreduce_dgrad``). The weight gradient
+    goes where tpfuse's linear layers put it (``main_grad`` when the trainer set one)."""
+    if grad_output_buffer is not None:
+        raise ValueError("grad_output_buffer (deferred embedding wgrad) is not supported")
+    if allreduce_dgrad and sequence_parallel:
+        raise ValueError("allreduce_dgrad and sequence_parallel cannot both be True")
+    group = _tp(tp_group)
+    if sequence_parallel:
+        input = _m.gather_from_sequence_parallel_region(input, group)
+    elif allreduce_dgrad:
+        input = _m.copy_to_region(input, group)
+    return matmul(input, weight.t(), bias)
+
+
+def linear_with_frozen_weight(input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad,
+                              sequence_parallel, tp_group, grad_output_buffer=None,
+                              wgrad_deferral_limit=None, async_grad_allreduce=None):
+    """The same forward and input gradient, with no weight gradient."""
+    return linear_with_grad_accumulation_and_async_allreduce(
+        input, weight.detach(), bias, False, allreduce_dgrad, sequence_parallel,
+        grad_output_buffer, tp_group=tp_group)
+
+
+def param_is_not_tensor_parallel_duplicate(param, tp_group=None):
+    """True for a sharded parameter, or on tensor-parallel rank 0 for a replicated one."""
+    if getattr(param, "tensor_model_parallel", False):
+        return True
+    return _m.group_rank(_tp(tp_group)) == 0
+
+
+def set_tensor_model_parallel_attributes(tensor, is_parallel, dim, stride):
+    for attribute in _TP_ATTRIBUTES:
+        if hasattr(tensor, attribute):
+            raise ValueError(f"tensor already has {attribute}={getattr(tensor, attribute)!r}")
+    tensor.tensor_model_parallel = is_parallel
+    tensor.partition_dim = dim
+    tensor.partition_stride = stride
+
+
+def set_defaults_if_not_set_tensor_model_parallel_attributes(tensor):
+    for attribute, default in _TP_ATTRIBUTES.items():
+        if not hasattr(tensor, attribute):
+            setattr(tensor, attribute, default)
+
+
+def copy_tensor_model_parallel_attributes(destination_tensor, source_tensor):
+    for attribute in _TP_ATTRIBUTES:
+        if hasattr(source_tensor, attribute):
+            setattr(destination_tensor, attribute, getattr(source_tensor, attribute))

@@ -1,0 +1,155 @@
+"""megatron-core 0.16's ``tensor_parallel.mappings``: Megatron's names, argument order and
+default group (the default ParallelState's tensor-parallel group when ``group`` is None), over
+``tpfuse.parallel.mappings``' autograd Functions.
+
+``output_split_sizes`` / ``input_split_sizes`` (uneven sequence splits, used by MoE token
+dispatch) are supported; ``use_global_buffer`` is accepted and only changes where Megatron
+allocates the result, never its value.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from tpfuse.parallel import mappings as _m
+from tpfuse.parallel.mappings import default_tensor_parallel_group as _tp
+
+__all__ = [
+    "copy_to_tensor_model_parallel_region", "reduce_from_tensor_model_parallel_region",
+    "scatter_to_tensor_model_parallel_region", "gather_from_tensor_model_parallel_region",
+    "scatter_to_sequence_parallel_region", "gather_from_sequence_parallel_region",
+    "reduce_scatter_to_sequence_parallel_region",
+    "all_gather_last_dim_from_tensor_parallel_region",
+    "reduce_scatter_last_dim_to_tensor_parallel_region", "all_to_all", "all_to_all_sp2hp",
+    "all_to_all_hp2sp",
+]
+
+
+def copy_to_tensor_model_parallel_region(input_, group=None):
+    """forward: identity, backward: all-reduce."""
+    return _m.copy_to_region(input_, _tp(group))
+
+
+def reduce_from_tensor_model_parallel_region(input_, group=None):
+    """forward: all-reduce, backward: identity."""
+    return _m.reduce_from_region(input_, _tp(group))
+
+
+def scatter_to_tensor_model_parallel_region(input_, group=None):
+    """forward: split the last dim, backward: all-gather it."""
+    return _m.scatter_to_region(input_, _tp(group))
+
+
+def gather_from_tensor_model_parallel_region(input_, group=None):
+    """forward: all-gather the last dim, backward: split it."""
+    return _m.gather_from_region(input_, _tp(group))
+
+
+def scatter_to_sequence_parallel_region(input_, group=None):
+    """forward: split dim 0, backward: all-gather it."""
+    return _m.scatter_to_sequence_parallel_region(input_, _tp(group))
+
+
+def gather_from_sequence_parallel_region(input_, tensor_parallel_output_grad=True, group=None,
+                                         output_split_sizes=None, use_global_buffer=False):
+    """forward: all-gather dim 0 (rank r contributes ``output_split_sizes[r]`` rows when given),
+    backward: reduce-scatter dim 0 (split it when ``tensor_parallel_output_grad`` is False)."""
+    group = _tp(group)
+    if output_split_sizes is None:
+        return _m.gather_from_sequence_parallel_region(input_, group, tensor_parallel_output_grad)
+    if not tensor_parallel_output_grad:
+        raise ValueError("output_split_sizes needs tensor_parallel_output_grad=True "
+                         "(as in Megatron)")
+    return _UnevenGather.apply(input_, group, list(output_split_sizes))
+
+
+def reduce_scatter_to_sequence_parallel_region(input_, group=None, input_split_sizes=None,
+                                               use_global_buffer=False):
+    """forward: reduce-scatter dim 0 (rank r keeps ``input_split_sizes[r]`` rows when given),
+    backward: all-gather dim 0."""
+    group = _tp(group)
+    if input_split_sizes is None:
+        return _m.reduce_scatter_to_sequence_parallel_region(input_, group)
+    return _UnevenReduceScatter.apply(input_, group, list(input_split_sizes))
+
+
+def all_gather_last_dim_from_tensor_parallel_region(input_, group=None):
+    """forward: all-gather the last dim, backward: reduce-scatter it."""
+    return _m.all_gather_last_dim_region(input_, _tp(group))
+
+
+def reduce_scatter_last_dim_to_tensor_parallel_region(input_, group=None):
+    """forward: reduce-scatter the last dim, backward: all-gather it."""
+    return _m.reduce_scatter_last_dim_region(input_, _tp(group))
+
+
+def all_to_all(group, input_, output_split_sizes_=None, input_split_sizes=None):
+    """All-to-all of dim-0 rows over ``group`` (required, as in Megatron); backward reverses it."""
+    if group is None:
+        raise ValueError("all_to_all: group must be given (Megatron's signature has no default)")
+    return _m.all_to_all_region(input_, group, output_split_sizes_, input_split_sizes)
+
+
+def all_to_all_sp2hp(input_, group=None):
+    """``[tokens/tp, h] -> [tokens, h/tp]``: each rank sends hidden slice j of its tokens to j."""
+    group = _tp(group)
+    size = _m.group_size(group)
+    flat = input_.reshape(-1, input_.shape[-1])                       # (n/tp, h)
+    _m.check_divisible(flat, -1, size, "all_to_all_sp2hp")
+    by_slice = torch.cat(flat.chunk(size, dim=-1), dim=0)            # (tp · n/tp, h/tp)
+    return _m.all_to_all_region(by_slice, group)                     # (n, h/tp)
+
+
+def all_to_all_hp2sp(input_, group=None):
+    """``[tokens, h/tp] -> [tokens/tp, h]``, the inverse of ``all_to_all_sp2hp``."""
+    group = _tp(group)
+    size = _m.group_size(group)
+    flat = input_.reshape(-1, input_.shape[-1])                       # (n, h/tp)
+    exchanged = _m.all_to_all_region(flat, group)                    # (tp · n/tp, h/tp)
+    return torch.cat(exchanged.chunk(size, dim=0), dim=-1)           # (n/tp, h)
+
+
+# ----------------------------------------------------------------------------- uneven splits
+def _gather_rows(x, group, sizes):
+    """Concatenate each rank's rows (rank r has ``sizes[r]``): pad to the largest, gather, trim."""
+    if _m.group_size(group) == 1:
+        return x
+    longest = max(sizes)
+    padded = x.new_zeros((longest,) + tuple(x.shape[1:]))
+    padded[:x.shape[0]] = x
+    gathered = _m.all_gather_first_dim(padded, group)               # (tp · longest, ...)
+    parts = gathered.split(longest)
+    return torch.cat([part[:n] for part, n in zip(parts, sizes)])
+
+
+def _reduce_scatter_rows(x, group, sizes):
+    """Sum over the ranks, keep this rank's ``sizes[rank]`` rows (offsets from ``sizes``)."""
+    if _m.group_size(group) == 1:
+        return x
+    total = x.detach().contiguous().clone()
+    dist.all_reduce(total, group=group)
+    rank = _m.group_rank(group)
+    start = sum(sizes[:rank])
+    return total[start:start + sizes[rank]].clone()
+
+
+class _UnevenGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, sizes):
+        ctx.group, ctx.sizes = group, sizes
+        return _gather_rows(x, group, sizes)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return _reduce_scatter_rows(dy, ctx.group, ctx.sizes), None, None
+
+
+class _UnevenReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, sizes):
+        ctx.group, ctx.sizes = group, sizes
+        return _reduce_scatter_rows(x, group, sizes)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return _gather_rows(dy, ctx.group, ctx.sizes), None, None

@@ -1,0 +1,16 @@
+"""The helpers of megatron-core 0.16's ``utils`` that model and training code commonly import."""
+from .pipeline_parallel.schedules import get_model_config  # noqa: F401
+from .tensor_parallel.utils import divide  # noqa: F401
+from .transformer.transformer_config import (init_method_normal,  # noqa: F401
+                                             scaled_init_method_normal)
+
+
+def get_attr_wrapped_model(model, attr, allow_none=True, return_model_obj=False):
+    """``attr`` of ``model`` or of the module it wraps (``.module`` chain)."""
+    if isinstance(model, list):
+        raise ValueError("get_attr_wrapped_model takes one model chunk, not a list")
+    while not hasattr(model, attr) and hasattr(model, "module"):
+        model = model.module
+    if not hasattr(model, attr) or (not allow_none and getattr(model, attr) is None):
+        raise RuntimeError(f"couldn't find attribute {attr!r} on the model")
+    return model if return_model_obj else getattr(model, attr)
