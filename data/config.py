@@ -126,6 +126,9 @@ class GPTDatasetConfig:
     # MockGPTDataset's synthetic corpus: this many documents of 1..max length tokens (from the seed)
     mock_num_documents: int = 4096
     mock_max_document_length: int = 1024
+    # Megatron's: samples of sequence_length + 1 tokens (labels = the next token of each); False:
+    # windows of sequence_length tokens, the last label a pad (-100) with loss_mask 0
+    add_extra_token_to_sequence: bool = True
     blend_pairs: list = field(init=False, repr=False, default=None)
     blend_per_split_pairs: list = field(init=False, repr=False, default=None)
 
@@ -139,7 +142,8 @@ class GPTDatasetConfig:
         if not isinstance(self.sequence_length, int) or isinstance(self.sequence_length, bool) \
                 or self.sequence_length < 1:
             raise ValueError(f"sequence_length must be a positive int, got {self.sequence_length!r}")
-        for name in ("reset_position_ids", "reset_attention_mask", "eod_mask_loss", "mock"):
+        for name in ("reset_position_ids", "reset_attention_mask", "eod_mask_loss", "mock",
+                     "add_extra_token_to_sequence"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         for name in ("vocab_size", "eod"):

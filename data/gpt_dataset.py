@@ -123,14 +123,16 @@ class GPTDataset(torch.utils.data.Dataset):
             "num_samples": self.num_samples,
             "random_seed": self.config.random_seed,
             "sequence_length": self.config.sequence_length,
+            "add_extra_token_to_sequence": self.config.add_extra_token_to_sequence,
         }
 
     def _expected_shapes(self) -> dict:
         lengths = self.dataset.sequence_lengths.astype(np.int64)
         tokens = int(lengths[self.indexed_indices].sum())
-        s = self.config.sequence_length
-        epochs = 1 if self.num_samples is None else num_epochs_needed(tokens, self.num_samples, s)
-        n = total_samples(tokens, epochs, s)
+        s, extra = self.config.sequence_length, int(self.config.add_extra_token_to_sequence)
+        epochs = 1 if self.num_samples is None else num_epochs_needed(tokens, self.num_samples, s,
+                                                                      extra)
+        n = total_samples(tokens, epochs, s, extra)
         return {"document_index": (epochs * self.indexed_indices.size,), "sample_index": (n + 1, 2),
                 "shuffle_index": (n,)}
 
@@ -142,7 +144,8 @@ class GPTDataset(torch.utils.data.Dataset):
 
     def _build_indices(self):
         return build_gpt_indices(self.dataset.sequence_lengths, self.indexed_indices,
-                                 self.config.sequence_length, self.num_samples, self.config.random_seed)
+                                 self.config.sequence_length, self.num_samples, self.config.random_seed,
+                                 int(self.config.add_extra_token_to_sequence))
 
     def _load_or_build_indices(self):
         paths = self.cache_paths()
@@ -200,7 +203,9 @@ class GPTDataset(torch.utils.data.Dataset):
         return int(self.shuffle_index.size)
 
     def get_text(self, idx: int) -> np.ndarray:
-        """The ``s + 1`` token ids of sample ``idx`` (after the shuffle)."""
+        """The ``s + 1`` token ids of sample ``idx`` (after the shuffle; ``s`` without
+        ``add_extra_token_to_sequence``: the last sample-index entry then locates its last token,
+        the others the first token of the next window, which is dropped)."""
         if not 0 <= idx < len(self):
             raise IndexError(f"sample {idx} out of range [0, {len(self)})")
         sample = int(self.shuffle_index[idx])
@@ -216,8 +221,11 @@ class GPTDataset(torch.utils.data.Dataset):
 
     def __getitem__(self, idx: int) -> dict:
         c = self.config
-        fields = sample_fields(self.get_text(idx), c.tokenizer.eod, c.reset_position_ids,
-                               c.reset_attention_mask, c.eod_mask_loss)
+        text = self.get_text(idx)
+        if not c.add_extra_token_to_sequence and text.size > c.sequence_length:
+            text = text[:c.sequence_length]
+        fields = sample_fields(text, c.tokenizer.eod, c.reset_position_ids,
+                               c.reset_attention_mask, c.eod_mask_loss, c.add_extra_token_to_sequence)
         return {name: torch.from_numpy(value) for name, value in fields.items()}
 
     def __repr__(self):

@@ -20,6 +20,18 @@ down to zero micro-batches is a ValueError before training starts.
 from __future__ import annotations
 
 
+def _integral(value):
+    """Megatron's ``int(...)`` of a ramp-up entry (a CLI string, a numpy int), refusing a
+    fraction; anything else is returned unchanged for the checks to name."""
+    if isinstance(value, (str, float)) or (hasattr(value, "__index__")
+                                           and not isinstance(value, bool)):
+        number = float(value)
+        if number != int(number):
+            raise ValueError(f"{value!r} is not an integer")
+        return int(number)
+    return value
+
+
 def _positive_int(name: str, value) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
@@ -57,10 +69,11 @@ class MicrobatchCalculator:
 
     def _set_rampup(self, rampup) -> None:
         try:
-            start, increment, samples = rampup
+            start, increment, samples = (_integral(v) for v in rampup)
         except (TypeError, ValueError):
-            raise ValueError(f"rampup_batch_size must be [start, increment, samples], "
-                             f"got {rampup!r}") from None
+            raise ValueError(f"rampup_batch_size must be [start, increment, samples] (integers, "
+                             f"or their strings as Megatron's CLI passes them), got "
+                             f"{rampup!r}") from None
         _positive_int("rampup_batch_size start", start)
         _positive_int("rampup_batch_size increment", increment)
         if isinstance(samples, bool) or not isinstance(samples, int) or samples < 0:

@@ -323,3 +323,48 @@ def _compat_body():
 
 def test_tensor_parallel_api_against_native_on_four_ranks(run_distributed):
     assert run_distributed(4, _compat_body) == [True] * 4
+
+
+# ----------------------------------------------------------------------------- datasets (6)
+def test_gpt_dataset_config_fields_mock_and_attention_mask():
+    from tpfuse.data.indices import build_gpt_indices
+    from tpfuse.data.tokenizer import NullTokenizer
+    from tpfuse.megatron_compat.datasets.gpt_dataset import (BlendedMegatronDatasetBuilder,
+                                                            GPTDatasetConfig, MockGPTDataset)
+
+    fields = [f for f in dataclasses.fields(GPTDatasetConfig) if f.init]
+    assert len(fields) == 27
+    flags = dict(reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False)
+    config = GPTDatasetConfig(random_seed=5, sequence_length=8, tokenizer=NullTokenizer(50),
+                              **flags)
+    assert config.mock and config.split == "1,1,1"              # derived from the missing blend
+    assert config.create_attention_mask and config.add_extra_token_to_sequence
+    assert config.split_matrix == [(0.0, 1 / 3), (1 / 3, 2 / 3), (2 / 3, 1.0)]
+    with pytest.raises(ValueError, match="reset_position_ids"):
+        GPTDatasetConfig(random_seed=5, sequence_length=8, tokenizer=NullTokenizer(50))
+    blended = GPTDatasetConfig(random_seed=5, sequence_length=8, tokenizer=NullTokenizer(50),
+                               blend=(["a", "b"], [0.3, 0.7]), split="98,2,0", **flags)
+    assert blended.native.blend_pairs == [("a", 0.3), ("b", 0.7)] and not blended.mock
+    train, _, _ = BlendedMegatronDatasetBuilder(MockGPTDataset, [6, 0, 0], lambda: True,
+                                                config).build()
+    sample = train[0]
+    causal_masked = ~torch.tril(torch.ones(8, 8, dtype=torch.bool))
+    assert torch.equal(sample["attention_mask"][0], causal_masked)
+    assert torch.equal(sample["tokens"][1:], sample["labels"][:-1])
+    # add_extra_token_to_sequence=False: windows of s tokens, the last label a masked pad
+    short = GPTDatasetConfig(random_seed=5, sequence_length=8, tokenizer=NullTokenizer(50),
+                             add_extra_token_to_sequence=False, **flags)
+    train, _, _ = BlendedMegatronDatasetBuilder(MockGPTDataset, [6, 0, 0], lambda: True,
+                                                short).build()
+    sample = train[0]
+    assert torch.equal(sample["tokens"][1:], sample["labels"][:-1])
+    assert sample["labels"][-1] == -100 and sample["loss_mask"][-1] == 0
+    assert sample["loss_mask"][:-1].all()
+    # 6 tokens, s = 3: (6 - 1) // 3 = 1 sample with the extra token, 6 // 3 = 2 without
+    assert build_gpt_indices([4, 2], [0, 1], 3, None, 0)[2].size == 1
+    documents, sample_index, shuffle = build_gpt_indices([4, 2], [0, 1], 3, None, 0,
+                                                         extra_tokens=0)
+    # seed 0 orders the documents [1, 0]: stream = doc 1 (2 tokens), doc 0 (4 tokens); windows
+    # start at 0 and 3, and the last entry locates the stream's last token (position 5)
+    assert documents.tolist() == [1, 0] and shuffle.size == 2
+    assert sample_index.tolist() == [[0, 0], [1, 1], [1, 3]]

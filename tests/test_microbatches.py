@@ -73,6 +73,17 @@ def test_rampup_start_equal_to_global_is_constant():
         assert _state(calc) == (16, 16, 4)
 
 
+def test_rampup_accepts_megatrons_cli_strings_and_integral_numbers():
+    # Megatron's --rampup-batch-size arrives as strings and is int()-ed; fractions are refused
+    for rampup in (["8", "8", "48"], [8.0, 8, 48], ["8", 8, "48"]):
+        calc = MicrobatchCalculator(32, 2, 2, rampup_batch_size=rampup)
+        assert calc.rampup_batch_size == [8, 8, 48]
+        calc.update(16)
+        assert calc.current_global_batch_size == 16
+    with pytest.raises(ValueError, match="rampup_batch_size"):
+        MicrobatchCalculator(32, 2, 2, rampup_batch_size=["8", "8.5", "48"])
+
+
 def test_reachable_batch_sizes():
     calc = MicrobatchCalculator(32, 1, 2, rampup_batch_size=[8, 8, 300])
     assert calc.reachable_global_batch_sizes() == [8, 16, 24, 32]
