@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from tpfuse.kernels.matmul import matmul
+from tpfuse.kernels.wgrad import linear_with_grad_accumulation
 from tpfuse.parallel import mappings as _m
 from tpfuse.parallel.mappings import default_tensor_parallel_group as _tp
 from tpfuse.tp_layers import embedding as _embedding
@@ -116,7 +117,8 @@ def linear_with_grad_accumulation_and_async_allreduce(
         tp_group=None):
     """``y = x Wᵀ + b`` with x all-gathered over the sequence first (``sequence_parallel``; its
     grad reduce-scattered) or its grad all-reduced (``allreduce_dgrad``). The weight gradient
-    goes where tpfuse's linear layers put it (``main_grad`` when the trainer set one)."""
+    goes where tpfuse's linear layers put it: accumulated in fp32 into ``weight.main_grad`` when
+    the trainer set one (Megatron's gradient-accumulation fusion), else ``weight.grad``."""
     if grad_output_buffer is not None:
         raise ValueError("grad_output_buffer (deferred embedding wgrad) is not supported")
     if allreduce_dgrad and sequence_parallel:
@@ -126,7 +128,9 @@ def linear_with_grad_accumulation_and_async_allreduce(
         input = _m.gather_from_sequence_parallel_region(input, group)
     elif allreduce_dgrad:
         input = _m.copy_to_region(input, group)
-    return matmul(input, weight.t(), bias)
+    if not weight.requires_grad:
+        return matmul(input, weight.t(), bias)
+    return linear_with_grad_accumulation(input, weight, bias)
 
 
 def linear_with_frozen_weight(input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad,
