@@ -17,10 +17,16 @@ for the one copy the layer still makes). Besides these: per layer norm the fp32 
 so the gathered SP input (sbh, not sbh/t) may no longer be kept for the weight gradient: the
 fused backward re-gathers it in the dgrad ring.
 """
-import pytest
-import torch
+import os
+import sys
 
-S, B, H, HEADS, FFN = 16, 2, 128, 8, 512      # d = 16 (the flash path), ≥ 2 heads per rank; FFN = 4H
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+
+from activation_memory import measure, paper_bytes  # noqa: E402
+
+S, B, H, HEADS = 16, 2, 128, 8      # d = 16 (the flash path), ≥ 2 heads per rank; FFN = 4H as in the paper
 # tp_layers/attention.py turns the attention's [b, h, s, d] output into the projection's (s, b, h·d)
 # input with a reshape copy, so the attention backward and the projection GEMM keep one tensor
 # each instead of sharing one: sbh/t elements above the paper. An attention output written in the
@@ -28,51 +34,15 @@ S, B, H, HEADS, FFN = 16, 2, 128, 8, 512      # d = 16 (the flash path), ≥ 2 h
 ATTENTION_OUTPUT_LAYOUT_COPIES = 1
 
 
-def _saved_bytes(layer, x):
-    params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
-    storages = {}
-
-    def pack(t):
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in params:
-            storages[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = layer(x)
-    out.sum().backward()                    # the saved tensors were all usable
-    return sum(storages.values())
-
-
-def _expected_bytes(tp, sequence_parallel):
-    sbh = S * B * H
-    elements = 16 * sbh / tp if sequence_parallel else 4 * sbh + 12 * sbh / tp
-    elements += ATTENTION_OUTPUT_LAYOUT_COPIES * sbh / tp
-    stats_rows = S * B / (tp if sequence_parallel else 1)
-    elements += 2 * 2 * stats_rows + B * (HEADS // tp) * S        # norm mean/rstd, attention lse
-    return 4 * elements
-
-
 def _measure(tp, sequence_parallel):
-    from tpfuse.parallel.state import ParallelState
-    from tpfuse.tp_layers import TransformerLayer
-
-    state = ParallelState.initialize(tp=tp) if tp > 1 else None
-    torch.manual_seed(0)
-    layer = TransformerLayer(H, HEADS, FFN, sequence_parallel=sequence_parallel, state=state)
-    rows = S // tp if sequence_parallel else S
-    x = torch.randn(rows, B, H, requires_grad=True)
-    try:
-        return _saved_bytes(layer, x)
-    finally:
-        if state is not None:
-            state.destroy()
+    return measure(tp, sequence_parallel, S, B, H, HEADS)
 
 
 @pytest.mark.parametrize("tp,sequence_parallel", [(1, False), (2, False), (2, True), (4, False), (4, True)])
 def test_saved_activation_bytes_per_layer_follow_the_paper(tp, sequence_parallel, run_distributed):
     measured = [_measure(1, False)] if tp == 1 else run_distributed(tp, _measure, tp, sequence_parallel)
-    expected = _expected_bytes(tp, sequence_parallel)
+    expected = paper_bytes(S, B, H, HEADS, tp, sequence_parallel, element_size=4,
+                           layout_copies=ATTENTION_OUTPUT_LAYOUT_COPIES)
     assert measured == [expected] * tp, (measured, expected)
 
 
