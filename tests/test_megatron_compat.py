@@ -368,3 +368,17 @@ def test_gpt_dataset_config_fields_mock_and_attention_mask():
     # start at 0 and 3, and the last entry locates the stream's last token (position 5)
     assert documents.tolist() == [1, 0] and shuffle.size == 2
     assert sample_index.tolist() == [[0, 0], [1, 1], [1, 3]]
+
+
+def test_linear_with_grad_accumulation_accumulates_into_main_grad():
+    """Megatron's gradient-accumulation fusion: with ``weight.main_grad`` set, the weight
+    gradient of each call is added to it (fp32), matching x^T·dy summed over two calls."""
+    torch.manual_seed(1)
+    w = torch.randn(5, 3, requires_grad=True)
+    w.main_grad = torch.zeros(5, 3)
+    xs = [torch.randn(4, 3) for _ in range(2)]
+    for x in xs:
+        tensor_parallel.linear_with_grad_accumulation_and_async_allreduce(
+            x, w, None, True, False, False).sum().backward()
+    expected = sum(torch.ones(4, 5).t() @ x for x in xs)
+    torch.testing.assert_close(w.main_grad, expected)
