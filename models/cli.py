@@ -24,13 +24,13 @@ import torch
 
 from .config import (ACTIVATIONS, CATEGORIES, DERIVED, DTYPES, NORMALIZATIONS, PIPELINE_SCHEDULES,
                      POSITION_EMBEDDINGS, RECOMPUTE_GRANULARITIES, RECOMPUTE_METHODS,
-                     TransformerConfig, config_fields)
+                     RECOMPUTE_MODULES, TransformerConfig, config_fields)
 
 CHOICES = {
     "normalization": NORMALIZATIONS, "activation": ACTIVATIONS,
     "position_embedding_type": POSITION_EMBEDDINGS,
     "recompute_granularity": RECOMPUTE_GRANULARITIES, "recompute_method": RECOMPUTE_METHODS,
-    "pipeline_schedule": PIPELINE_SCHEDULES,
+    "pipeline_schedule": PIPELINE_SCHEDULES, "recompute_modules": RECOMPUTE_MODULES,
 }
 
 
@@ -77,6 +77,11 @@ def add_config_arguments(parser):
                 group.add_argument(f.metadata["negative_flag"], dest=f.name, action="store_false",
                                    default=default, help=f"same as --no-{dashed(f.name)[2:]}")
             continue
+        if kind.startswith("list["):                 # several values: --flag A B
+            group.add_argument(*option_strings(f), dest=f.name, default=default, help=help_text,
+                               nargs="+", type=TYPES[kind[5:-1]], choices=CHOICES.get(f.name),
+                               metavar=kind[5:-1].upper())
+            continue
         group.add_argument(*option_strings(f), dest=f.name, default=default, help=help_text,
                            type=TYPES[kind], choices=CHOICES.get(f.name),
                            metavar=kind.upper().replace("TORCH.", ""))
@@ -113,6 +118,8 @@ def config_to_argv(config):
             argv.append(dashed(f.name) if value else "--no-" + dashed(f.name)[2:])
         elif isinstance(value, torch.dtype):
             argv += [dashed(f.name), _dtype_name(value)]
+        elif isinstance(value, (list, tuple)):
+            argv += [dashed(f.name), *map(str, value)]
         else:
             argv += [dashed(f.name), str(value)]
     return argv

@@ -34,8 +34,10 @@ POSITION_EMBEDDINGS = ("learned_absolute", "rope")
 PIPELINE_SCHEDULES = ("1f1b", "interleaved", "zb-h1")
 RECOMPUTE_GRANULARITIES = ("full", "selective")
 RECOMPUTE_METHODS = ("uniform", "block")
+RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp")
+MEGATRON_ONLY_RECOMPUTE_MODULES = ("moe_act", "mla_up_proj", "moe", "shared_experts")
 DERIVED = ("num_query_groups", "ffn_hidden_size", "max_position_embeddings",
-           "virtual_pipeline_model_parallel_size", "params_dtype")
+           "virtual_pipeline_model_parallel_size", "params_dtype", "recompute_modules")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -113,11 +115,18 @@ class TransformerConfig:
 
     # ---- recompute ---------------------------------------------------------------------------
     recompute_granularity: str | None = _f(
-        "recompute", "activation recompute: full (selective is rejected)", None)
+        "recompute", "activation recompute: full (whole layers) | selective (recompute_modules)",
+        None, aliases={"--recompute-activations": "selective"})
     recompute_method: str | None = _f(
         "recompute", "full recompute: uniform (groups of N layers) | block (first N layers)", None)
     recompute_num_layers: int | None = _f(
         "recompute", "layers per recompute group (uniform) or recomputed per chunk (block)", None)
+    recompute_modules: list[str] | None = _f(
+        "recompute", "selective recompute: core_attn (default) | layernorm | mlp, several allowed",
+        None)
+    distribute_saved_activations: bool = _f(
+        "recompute", "full recompute under TP without SP: keep each recomputed input 1/tp per "
+        "rank", False)
 
     def __post_init__(self):
         self._derive_defaults()
@@ -151,6 +160,8 @@ class TransformerConfig:
                                  torch.float16 if self.fp16 else torch.float32)
         elif isinstance(self.params_dtype, str):
             self.params_dtype = _parse_dtype("params_dtype", self.params_dtype)
+        if self.recompute_granularity == "selective" and self.recompute_modules is None:
+            self.recompute_modules = ["core_attn"]          # Megatron's default
         if self.tensor_model_parallel_size == 1 and self.sequence_parallel:
             warnings.warn("sequence_parallel=True with tensor_model_parallel_size=1: disabled, "
                           "as Megatron does (no TP group to shard over)")
@@ -276,19 +287,53 @@ class TransformerConfig:
                 raise ValueError(f"{flag}=True but params_dtype={self.params_dtype}")
 
     def _validate_recompute(self):
+        """Megatron's rules (transformer_config / arguments): full needs a method and a layer
+        count; selective takes modules (default core_attn) and no layer count;
+        distribute_saved_activations needs full recompute, tp > 1 and no sequence parallelism."""
         granularity, method = self.recompute_granularity, self.recompute_method
         if granularity is None:
-            if method is not None or self.recompute_num_layers is not None:
-                raise ValueError(f"recompute_method={method} / recompute_num_layers="
-                                 f"{self.recompute_num_layers} need recompute_granularity='full'")
-            return
-        _require_choice(self, "recompute_granularity", RECOMPUTE_GRANULARITIES)
+            for name in ("recompute_method", "recompute_num_layers", "recompute_modules"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"{name}={getattr(self, name)} needs "
+                                     "recompute_granularity='full' or 'selective'")
+        else:
+            _require_choice(self, "recompute_granularity", RECOMPUTE_GRANULARITIES)
+        if granularity == "full":
+            _require_choice(self, "recompute_method", RECOMPUTE_METHODS)
+            if self.recompute_num_layers is None:
+                raise ValueError("recompute_granularity='full' needs recompute_num_layers")
+            if self.recompute_modules is not None:
+                raise ValueError(f"recompute_modules={self.recompute_modules} applies to "
+                                 "recompute_granularity='selective', not 'full'")
         if granularity == "selective":
-            raise ValueError("recompute_granularity='selective' is not supported by tpfuse "
-                             "(the attention core is a fused kernel); use 'full'")
-        _require_choice(self, "recompute_method", RECOMPUTE_METHODS)
-        if self.recompute_num_layers is None:
-            raise ValueError("recompute_granularity='full' needs recompute_num_layers")
+            self._validate_selective_recompute()
+        self._validate_distributed_recompute()
+
+    def _validate_selective_recompute(self):
+        for name in ("recompute_method", "recompute_num_layers"):
+            if getattr(self, name) is not None:
+                raise ValueError(f"{name}={getattr(self, name)} must be None with "
+                                 "recompute_granularity='selective' (it applies to 'full')")
+        for module in self.recompute_modules:
+            if module in MEGATRON_ONLY_RECOMPUTE_MODULES:
+                raise ValueError(f"recompute_modules: {module!r} recomputes MoE / MLA parts, "
+                                 f"which this model does not have; use {RECOMPUTE_MODULES}")
+            if module not in RECOMPUTE_MODULES:
+                raise ValueError(f"recompute_modules: {module!r} must be one of "
+                                 f"{list(RECOMPUTE_MODULES)}")
+
+    def _validate_distributed_recompute(self):
+        if not self.distribute_saved_activations:
+            return
+        if self.tensor_model_parallel_size <= 1:
+            raise ValueError("distribute_saved_activations needs tensor_model_parallel_size > 1 "
+                             "(the activations are split across the TP group)")
+        if self.recompute_granularity != "full":
+            raise ValueError("distribute_saved_activations needs recompute_granularity='full', "
+                             f"got {self.recompute_granularity!r}")
+        if self.sequence_parallel:
+            raise ValueError("distribute_saved_activations must be False with "
+                             "sequence_parallel=True (the input is already split over TP)")
 
 
 def _parse_dtype(name, text):

@@ -44,7 +44,7 @@ from torch import nn
 
 from tpfuse.tp_layers import (ColumnParallelLinear, Norm, TransformerLayer,
                               vocab_parallel_cross_entropy)
-from tpfuse.tp_layers.rope import default_position_ids
+from tpfuse.tp_layers.rope import default_position_ids, rotary_cos_sin
 
 from .embedding import GPTEmbedding, draw_position_master, draw_vocab_master, draw_word_master
 from .layer_assignment import layers_for
@@ -150,7 +150,10 @@ class GPTModel(nn.Module):
                 sequence_parallel=c.sequence_parallel, init_method_std=c.init_method_std,
                 # Megatron's scaled init of the residual-branch output projections
                 output_layer_init_std=c.init_method_std / math.sqrt(2.0 * c.num_layers),
-                params_dtype=c.params_dtype, state=self.state)
+                params_dtype=c.params_dtype,
+                recompute_modules=(tuple(c.recompute_modules)
+                                   if c.recompute_granularity == "selective" else ()),
+                state=self.state)
 
     def _build_output(self, word_master):
         c = self.config
@@ -219,11 +222,14 @@ class GPTModel(nn.Module):
                                "before forward")
         else:
             hidden = self.input_tensor                                # (s[/tp], b, h)
+        rotary = self._rotary_tables(hidden, position_ids)            # once for all layers
         if inference_context is None:
-            hidden = run_layers(self.layers, hidden, position_ids, self.config, self.training)
+            hidden = run_layers(self.layers, hidden, position_ids, self.config, self.training,
+                                rotary_pos_emb=rotary)
         else:
             for layer in self.layers:                                 # KV cache: no recompute
-                hidden = layer(hidden, position_ids, inference_context=inference_context)
+                hidden = layer(hidden, position_ids, inference_context=inference_context,
+                               rotary_pos_emb=rotary)
         if not self.post_process:
             return hidden
         if inference_context is not None and inference_context.materialize_only_last_token_logits:
@@ -235,6 +241,19 @@ class GPTModel(nn.Module):
                                             vocab_size=self.config.vocab_size,
                                             state=self.state)         # (s, b) fp32
         return loss.transpose(0, 1).contiguous()                      # (b, s)
+
+
+    def _rotary_tables(self, hidden, position_ids):
+        """The rope ``(cos, sin)`` tables ``(b, 1, s, d)`` of this forward over the full sequence
+        (None without rope, or without layers)."""
+        c = self.config
+        if c.position_embedding_type != "rope" or not len(self.layers):
+            return None
+        if position_ids is None:
+            tp = c.tensor_model_parallel_size if c.sequence_parallel else 1
+            position_ids = default_position_ids(hidden.shape[1], hidden.shape[0] * tp,
+                                                hidden.device)
+        return rotary_cos_sin(position_ids, c.kv_channels, c.rotary_base)
 
 
 def allreduce_embedding_grads(model_chunks, state=None):

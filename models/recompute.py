@@ -1,60 +1,53 @@
-"""Full activation recompute of transformer layers (Megatron's ``--recompute-granularity full``).
+"""Activation recomputation over a chunk's layers (Megatron's ``--recompute-granularity full``).
 
-``recompute_method="uniform"``: the chunk's layers are cut into groups of ``recompute_num_layers``
-consecutive layers; each group keeps only its input and is re-run during backward.
-``recompute_method="block"``: the first ``recompute_num_layers`` layers of the chunk are each
-recomputed; the rest keep their activations.
+``run_layers`` applies a chunk's layers; with full recompute (training, gradients enabled):
+``recompute_method="uniform"`` cuts them into groups of ``recompute_num_layers`` consecutive
+layers, each group keeping only its input and re-run in backward; ``"block"`` recomputes each of
+the first ``recompute_num_layers`` layers of the chunk and keeps the others' activations. With
+``distribute_saved_activations`` (tp > 1, no sequence parallelism) each kept input is stored
+1/tp per TP rank and all-gathered in backward. The mechanism (random state replayed, the
+model-parallel RNG tracker included) is ``tpfuse.tp_layers.checkpointing.checkpoint``.
 
-Recomputation must reproduce the forward's dropout masks. ``torch.utils.checkpoint`` restores the
-default generator; the model-parallel RNG tracker's streams (attention dropout, dropout under
-sequence parallelism) are restored here: the tracker states at the first forward are replayed
-during the recomputation and the post-forward states are put back afterwards.
+Selective recompute (``recompute_granularity="selective"``, ``recompute_modules``) lives in the
+layers: ``TransformerLayer(recompute_modules=...)``.
 """
 from __future__ import annotations
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
-from tpfuse.tp_layers.random import get_rng_tracker
+from tpfuse.tp_layers.checkpointing import checkpoint
 
 
-def _run(layers, hidden, position_ids):
+def _run(layers, hidden, position_ids, rotary_pos_emb):
     for layer in layers:
-        hidden = layer(hidden, position_ids)
+        hidden = layer(hidden, position_ids, rotary_pos_emb=rotary_pos_emb)
     return hidden
 
 
-def _checkpointed(layers, hidden, position_ids):
-    tracker = get_rng_tracker()
-    states_at_forward = tracker.get_states()
-    calls = []
-
-    def body(h):
-        if not calls:                              # the real forward
-            calls.append(1)
-            return _run(layers, h, position_ids)
-        states_after = tracker.get_states()        # the recomputation in backward
-        tracker.set_states(states_at_forward)
-        try:
-            return _run(layers, h, position_ids)
-        finally:
-            tracker.set_states(states_after)
-
-    return checkpoint(body, hidden, use_reentrant=False, preserve_rng_state=True)
+def _distribute_group(config, layers):
+    if not getattr(config, "distribute_saved_activations", False):
+        return None
+    return layers[0].tp.group
 
 
-def run_layers(layers, hidden, position_ids, config, training):
-    """Apply ``layers`` in order, recomputing as the config says (only when grads are needed)."""
+def run_layers(layers, hidden, position_ids, config, training, rotary_pos_emb=None):
+    """Apply ``layers`` in order, with full recompute as the config says (only when gradients
+    are needed)."""
     if config.recompute_granularity != "full" or not training or not torch.is_grad_enabled():
-        return _run(layers, hidden, position_ids)
-    n = config.recompute_num_layers
+        return _run(layers, hidden, position_ids, rotary_pos_emb)
+    n, group = config.recompute_num_layers, _distribute_group(config, layers)
+
+    def group_of(chunk):
+        return lambda h: _run(chunk, h, position_ids, rotary_pos_emb)
+
     if config.recompute_method == "uniform":
         for start in range(0, len(layers), n):
-            hidden = _checkpointed(layers[start:start + n], hidden, position_ids)
+            hidden = checkpoint(group_of(layers[start:start + n]), hidden,
+                                distribute_group=group)
         return hidden
     for index, layer in enumerate(layers):        # "block"
         if index < n:
-            hidden = _checkpointed([layer], hidden, position_ids)
+            hidden = checkpoint(group_of([layer]), hidden, distribute_group=group)
         else:
-            hidden = layer(hidden, position_ids)
+            hidden = layer(hidden, position_ids, rotary_pos_emb=rotary_pos_emb)
     return hidden

@@ -71,6 +71,11 @@ LAYOUTS = {
     "pp4-vpp2": (4, _parallel(pp=4, vpp_layers=1)),
     "dp2": (2, _parallel()),
     "tp2-pp2-zb-h1-sp": (4, _parallel(tp=2, pp=2, sp=True) + ["--pipeline-schedule", "zb-h1"]),
+    "tp2-full-recompute-distributed": (2, _parallel(tp=2) + [
+        "--recompute-granularity", "full", "--recompute-method", "uniform",
+        "--recompute-num-layers", "2", "--distribute-saved-activations"]),
+    "pp2-selective-recompute-sp": (4, _parallel(tp=2, pp=2, sp=True) + [
+        "--recompute-activations", "--recompute-modules", "core_attn", "layernorm", "mlp"]),
     "tp2-pp2-dp2-vpp2-sp": (8, _parallel(tp=2, pp=2, vpp_layers=2, sp=True)),
 }
 

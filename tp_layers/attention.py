@@ -25,6 +25,11 @@ key, query i sitting at position ``offset + i`` (causal across the whole cache) 
 of its own document (the context's document ids mask left padding): flash_attention with
 ``q_offset`` and document ids. Prefill is the step with offset 0; each decode step is one more
 query row (s_q = 1 over offset + 1 cached keys).
+
+``rotary_pos_emb``: the ``(cos, sin)`` tables of the model forward (computed once for all
+layers); None: computed here from ``position_ids``. ``recompute_core_attention`` (selective
+recompute ``core_attn``): rotary + attention run under ``checkpointing.checkpoint``, keeping only
+q/k/v (views of the QKV output) and re-running in backward.
 """
 from __future__ import annotations
 
@@ -36,6 +41,7 @@ from torch import nn
 
 from . import _deps
 from ._group import resolve_tp_group
+from .checkpointing import checkpoint
 from .init import normal_init
 from .linear import ColumnParallelLinear, RowParallelLinear
 from .random import get_rng_tracker
@@ -67,9 +73,11 @@ class ParallelAttention(nn.Module):
                  attention_dropout: float = 0.0, position_embedding_type: str = "learned_absolute",
                  rotary_base: float = 10000, sequence_parallel: bool = False,
                  init_method_std: float = 0.02, output_layer_init_std: float | None = None,
-                 params_dtype: torch.dtype = torch.float32, group=None, state=None):
+                 params_dtype: torch.dtype = torch.float32, recompute_core_attention: bool = False,
+                 group=None, state=None):
         super().__init__()
         self.tp = resolve_tp_group(group, state)
+        self.recompute_core_attention = recompute_core_attention
         groups = num_query_groups or num_attention_heads
         check_heads(hidden_size, num_attention_heads, groups, self.tp.size)
         if position_embedding_type not in POSITION_EMBEDDINGS:
@@ -101,7 +109,7 @@ class ParallelAttention(nn.Module):
         return local * self.tp.size if self.sequence_parallel else local
 
     def forward(self, hidden_states: torch.Tensor, position_ids: torch.Tensor | None = None,
-                inference_context=None):
+                inference_context=None, rotary_pos_emb=None):
         seq, batch = self.full_sequence_length(hidden_states), hidden_states.shape[1]
         if position_ids is not None and tuple(position_ids.shape) != (batch, seq):
             raise ValueError(f"position_ids shape {tuple(position_ids.shape)} != (b, s) = "
@@ -112,21 +120,37 @@ class ParallelAttention(nn.Module):
         q = qkv[:, :, :, :hpg].reshape(seq, batch, self.heads_local, self.head_dim)
         k, v = qkv[:, :, :, hpg], qkv[:, :, :, hpg + 1]          # (s, b, g_l, d)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))     # [b, heads, s, d]
+        cos = sin = None
         if self.rope:
-            if position_ids is None:
-                position_ids = default_position_ids(batch, seq, hidden_states.device)
-            cos, sin = rotary_cos_sin(position_ids, self.head_dim, self.rotary_base)
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        dropout = self.attention_dropout if self.training else 0.0
+            if rotary_pos_emb is None:
+                if position_ids is None:
+                    position_ids = default_position_ids(batch, seq, hidden_states.device)
+                rotary_pos_emb = rotary_cos_sin(position_ids, self.head_dim, self.rotary_base)
+            cos, sin = rotary_pos_emb                            # (b, 1, s, d) each
         if inference_context is not None:
+            q, k = self._rotate(q, k, cos, sin)
             context = self._cached_attention(q, k, v, inference_context)
-        elif dropout > 0 or not FLASH_HEAD_DIMS[0] <= self.head_dim <= FLASH_HEAD_DIMS[1]:
-            context = self._explicit_attention(q, k, v, dropout)
+        elif self.recompute_core_attention and self.training:
+            context = checkpoint(self._core_attention, q, k, v, cos, sin)   # keeps q, k, v
         else:
-            context = _deps.flash_attention(q.contiguous(), k.contiguous(), v.contiguous(),
-                                            causal=True)          # [b, h_l, s, d]
+            context = self._core_attention(q, k, v, cos, sin)
         context = context.permute(2, 0, 1, 3).reshape(seq, batch, self.heads_local * self.head_dim)
         return self.linear_proj(context)                          # (s or s/tp, b, h), bias
+
+    @staticmethod
+    def _rotate(q, k, cos, sin):
+        if cos is None:
+            return q, k
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+
+    def _core_attention(self, q, k, v, cos, sin):
+        """Rotary (when cos/sin are given) and causal attention: [b, h_l, s, d] → [b, h_l, s, d]
+        (the region ``core_attn`` recompute re-runs)."""
+        q, k = self._rotate(q, k, cos, sin)
+        dropout = self.attention_dropout if self.training else 0.0
+        if dropout > 0 or not FLASH_HEAD_DIMS[0] <= self.head_dim <= FLASH_HEAD_DIMS[1]:
+            return self._explicit_attention(q, k, v, dropout)
+        return _deps.flash_attention(q.contiguous(), k.contiguous(), v.contiguous(), causal=True)
 
     def _cached_attention(self, q, k, v, inference_context):
         """Append k/v [b, g_l, s, d] to the KV cache; q [b, h_l, s, d] attends over the cache.

@@ -13,6 +13,15 @@ holds different tokens, so the seed comes from the model-parallel stream (``fork
 weights and the row-parallel biases have their gradients all-reduced over TP under sequence
 parallelism (see ``norm.py`` / ``linear.py``).
 
+Selective recompute (Megatron's ``recompute_modules``): ``"core_attn"`` re-runs rotary +
+attention in backward, keeping only q/k/v (the QKV output); ``"mlp"`` re-runs pre-MLP norm, MLP
+and its bias-dropout-add, keeping only the block's input; ``"layernorm"`` frees each norm's
+output once the next block has consumed it and re-runs the norm when the block's output gradient
+arrives (``tp_layers/checkpointing.py``). Only while training with gradients enabled.
+
+``rotary_pos_emb``: the ``(cos, sin)`` tables (``rope.rotary_cos_sin``), computed once per model
+forward and shared by every layer; without them a rope layer computes its own.
+
 Master weights are drawn in construction order: QKV, attention projection, fc1, fc2.
 """
 from __future__ import annotations
@@ -22,10 +31,13 @@ from torch import nn
 
 from . import _deps
 from ._group import resolve_tp_group
+from .checkpointing import DiscardedOutput, checkpoint
 from .attention import ParallelAttention
 from .mlp import ParallelMLP
 from .norm import Norm
 from .random import partitioned_region_rng
+
+RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp")   # Megatron's names, the dense ones
 
 
 class TransformerLayer(nn.Module):
@@ -37,10 +49,15 @@ class TransformerLayer(nn.Module):
                  position_embedding_type: str = "learned_absolute", rotary_base: float = 10000,
                  sequence_parallel: bool = False, init_method_std: float = 0.02,
                  output_layer_init_std: float | None = None,
-                 params_dtype: torch.dtype = torch.float32, state=None, group=None):
+                 params_dtype: torch.dtype = torch.float32, recompute_modules=(), state=None,
+                 group=None):
         super().__init__()
         if not 0.0 <= hidden_dropout < 1.0:
             raise ValueError(f"hidden_dropout must be in [0, 1), got {hidden_dropout}")
+        unknown = set(recompute_modules) - set(RECOMPUTE_MODULES)
+        if unknown:
+            raise ValueError(f"recompute_modules {sorted(unknown)} not among {RECOMPUTE_MODULES}")
+        self.recompute_modules = tuple(recompute_modules)
         self.tp = resolve_tp_group(group, state)
         self.hidden_size, self.hidden_dropout = hidden_size, hidden_dropout
         self.sequence_parallel = sequence_parallel
@@ -54,20 +71,36 @@ class TransformerLayer(nn.Module):
         self.self_attention = ParallelAttention(
             hidden_size, num_attention_heads, num_query_groups=num_query_groups,
             attention_dropout=attention_dropout, position_embedding_type=position_embedding_type,
-            rotary_base=rotary_base, **common)
+            rotary_base=rotary_base, recompute_core_attention="core_attn" in recompute_modules,
+            **common)
         self.pre_mlp_norm = Norm(hidden_size, **norm)
         self.mlp = ParallelMLP(hidden_size, ffn_hidden_size, activation=activation, **common)
 
     def forward(self, hidden_states: torch.Tensor, position_ids: torch.Tensor | None = None,
-                inference_context=None):
+                inference_context=None, rotary_pos_emb=None):
         if hidden_states.dim() != 3 or hidden_states.shape[-1] != self.hidden_size:
             raise ValueError(f"hidden_states must be (s, b, {self.hidden_size}), got "
                              f"{tuple(hidden_states.shape)}")
-        attn_out, attn_bias = self.self_attention(self.input_norm(hidden_states), position_ids,
-                                                  inference_context=inference_context)
+        recompute = self.recompute_modules if self.training else ()
+        input_norm = (DiscardedOutput(self.input_norm) if "layernorm" in recompute
+                      else self.input_norm)
+        attn_out, attn_bias = self.self_attention(input_norm(hidden_states), position_ids,
+                                                  inference_context=inference_context,
+                                                  rotary_pos_emb=rotary_pos_emb)
+        if "layernorm" in recompute:
+            input_norm.discard(attn_out)             # the QKV GEMM has taken its input
         hidden_states = self._bias_dropout_add(attn_out, attn_bias, hidden_states)
-        mlp_out, mlp_bias = self.mlp(self.pre_mlp_norm(hidden_states))
-        return self._bias_dropout_add(mlp_out, mlp_bias, hidden_states)  # (s or s/tp, b, h)
+        if "mlp" in recompute:
+            return checkpoint(self._mlp_block, hidden_states, False)
+        return self._mlp_block(hidden_states, "layernorm" in recompute)
+
+    def _mlp_block(self, hidden_states, recompute_norm: bool):
+        """pre-MLP norm → MLP → bias-dropout-add(+hidden_states): (s or s/tp, b, h)."""
+        norm = DiscardedOutput(self.pre_mlp_norm) if recompute_norm else self.pre_mlp_norm
+        mlp_out, mlp_bias = self.mlp(norm(hidden_states))
+        if recompute_norm:
+            norm.discard(mlp_out)                    # fc1 has taken its input
+        return self._bias_dropout_add(mlp_out, mlp_bias, hidden_states)
 
     def _bias_dropout_add(self, x, bias, residual):
         if not (self.training and self.hidden_dropout > 0):

@@ -26,15 +26,23 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
 
 
 def forward_step(data_iterator, model):
-    """One micro-batch through one model chunk: (output, loss function)."""
+    """One micro-batch through one model chunk: (output, loss function). A chunk copies only
+    what it uses: tokens on the first stage, labels on the last, position ids where the first
+    stage embeds them or rope needs the sample's own (--reset-position-ids); a middle pipeline
+    stage (neither end) then reads no batch at all, as in Megatron."""
+    first, last = model.pre_process, model.post_process
+    positions_needed = first or (get_args().reset_position_ids
+                                 and get_config().position_embedding_type == "rope")
+    if not (first or last or positions_needed):
+        return model(None), partial(loss_func, None)
     batch = next(data_iterator)
     device = next(model.parameters()).device
-    tokens = batch["tokens"].to(device)              # (b, s)
-    labels = batch["labels"].to(device)              # (b, s)
-    position_ids = batch["position_ids"].to(device)  # (b, s)
-    attention_mask = batch.get("attention_mask")
-    output = model(tokens, position_ids, attention_mask=attention_mask, labels=labels)
-    return output, partial(loss_func, batch["loss_mask"])
+    tokens = batch["tokens"].to(device) if first else None                # (b, s)
+    labels = batch["labels"].to(device) if last else None                 # (b, s)
+    position_ids = batch["position_ids"].to(device) if positions_needed else None  # (b, s)
+    output = model(tokens, position_ids, attention_mask=batch.get("attention_mask"),
+                   labels=labels)
+    return output, partial(loss_func, batch["loss_mask"] if last else None)
 
 
 def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage=None):
