@@ -112,7 +112,8 @@ def _per_layer(c) -> list[tuple]:
 
 def _fused_parts(c):
     """(tpfuse fused name, [(HF part suffix, rows)], fuse) for QKV and [gate; up]."""
-    d, heads, groups, f = c.kv_channels, c.num_attention_heads, c.num_query_groups, c.ffn_hidden_size
+    d, heads, groups = c.kv_channels, c.num_attention_heads, c.num_query_groups
+    f = c.ffn_hidden_size
     kinds = ["weight"] + (["bias"] if c.add_bias_linear else [])
     for kind in kinds:
         yield (f"self_attention.linear_qkv.{kind}", kind,

@@ -101,6 +101,7 @@ def write_checkpoint(root: str, config, params: dict, extra: dict, files: dict |
     header = {"layout": {"world_size": tp * pp, "tp": tp, "pp": pp, "dp": 1, "cp": 1, "vpp": 1,
                          "distributed_optimizer": False},
               "model_signature": ckpt.model_signature([model])}
+    weights_only = {"weights_only": True}        # the trainer takes it with --finetune only
     missing = sorted(set(records) - set(params))
     if missing:
         raise ValueError(f"no tensor for parameters {missing[:3]} of the tpfuse model")
@@ -117,7 +118,8 @@ def write_checkpoint(root: str, config, params: dict, extra: dict, files: dict |
                 payload = rank_payload(config, params, records, tp_rank, pp_rank, header, extra)
                 name = f"rank_{payload['rank']:05d}.pt"
                 digests[name] = io.atomic_torch_save(payload, os.path.join(folder, name))
-        manifest = dict(header, format_version=ckpt.FORMAT_VERSION, iteration=0, files=digests)
+        manifest = dict(header, **weights_only, format_version=ckpt.FORMAT_VERSION, iteration=0,
+                        files=digests)
         io.atomic_write_bytes(os.path.join(folder, ckpt.MANIFEST),
                               json.dumps(manifest, indent=1).encode())
         for name, source in (files or {}).items():

@@ -2,7 +2,8 @@
 
     tpfuse-generate --load DIR (--prompt TEXT | --prompt-ids "1 2 3") --max-new-tokens N
         [--greedy | --temperature T --top-k K --top-p P] [--seed S] [--eos-id ID]
-        [--json] [--nproc-per-node N --tensor-model-parallel-size N --pipeline-model-parallel-size M]
+        [--json] [--nproc-per-node N --tensor-model-parallel-size N
+        --pipeline-model-parallel-size M]
 
 Text goes through the tokenizer the checkpoint records. ``--json`` prints one line
 ``{"prompt_ids": [...], "generated_ids": [...], "text": ...}`` (text: the continuation, null

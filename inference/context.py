@@ -59,7 +59,8 @@ class InferenceContext:
         return ids[:, offset:end], ids[:, :end]
 
     def update_kv_cache(self, layer, key: torch.Tensor, value: torch.Tensor):
-        """Write the step's key/value ``[b, g_l, s, d]``; return the cached ``[b, g_l, offset+s, d]``."""
+        """Write the step's key/value ``[b, g_l, s, d]``; return the cached
+        ``[b, g_l, offset + s, d]``."""
         batch, groups, seq, dim = key.shape
         offset, end = self.sequence_len_offset, self.sequence_len_offset + seq
         if batch > self.max_batch_size or end > self.max_sequence_length:

@@ -51,7 +51,8 @@ def _check_lengths(config, prompts, max_new_tokens: int) -> None:
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 0")
     total = max(len(p) for p in prompts) + max_new_tokens
-    if config.position_embedding_type == "learned_absolute" and total > config.max_position_embeddings:
+    learned = config.position_embedding_type == "learned_absolute"
+    if learned and total > config.max_position_embeddings:
         raise ValueError(f"prompt length + max_new_tokens = {total} exceeds the model's "
                          f"max_position_embeddings={config.max_position_embeddings}")
 

@@ -104,7 +104,8 @@ def _convert_error(hf_dir, save, capsys):
 
 def test_unknown_architecture(hf_dir, tmp_path, capsys):
     _rewrite_config(hf_dir, model_type="bert", architectures=["BertForMaskedLM"])
-    assert "unknown architecture model_type='bert'" in _convert_error(hf_dir, tmp_path / "o", capsys)
+    message = _convert_error(hf_dir, tmp_path / "o", capsys)
+    assert "unknown architecture model_type='bert'" in message
 
 
 def test_missing_tensor(hf_dir, tmp_path, capsys):
@@ -168,3 +169,42 @@ def test_a_model_without_hf_counterpart_is_named(tmp_path, capsys):
     assert "gpt2: position_embedding_type=rope (needs learned_absolute)" in err
     assert "llama: normalization=LayerNorm (needs RMSNorm)" in err
     assert not os.path.exists(tmp_path / "o")
+
+
+# -------------------------------------------------------------------- training from a conversion
+FINETUNE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+            "--seq-length", "16", "--max-position-embeddings", "16", "--openai-gelu",
+            "--mock-data", "--vocab-size", "49", "--make-vocab-size-divisible-by", "16",
+            "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "1",
+            "--lr", "0.0", "--eval-iters", "0", "--no-progress-bar", "--no-layout-table",
+            "--tensor-model-parallel-size", "2"]
+
+
+def _pretrain_error(argv):
+    from tpfuse.pretrain_gpt import (forward_step, model_provider,
+                                     train_valid_test_datasets_provider)
+    from tpfuse.training.pretrain import pretrain
+
+    try:
+        pretrain(train_valid_test_datasets_provider, model_provider, forward_step, argv=argv)
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+def test_finetune_starts_training_from_a_converted_checkpoint(run_distributed, tmp_path):
+    """--finetune takes the weights (here at tp 2 from a tp 1 file); at lr 0 one step saves them
+    back unchanged. Without --finetune the weights-only checkpoint is refused by name."""
+    from tpfuse.inference.loading import checkpoint_folder
+    from tpfuse.training.reshard import assemble_global_state
+
+    root, _ = _tpfuse_checkpoint(tmp_path, dict(GPT2, vocab_size=50))   # NullTokenizer(49): 50
+    out = str(tmp_path / "finetuned")
+    assert run_distributed(2, _pretrain_error, FINETUNE + ["--load", root, "--finetune",
+                                                           "--save", out]) == [None, None]
+    before = assemble_global_state(*checkpoint_folder(root), optimizer=False)
+    after = assemble_global_state(*checkpoint_folder(out), optimizer=False)
+    assert sorted(after) == sorted(before)
+    assert all(torch.equal(after[n]["param"], before[n]["param"]) for n in before)
+    errors = run_distributed(2, _pretrain_error, FINETUNE + ["--load", root])
+    assert all("holds model weights only" in e and "--finetune" in e for e in errors)

@@ -137,7 +137,8 @@ def test_eos_stops_a_sequence():
 
 # -------------------------------------------------------------------- a trained checkpoint
 def test_load_model_holds_the_checkpoint_weights(trained):
-    """Single process from a tp2 pp2 vpp2 checkpoint: every tensor equal (resharding moves values)."""
+    """Single process from a tp2 pp2 vpp2 checkpoint: every tensor equal (resharding moves
+    values)."""
     from tpfuse.inference.loading import checkpoint_folder
     from tpfuse.training.reshard import assemble_global_state
 

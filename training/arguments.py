@@ -107,6 +107,10 @@ def _add_checkpoint_arguments(parser) -> None:
     ckpt.add_argument("--load", default=None,
                       help="checkpoint directory to resume from (empty or missing: start fresh "
                            "with a warning, so a restarted command resumes when it can)")
+    ckpt.add_argument("--finetune", action="store_true",
+                      help="with --load: take only the model's weights (any layout, e.g. a "
+                           "tpfuse-convert checkpoint); optimizer, scheduler, RNG and iteration "
+                           "start fresh (Megatron's)")
     ckpt.add_argument("--exit-on-missing-checkpoint", action="store_true",
                       help="with --load: fail instead of starting fresh when it holds no checkpoint")
     ckpt.add_argument("--async-save", action="store_true",

@@ -342,6 +342,21 @@ def _load_other_layout(folder: str, model_chunks, optimizer, state, read) -> dic
     return payload
 
 
+def load_weights_only(root: str, model_chunks, state) -> None:
+    """``--finetune``: the model's weights from a checkpoint of any layout (verified against its
+    manifest, another model refused); nothing else is read. Collective: all ranks agree."""
+    error = None
+    try:
+        folder, manifest = read_manifest(root, latest_iteration(root))
+        check_same_model(manifest.get("model_signature"), model_signature(model_chunks),
+                         f"checkpoint {folder}")
+        reshard.load_model_weights(folder, verified_reader(manifest), model_chunks,
+                                   state.tp_size, state.tp_rank)
+    except Exception as caught:  # noqa: BLE001 — re-raised below, after every rank has agreed
+        error = caught
+    agree(error, f"loading the weights of checkpoint {root} (--finetune)")
+
+
 def load_checkpoint(root: str, model_chunks, optimizer, scheduler, state) -> dict:
     """Restore this rank's shards and states; returns {"iteration", "consumed_samples", "extra"}.
 
@@ -354,6 +369,10 @@ def load_checkpoint(root: str, model_chunks, optimizer, scheduler, state) -> dic
     payload, error = None, None
     try:
         folder, manifest = read_manifest(root, iteration)
+        if manifest.get("weights_only"):
+            raise ValueError(f"checkpoint {folder} holds model weights only (no optimizer or "
+                             "scheduler state, e.g. from tpfuse-convert): train from it with "
+                             "--finetune")
         check_same_model(manifest.get("model_signature"), model_signature(model_chunks),
                          f"checkpoint {folder}")
         read = verified_reader(manifest)

@@ -89,6 +89,8 @@ class _Run:
         self.state = parallel_state.get_default_state()
         self.device = device_for_backend()
         self.model = [chunk.to(self.device) for chunk in build_model(model_provider, config)]
+        if args.load and args.finetune and resume_point(args.load, args.exit_on_missing_checkpoint):
+            ckpt.load_weights_only(args.load, self.model, self.state)   # before the optimizer
         self.params = [p for chunk in self.model for p in chunk.parameters() if p.requires_grad]
         self.ddp, self.optimizer = build_buffers_and_optimizer(self.model, args, config,
                                                                self.state)
@@ -105,7 +107,8 @@ class _Run:
         self.iteration, self.consumed_samples = 0, 0
         self.is_logger = (self.state.is_pipeline_last_stage() and self.state.tp_rank == 0
                           and self.state.dp_rank == 0 and self.state.rank_in("cp") == 0)
-        if args.load and resume_point(args.load, args.exit_on_missing_checkpoint):
+        if args.load and not args.finetune and resume_point(args.load,
+                                                            args.exit_on_missing_checkpoint):
             loaded = ckpt.load_checkpoint(args.load, self.model, self.optimizer, self.scheduler,
                                           self.state)
             self.iteration, self.consumed_samples = loaded["iteration"], loaded["consumed_samples"]
