@@ -137,10 +137,16 @@ def any_rank_failed(failed: bool) -> bool:
     return bool(flag.item())
 
 
+class OtherRankFailed(ValueError):
+    """Raised on the ranks that did not fail themselves: a pointer to another rank's error (the
+    launcher reports the pointing ranks' tracebacks only when no rank reported its own)."""
+    secondary = True
+
+
 def agree(error: BaseException | None, what: str) -> None:
     """Collective: raise ``error`` here, or a pointer to it on the ranks that did not fail."""
     if any_rank_failed(error is not None):
-        raise error or ValueError(f"{what} failed on another rank (see its error)")
+        raise error or OtherRankFailed(f"{what} failed on another rank (see its error)")
 
 
 def _broadcast_from_zero(value):

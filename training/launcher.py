@@ -39,6 +39,7 @@ ERROR_FILE_ENV = "TPFUSE_ERROR_FILE"
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT,
                      signal.SIGUSR1, signal.SIGUSR2)
 STOP_GRACE_S = 10.0
+FAILURE_GRACE_S = 3.0   # after a rank fails, the others may finish reporting their own errors
 PR_SET_PDEATHSIG = 1
 
 
@@ -141,7 +142,8 @@ class _Job:
                 continue
         if not reports:
             return None
-        first = min(reports, key=lambda r: r["time"])
+        # the earliest own failure; errors that only point at another rank's come last
+        first = min(reports, key=lambda r: (r.get("secondary", False), r["time"]))
         return f"first failure: rank {first['rank']}\n{first['traceback']}"
 
     def wait(self) -> int:
@@ -154,6 +156,11 @@ class _Job:
                 return 0
             time.sleep(0.1)
 
+    def _wait_for_exits(self, seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline and any(p.poll() is None for p in self.procs):
+            time.sleep(0.05)
+
     def _fail(self, rank: int, code: int) -> int:
         if code < 0:
             what = f"was killed by {signal_name(-code)}"
@@ -164,6 +171,7 @@ class _Job:
             what, exit_code = f"exited with code {code}", code
         print(f"tpfuse-train: rank {rank} {what}; stopping the other ranks", file=sys.stderr,
               flush=True)
+        self._wait_for_exits(FAILURE_GRACE_S)   # ranks failing too report before SIGTERM
         self.stop()
         first = self.first_traceback()
         if first:
@@ -181,7 +189,8 @@ def report_failure(error: BaseException) -> None:
         return
     rank = os.environ.get("RANK", "?")
     with open(path, "w") as handle:
-        json.dump({"rank": rank, "time": time.time(), "traceback": text}, handle)
+        json.dump({"rank": rank, "time": time.time(), "traceback": text,
+                   "secondary": bool(getattr(error, "secondary", False))}, handle)
     print(f"rank {rank}: {type(error).__name__}: {error}", file=sys.stderr, flush=True)
 
 
