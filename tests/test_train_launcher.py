@@ -29,6 +29,17 @@ RANK = textwrap.dedent("""
         except ValueError as error:
             report_failure(error)
             sys.exit(1)
+    if mode == "echo":   # rank 0 stops at once on an agreement; rank 1 reports the cause later
+        from tpfuse.training.checkpoint import OtherRankFailed
+        from tpfuse.training.launcher import report_failure
+        error = (OtherRankFailed("saving failed on another rank") if rank == "0"
+                 else ValueError("rank one's disk is full"))
+        time.sleep(0.0 if rank == "0" else 0.5)
+        try:
+            raise error
+        except ValueError as raised:
+            report_failure(raised)
+            sys.exit(1)
     time.sleep(120)
 """)
 LAUNCHER = ("import sys; from tpfuse.training.launcher import run_local; "
@@ -77,6 +88,14 @@ def test_one_traceback_per_job(tmp_path):
     assert job.returncode == 1
     assert err.count("Traceback (most recent call last)") == 1
     assert "first failure: rank 1" in err and "ValueError: rank one cannot go on" in err
+
+
+def test_the_cause_is_reported_not_the_echo_of_another_rank(tmp_path):
+    job = _launch("echo", tmp_path)
+    out, err = job.communicate(timeout=60)
+    assert job.returncode == 1
+    assert err.count("Traceback (most recent call last)") == 1
+    assert "first failure: rank 1" in err and "ValueError: rank one's disk is full" in err
 
 
 def test_signals_are_forwarded_to_every_rank(tmp_path):
