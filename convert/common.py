@@ -72,3 +72,15 @@ class TensorSet:
             names = sorted(self.tensors)
             raise ValueError(f"{self.where}: {len(names)} unexpected tensors for this config, "
                              f"e.g. {names[:3]} (a checkpoint of another model?)")
+
+
+def take_output_layer(source: TensorSet, params: dict, config, embedding_name: str) -> None:
+    """``lm_head.weight`` → ``output_layer.weight`` when untied; a tied model's saved copy (some
+    checkpoints keep one) must equal the embedding ``embedding_name``."""
+    shape = (config.vocab_size, config.hidden_size)
+    if config.untie_embeddings_and_output_weights:
+        params["output_layer.weight"] = source.take("lm_head.weight", shape)
+    elif source.has("lm_head.weight") and not source.take("lm_head.weight", shape).equal(
+            params["embedding.word_embeddings.weight"]):
+        raise ValueError(f"{source.where}: lm_head.weight differs from {embedding_name} although "
+                         "tie_word_embeddings is true")

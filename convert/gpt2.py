@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from .common import TensorSet, fuse_qkv, split_qkv
+from .common import TensorSet, fuse_qkv, split_qkv, take_output_layer
 
 MODEL_TYPE = "gpt2"
 ARCHITECTURE = "GPT2LMHeadModel"
@@ -131,13 +131,7 @@ def tensors_from_hf(tensors: dict, config, where: str) -> dict:
             out[ours + suffix] = tensor.t().contiguous() if conv1d else tensor
     out["final_norm.weight"] = take("ln_f.weight", (h,))
     out["final_norm.bias"] = take("ln_f.bias", (h,))
-    if c.untie_embeddings_and_output_weights:
-        out["output_layer.weight"] = source.take("lm_head.weight", (c.vocab_size, h))
-    elif source.has("lm_head.weight"):                   # a tied copy saved anyway: must agree
-        if not source.take("lm_head.weight", (c.vocab_size, h)).equal(
-                out["embedding.word_embeddings.weight"]):
-            raise ValueError(f"{where}: lm_head.weight differs from wte.weight although "
-                             "tie_word_embeddings is true")
+    take_output_layer(source, out, c, prefix + "wte.weight")
     source.finish()
     return out
 

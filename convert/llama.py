@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from .common import TensorSet, fuse_qkv, split_qkv
+from .common import TensorSet, fuse_qkv, split_qkv, take_output_layer
 
 MODEL_TYPE = "llama"
 ARCHITECTURE = "LlamaForCausalLM"
@@ -139,13 +139,7 @@ def tensors_from_hf(tensors: dict, config, where: str) -> dict:
             out[ours + fused] = (fuse_qkv(*pieces, c.num_query_groups) if len(parts) == 3
                                  else torch.cat(pieces))
     out["final_norm.weight"] = source.take(p + "norm.weight", (h,))
-    if c.untie_embeddings_and_output_weights:
-        out["output_layer.weight"] = source.take("lm_head.weight", (c.vocab_size, h))
-    elif source.has("lm_head.weight"):
-        if not source.take("lm_head.weight", (c.vocab_size, h)).equal(
-                out["embedding.word_embeddings.weight"]):
-            raise ValueError(f"{where}: lm_head.weight differs from embed_tokens.weight although "
-                             "tie_word_embeddings is true")
+    take_output_layer(source, out, c, p + "embed_tokens.weight")
     source.finish()
     return out
 
