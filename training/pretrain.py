@@ -20,7 +20,6 @@ One optimizer step::
 """
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 
@@ -37,6 +36,7 @@ from tpfuse.training.initialize import (check_layout, device_for_backend,
                                         initialize_distributed)
 from tpfuse.training.logging_utils import TrainingLogger
 from tpfuse.training.observability import RunMonitor
+from tpfuse.training.memory import memory_record, memory_report
 from tpfuse.training.scheduler import LRScheduler
 from tpfuse.training.timers import Timers
 from tpfuse.training.train_step import (NonFinitePolicy, build_buffers_and_optimizer,
@@ -75,6 +75,8 @@ class TrainingResult:
     consumed_samples: int = 0
     exit_reason: str | None = None                     # why training stopped before train_iters
     sample: str | None = None     # --sample-prompt's continuation (data-parallel rank 0 replica)
+    skipped: list = field(default_factory=list)        # every rank: step skipped (inf/nan)?
+    loss_scales: list = field(default_factory=list)    # every rank: the scale after the step
 
 
 class _Run:
@@ -210,6 +212,9 @@ class _Run:
         self.calculator.update(self.consumed_samples, consistency_check=True)
         iterators = self._iterators(self.train_ds, self.consumed_samples)
         tokens_per_sample = self.config.seq_length
+        logger.write_metrics(memory_record(self.optimizer))
+        logger.print(memory_report(self.optimizer, self.config, self.state.dp_size,
+                                   args.micro_batch_size, self.calculator.num_microbatches))
         try:
             if args.eval_at_start:
                 self._evaluate_and_log(logger, result)
@@ -223,24 +228,22 @@ class _Run:
                 elapsed = time.perf_counter() - start
                 self.iteration += 1
                 self.consumed_samples += batch
-                skipped = self.nonfinite.after_step(self.iteration, step)
-                grad_norm = step.grad_norm if math.isfinite(step.grad_norm) else None
-                record = {"loss": loss, "lr": lr, "grad_norm": grad_norm,
+                record = {"loss": loss, "lr": lr,
                           "consumed_samples": self.consumed_samples, "global_batch_size": batch,
                           "ms_per_iter": 1000 * elapsed,
                           "tokens_per_s": batch * tokens_per_sample / elapsed,
-                          "skipped": skipped,
-                          "skipped_iterations": self.nonfinite.skipped_iterations,
-                          **monitor.measure(batch, elapsed)}
-                if self.optimizer.grad_scaler is not None:
-                    record["loss_scale"] = self.optimizer.loss_scale
+                          **monitor.measure(batch, elapsed),
+                          **self.nonfinite.after_step(self.iteration, step, self.optimizer,
+                                                      self.device)}
+                result.skipped.append(record["skipped"])
+                result.loss_scales.append(self.optimizer.loss_scale)
                 timing = self.timers.step_summary(self.device)   # every rank (a gather)
                 if timing:
                     record["timers_ms"] = timing
                 if self.is_logger:
                     result.iterations.append(self.iteration)
                     result.train_losses.append(loss)
-                    result.grad_norms.append(grad_norm)
+                    result.grad_norms.append(record["grad_norm"])
                 logger.iteration(self.iteration, record,
                                  log_now=self.iteration % args.log_interval == 0)
                 if timing and self.iteration % args.log_interval == 0:

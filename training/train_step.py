@@ -17,10 +17,13 @@ lr, so nothing non-finite can reach a checkpoint.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .data_parallel import DataParallelBuffers
 from .grad_scaler import build_grad_scaler
+from .memory import peak_allocated_mib
 from .optimizer import MixedPrecisionOptimizer
 from .precision_args import ddp_config_from_args
 
@@ -70,15 +73,23 @@ class NonFinitePolicy:
         self.has_scaler, self.skip_nonfinite = has_scaler, skip_nonfinite
         self.skipped_iterations = 0
 
-    def after_step(self, iteration: int, result) -> bool:
-        """True when the step was skipped; raises when it may not be."""
-        if result.success:
-            return False
-        if not (self.has_scaler or self.skip_nonfinite):
-            what = "loss" if result.loss_nonfinite else "global gradient norm"
-            value = "inf/nan" if result.loss_nonfinite else result.grad_norm
-            raise FloatingPointError(
-                f"iteration {iteration}: the {what} is {value}; training stops (nothing of this "
-                f"step is applied or saved). Pass --skip-nonfinite to skip such steps instead.")
-        self.skipped_iterations += 1
-        return True
+    def after_step(self, iteration: int, result, optimizer, device) -> dict:
+        """The step's log fields (grad norm, skipped, loss scale, CUDA peak memory); raises when
+        a refused step may not be skipped."""
+        if not result.success:
+            if not (self.has_scaler or self.skip_nonfinite):
+                what = "loss" if result.loss_nonfinite else "global gradient norm"
+                value = "inf/nan" if result.loss_nonfinite else result.grad_norm
+                raise FloatingPointError(
+                    f"iteration {iteration}: the {what} is {value}; training stops (nothing of "
+                    f"this step is applied or saved). Pass --skip-nonfinite to skip such steps "
+                    f"instead.")
+            self.skipped_iterations += 1
+        fields = {"grad_norm": result.grad_norm if math.isfinite(result.grad_norm) else None,
+                  "skipped": not result.success, "skipped_iterations": self.skipped_iterations}
+        if optimizer.grad_scaler is not None:
+            fields["loss_scale"] = optimizer.loss_scale
+        peak = peak_allocated_mib(device)
+        if peak is not None:
+            fields["peak_memory_mib"] = peak
+        return fields
