@@ -130,6 +130,7 @@ def test_memory_record_before_the_first_iteration(run_distributed, tmp_path, pre
     a 4-byte main copy, fp32 gradients, two fp32 Adam moments."""
     path = str(tmp_path / "m.jsonl")
     (record,) = run_distributed(1, _memory_record, precision + ["--train-iters", "1"], path)
+    assert record["iteration"] == 0
     held = record["memory_bytes"]
     numel = held["gradients"] // 4
     assert numel > 0

@@ -77,9 +77,10 @@ def activation_bytes(config, micro_batch_size: int, num_microbatches: int | None
 
 
 # -------------------------------------------------------------------- the start-up report
-def memory_record(optimizer) -> dict:
-    """The one metrics-file record written before the first iteration (bytes on this rank)."""
-    return {"memory_bytes": optimizer.memory_bytes()}
+def memory_record(optimizer, iteration: int) -> dict:
+    """The one metrics-file record written before the first iteration of a run (bytes on this
+    rank); ``iteration`` is where the run starts (0, or the resumed iteration)."""
+    return {"iteration": iteration, "memory_bytes": optimizer.memory_bytes()}
 
 
 def memory_report(optimizer, config, dp: int, micro_batch_size: int,

@@ -212,7 +212,7 @@ class _Run:
         self.calculator.update(self.consumed_samples, consistency_check=True)
         iterators = self._iterators(self.train_ds, self.consumed_samples)
         tokens_per_sample = self.config.seq_length
-        logger.write_metrics(memory_record(self.optimizer))
+        logger.write_metrics(memory_record(self.optimizer, self.iteration))
         logger.print(memory_report(self.optimizer, self.config, self.state.dp_size,
                                    args.micro_batch_size, self.calculator.num_microbatches))
         try:
