@@ -242,7 +242,6 @@ class GPTModel(nn.Module):
                                             state=self.state)         # (s, b) fp32
         return loss.transpose(0, 1).contiguous()                      # (b, s)
 
-
     def _rotary_tables(self, hidden, position_ids):
         """The rope ``(cos, sin)`` tables ``(b, 1, s, d)`` of this forward over the full sequence
         (None without rope, or without layers)."""
@@ -256,25 +255,35 @@ class GPTModel(nn.Module):
         return rotary_cos_sin(position_ids, c.kv_channels, c.rotary_base)
 
 
+def tied_embedding_weight(model_chunks, state=None):
+    """The word-embedding weight this rank sums with the other pipeline end (first ↔ last stage,
+    the embedding group); None with pp = 1, untied weights, or outside the embedding group."""
+    state = resolve_state(state)
+    chunks = [getattr(chunk, "module", chunk) for chunk in model_chunks]
+    if state is None or state.pp_size == 1 or not chunks:
+        return None
+    if chunks[0].config.untie_embeddings_and_output_weights:
+        return None
+    if not state.is_rank_in_embedding_group(ignore_virtual=True):
+        return None
+    chunk = chunks[0] if state.is_pipeline_first_stage() else chunks[-1]
+    weight = chunk.shared_embedding_or_output_weight()
+    if weight is None:
+        raise RuntimeError("the embedding-group chunk holds no tied weight (was it built with "
+                           "the right pre/post_process flags?)")
+    return weight
+
+
 def allreduce_embedding_grads(model_chunks, state=None):
     """Sum the tied word-embedding gradient of the first and last stage (embedding group).
 
     Call after backward (and the data-parallel gradient reduction), before the optimizer step.
     A no-op with pp = 1, untied weights, or on ranks outside the embedding group.
     """
-    state = resolve_state(state)
-    chunks = [getattr(chunk, "module", chunk) for chunk in model_chunks]
-    if state is None or state.pp_size == 1 or not chunks:
-        return
-    if chunks[0].config.untie_embeddings_and_output_weights:
-        return
-    if not state.is_rank_in_embedding_group(ignore_virtual=True):
-        return
-    chunk = chunks[0] if state.is_pipeline_first_stage() else chunks[-1]
-    weight = chunk.shared_embedding_or_output_weight()
+    weight = tied_embedding_weight(model_chunks, state)
     if weight is None:
-        raise RuntimeError("allreduce_embedding_grads: the embedding-group chunk holds no tied "
-                           "weight (was it built with the right pre/post_process flags?)")
+        return
+    state = resolve_state(state)
     grad = getattr(weight, "main_grad", None)
     if grad is None:
         if weight.grad is None:

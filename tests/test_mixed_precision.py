@@ -35,14 +35,14 @@ def test_bf16_keeps_updates_smaller_than_its_ulp(run_distributed):
     """lr 2e-5, constant: Adam moves each weight by ~2e-5 per step, below half a bf16 ulp of the
     typical weight (|w| ≈ 0.016 → ulp 6.1e-5) and of the norm weights (1.0 → ulp 7.8e-3).
     Stepping bf16 weights directly rounds most updates away (measured: the validation loss then
-    falls 0.27× as far as fp32's); fp32 main weights keep them (measured 0.97×). The drop is
+    falls 0.55× as far as fp32's); fp32 main weights keep them (measured 1.00×). The drop is
     measured on the same validation batches before and after 20 steps."""
     tiny_lr = ["--lr", "2e-5", "--lr-warmup-iters", "0", "--lr-decay-style", "constant",
                "--train-iters", "20", "--lr-decay-iters", "20", "--eval-at-start",
                "--eval-interval", "20", "--eval-iters", "2", "--clip-grad", "0"]
     (fp32,) = run_distributed(1, _validation_drop, tiny_lr)
     (bf16,) = run_distributed(1, _validation_drop, tiny_lr + ["--bf16"])
-    assert fp32 > 1e-3                      # it trains measurably (vs ~3e-5 bf16 eval rounding)
+    assert fp32 > 3e-3                      # it trains measurably (vs ~3e-5 bf16 eval rounding)
     assert bf16 >= 0.85 * fp32
 
 

@@ -77,6 +77,17 @@ def _trainable(model_chunks) -> list:
     return params
 
 
+def _tied_embedding(model_chunks, state) -> frozenset:
+    """ids of the word embedding summed across pipeline stages (GPT chunks; none otherwise)."""
+    if not all(hasattr(getattr(c, "module", c), "shared_embedding_or_output_weight")
+               for c in model_chunks):
+        return frozenset()
+    from tpfuse.models.gpt import tied_embedding_weight
+
+    weight = tied_embedding_weight(model_chunks, state)
+    return frozenset() if weight is None else frozenset({id(weight)})
+
+
 class DataParallelBuffers:
     """The gradient (and, distributed, parameter) buffers of one rank's model chunks."""
 
@@ -88,6 +99,7 @@ class DataParallelBuffers:
         if not config.overlap_grad_reduce:
             bucket_size = None
         groups = {"dense": ("dp-cp", state.dp_cp_group), "expert": ("edp", state.group("edp"))}
+        tied = _tied_embedding(self.chunks, state)
         self.buffers = []
         for kind, (name, group) in groups.items():
             by_dtype = {}
@@ -98,7 +110,8 @@ class DataParallelBuffers:
             for (_, grad_dtype), params in by_dtype.items():
                 self.buffers.append(ParamAndGradBuffer(
                     params, grad_dtype, group, state.size(name), state.rank_in(name), 1.0 / dp_cp,
-                    bucket_size, distributed=config.use_distributed_optimizer, kind=kind))
+                    bucket_size, distributed=config.use_distributed_optimizer, kind=kind,
+                    own_bucket=tied))
         # buckets of one reduce group, in launch order (a group's buffers one after the other)
         self.queues = {kind: [b for buf in self.buffers if buf.kind == kind for b in buf.buckets]
                        for kind in groups}

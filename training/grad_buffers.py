@@ -15,8 +15,9 @@ becomes a view of ``param_data``), each parameter starts at a multiple of 64 ele
 bucket is padded to a multiple of lcm(dp, 128), so every data-parallel rank r owns the same-size
 contiguous shard ``[r·P/dp, (r+1)·P/dp)`` of every bucket (P its padded size): gradients are
 reduce-scattered into that shard, the optimizer updates it, and the parameters are all-gathered
-back. The tied embedding copy (``shared_embedding``) gets a bucket of its own there, so the first
-and last pipeline stage cut it into identical shards.
+back. The word embedding tied between the first and last pipeline stage gets a bucket of its own
+there on both stages, so they cut it into identical shards (its gradients are summed across the
+stages after the reduce-scatter).
 """
 from __future__ import annotations
 
@@ -114,18 +115,19 @@ class ParamAndGradBuffer:
 
     ``group`` / ``dp_size`` / ``dp_rank``: the group the gradients are reduced over;
     ``gradient_scaling_factor`` multiplies every gradient before the (sum) reduction (1/dp for an
-    average). ``distributed``: hold the parameters too and pad for sharding (see module docstring).
+    average). ``distributed``: hold the parameters too and pad for sharding (see module docstring);
+    ``own_bucket``: ids of parameters that get a bucket of their own then.
     """
 
     def __init__(self, params: list, grad_dtype: torch.dtype, group, dp_size: int, dp_rank: int,
                  gradient_scaling_factor: float, bucket_size: int | None,
-                 distributed: bool = False, kind: str = "dense"):
+                 distributed: bool = False, kind: str = "dense", own_bucket=frozenset()):
         self.params, self.group, self.kind = params, group, kind
         self.param_dtype, self.grad_dtype = params[0].dtype, grad_dtype
         self.dp_size, self.dp_rank = dp_size, dp_rank
         self.gradient_scaling_factor = gradient_scaling_factor
         self.distributed = distributed
-        own = [distributed and bool(getattr(p, "shared_embedding", False)) for p in params]
+        own = [distributed and id(p) in own_bucket for p in params]
         self.plan = plan_buffer([p.numel() for p in params], bucket_size,
                                 dp_size if distributed else None, own)
         device = params[0].device
