@@ -19,7 +19,8 @@ same GEMM runs into a fresh fp32 tensor that autograd receives cast to w's dtype
 ``weight_grad(weight, grad_output, input)`` is the one entry point of every TP linear layer (the
 plain path below and the ring comm-GEMMs of ``ag_matmul.py`` / ``matmul_rs.py``): a function of
 explicit tensors, so a pipeline schedule may run it later (zero-bubble "W") instead of inside
-backward. The ring GEMMs, which produce ``dw`` chunk by chunk, use its three steps:
+backward. A deferred GEMM counts in ``weight.deferred_wgrads`` until W has run it, so the
+data-parallel hooks do not take the weight's gradient for complete before then. The ring GEMMs, which produce ``dw`` chunk by chunk, use its three steps:
 ``wgrad_accumulator`` → ``accumulate_wgrad`` per chunk → ``wgrad_for_autograd``.
 
 File shape: Triton kernel → launcher → torch path and fp64 reference → the helpers → autograd
@@ -178,6 +179,7 @@ def weight_grad(weight: torch.Tensor, grad_output: torch.Tensor, input: torch.Te
     and autograd gets None; W then accumulates into ``main_grad``, or into ``weight.grad``."""
     if defer_weight_grad(functools.partial(deferred_weight_grad, weight, grad_output, input,
                                            backend)):
+        weight.deferred_wgrads = getattr(weight, "deferred_wgrads", 0) + 1
         return None
     accumulator = wgrad_accumulator(weight)
     accumulate_wgrad(accumulator, grad_output, input, backend=backend)
@@ -186,16 +188,22 @@ def weight_grad(weight: torch.Tensor, grad_output: torch.Tensor, input: torch.Te
 
 def deferred_weight_grad(weight, grad_output, input, backend=None) -> None:
     """The W half of ``weight_grad``: autograd got None in the I pass, so the gradient goes to
-    ``main_grad``, else it is added to ``weight.grad`` (created when absent)."""
+    ``main_grad``, else it is added to ``weight.grad`` (created when absent). When the last
+    deferred GEMM of ``weight`` is done, ``weight.after_deferred_wgrads()`` (set by the
+    data-parallel buffers) learns that this backward's contribution is complete."""
     if getattr(weight, "main_grad", None) is not None:
         accumulate_wgrad(weight.main_grad, grad_output, input, backend=backend)
-        return
-    accumulator = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-    accumulate_wgrad(accumulator, grad_output, input, backend=backend)
-    if weight.grad is None:
-        weight.grad = accumulator.to(weight.dtype)
     else:
-        weight.grad.add_(accumulator.to(weight.dtype))
+        accumulator = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        accumulate_wgrad(accumulator, grad_output, input, backend=backend)
+        if weight.grad is None:
+            weight.grad = accumulator.to(weight.dtype)
+        else:
+            weight.grad.add_(accumulator.to(weight.dtype))
+    weight.deferred_wgrads -= 1
+    done = getattr(weight, "after_deferred_wgrads", None)
+    if weight.deferred_wgrads == 0 and done is not None:
+        done()
 
 
 # ----------------------------------------------------------------------------- the linear op

@@ -83,8 +83,10 @@ LAYOUTS = {
     # the distributed optimizer (ZeRO-1): small buckets so gradients are reduce-scattered bucket
     # by bucket during backward and parameters all-gathered during the next forward
     "dp4-distopt": (4, _parallel() + DISTRIBUTED_OPTIMIZER),
-    "tp2-pp2-dp2-distopt": (8, _parallel(tp=2, pp=2) + DISTRIBUTED_OPTIMIZER
-                            + ["--overlap-param-gather"]),
+    # ... and with ZB-H1, whose W actions accumulate deferred weight gradients into main_grad
+    # after the backward pass that started them: a bucket waits for them
+    "tp2-pp2-dp2-zb-h1-distopt": (8, _parallel(tp=2, pp=2) + DISTRIBUTED_OPTIMIZER
+                                  + ["--overlap-param-gather", "--pipeline-schedule", "zb-h1"]),
 }
 
 

@@ -353,8 +353,4 @@ def parse_args(argv=None, defaults: dict | None = None):
     _apply_tokenizer(args, args.tokenizer)
     _check_sample_prompt(args)
     config = config_from_args(args)
-    if config.pipeline_schedule == "zb-h1" and getattr(args, "overlap_grad_reduce", False):
-        raise ValueError("--pipeline-schedule zb-h1 with --overlap-grad-reduce: a bucket would be "
-                         "reduced when the last I pass ends, before W has added the deferred "
-                         "weight gradients; drop --overlap-grad-reduce")
     return config, args

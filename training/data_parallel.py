@@ -16,7 +16,9 @@ over the tokens routed to it from its expert-parallel peers (Megatron's scaling)
 Gradient arrival: a hook on each parameter's ``AccumulateGrad`` node moves what autograd produced
 (``param.grad``) into ``main_grad`` and counts one contribution; the node runs once per backward
 even when the weight gradient was accumulated into ``main_grad`` directly and autograd got None
-(``kernels/wgrad.py``). When every parameter of a bucket has its ``m`` contributions of the step
+(``kernels/wgrad.py``). When a zero-bubble I pass deferred that weight-gradient GEMM to a later W
+action (``param.deferred_wgrads`` > 0 at the hook), the contribution is counted when W has run
+it instead (``param.after_deferred_wgrads``). When every parameter of a bucket has its ``m`` contributions of the step
 (``begin_step(m)``), the bucket is final and, with ``overlap_grad_reduce``, its reduction starts at
 once, asynchronously, while backward goes on. Buckets of one group start strictly in bucket order,
 so every rank of the group issues the same collectives in the same order, whatever order its
@@ -137,9 +139,15 @@ class DataParallelBuffers:
             if param.grad is not None:
                 param.main_grad.add_(param.grad)
                 param.grad = None
+            if getattr(param, "deferred_wgrads", 0):
+                return              # a zero-bubble W still owes this backward's weight gradient
+            count()
+
+        def count():
             if self._expected:
                 with self._lock:
                     self._one_contribution(param)
+        param.after_deferred_wgrads = count     # called by kernels/wgrad once W has caught up
         return grad_acc.register_hook(hook)
 
     def _one_contribution(self, param) -> None:
