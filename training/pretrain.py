@@ -38,6 +38,7 @@ from tpfuse.training.logging_utils import TrainingLogger
 from tpfuse.training.observability import RunMonitor
 from tpfuse.training.memory import memory_record, memory_report
 from tpfuse.training.scheduler import LRScheduler
+from tpfuse.training.host_memory import keep_freed_host_memory
 from tpfuse.training.timers import Timers
 from tpfuse.training.train_step import (NonFinitePolicy, build_buffers_and_optimizer,
                                         loss_nonfinite, loss_scaled)
@@ -289,6 +290,8 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step,
     """Parse flags, set up every group, train; returns this rank's TrainingResult."""
     config, args = parse_args(argv, args_defaults)
     initialize_distributed(args.distributed_backend, args.distributed_timeout_minutes)
+    if device_for_backend().type == "cpu":
+        keep_freed_host_memory()         # activations reused step to step, not re-faulted
     check_layout(config)
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=config.tensor_model_parallel_size,
