@@ -117,6 +117,9 @@ class GPTDatasetConfig:
     reset_position_ids: bool = False
     reset_attention_mask: bool = False
     eod_mask_loss: bool = False
+    # Megatron's dense (1, s, s) attention_mask beside document_ids (default off here: the
+    # attention takes document ids, and the dense mask costs s² bytes per sample)
+    create_attention_mask: bool = False
     tokenizer: object = None
     blend: object = None
     blend_per_split: object = None
@@ -143,7 +146,7 @@ class GPTDatasetConfig:
                 or self.sequence_length < 1:
             raise ValueError(f"sequence_length must be a positive int, got {self.sequence_length!r}")
         for name in ("reset_position_ids", "reset_attention_mask", "eod_mask_loss", "mock",
-                     "add_extra_token_to_sequence"):
+                     "add_extra_token_to_sequence", "create_attention_mask"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         for name in ("vocab_size", "eod"):

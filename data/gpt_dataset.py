@@ -12,7 +12,9 @@ global rank 0 writes the cache; other ranks load it (the builder makes them wait
 it is unusable, compute the same indices in memory.
 
 ``ds[i]`` → ``{"tokens", "labels", "position_ids"}`` int64 ``(s,)``, ``"loss_mask"`` fp32 ``(s,)``
-and, only with ``reset_attention_mask``, ``"attention_mask"`` bool ``(1, s, s)`` (True = masked).
+and, only with ``reset_attention_mask``, ``"document_ids"`` int64 ``(s,)`` (EODs before each
+token: what the attention takes) — plus ``"attention_mask"`` bool ``(1, s, s)`` (True = masked)
+when ``create_attention_mask`` also asks for Megatron's dense mask.
 ``len(ds)`` counts every sample of the epochs built (at least ``num_samples``).
 """
 from __future__ import annotations
@@ -225,7 +227,8 @@ class GPTDataset(torch.utils.data.Dataset):
         if not c.add_extra_token_to_sequence and text.size > c.sequence_length:
             text = text[:c.sequence_length]
         fields = sample_fields(text, c.tokenizer.eod, c.reset_position_ids,
-                               c.reset_attention_mask, c.eod_mask_loss, c.add_extra_token_to_sequence)
+                               c.reset_attention_mask, c.eod_mask_loss, c.add_extra_token_to_sequence,
+                               create_attention_mask=c.create_attention_mask)
         return {name: torch.from_numpy(value) for name, value in fields.items()}
 
     def __repr__(self):

@@ -113,14 +113,19 @@ def build_gpt_indices(sequence_lengths, documents, sequence_length, num_samples,
 
 
 def sample_fields(text: np.ndarray, eod: int, reset_position_ids: bool, reset_attention_mask: bool,
-                  eod_mask_loss: bool, extra_token: bool = True, pad_label: int = -100) -> dict:
+                  eod_mask_loss: bool, extra_token: bool = True, pad_label: int = -100,
+                  create_attention_mask: bool = False) -> dict:
     """A window of s + 1 token ids → Megatron's training fields (numpy), each ``(s,)``.
 
     tokens = text[:-1], labels = text[1:]; without ``extra_token`` (a window of s ids) tokens =
     text, labels = text shifted left with ``pad_label`` last (loss_mask 0 there, as Megatron's
-    pad label); loss_mask 0 where the *input* token is EOD (with eod_mask_loss); position_ids restart at 0 after every EOD (with reset_position_ids);
-    attention_mask ``(1, s, s)`` bool, True where attention is NOT allowed (Megatron's convention):
-    causal, and with reset_attention_mask no query attends across an EOD to an earlier document.
+    pad label); loss_mask 0 where the *input* token is EOD (with eod_mask_loss); position_ids
+    restart at 0 after every EOD (with reset_position_ids).
+    With reset_attention_mask no query attends across an EOD to an earlier document:
+    ``document_ids`` int64 ``(s,)`` = the number of EODs strictly before each position (an EOD
+    belongs to the document it ends), what the attention takes; with create_attention_mask also
+    Megatron's dense ``attention_mask`` ``(1, s, s)`` bool, True where attention is NOT allowed
+    (causal and same document).
     """
     text = np.asarray(text, dtype=np.int64)
     if extra_token:
@@ -142,6 +147,8 @@ def sample_fields(text: np.ndarray, eod: int, reset_position_ids: bool, reset_at
     fields = {"tokens": tokens, "labels": labels, "loss_mask": loss_mask, "position_ids": position_ids}
     if reset_attention_mask:
         segment = np.concatenate([[0], np.cumsum(is_eod)[:-1]])  # EODs strictly before each position
+        fields["document_ids"] = segment.astype(np.int64)
+    if reset_attention_mask and create_attention_mask:
         causal = np.tril(np.ones((s, s), dtype=bool))
         allowed = causal & (segment[:, None] == segment[None, :])
         fields["attention_mask"] = ~allowed[None]  # (1, s, s)

@@ -22,15 +22,17 @@ import sys
 
 import torch
 
-from .config import (ACTIVATIONS, CATEGORIES, DERIVED, DTYPES, NORMALIZATIONS, PIPELINE_SCHEDULES,
-                     POSITION_EMBEDDINGS, RECOMPUTE_GRANULARITIES, RECOMPUTE_METHODS,
-                     RECOMPUTE_MODULES, TransformerConfig, config_fields)
+from .config import (ACTIVATIONS, CATEGORIES, CP_COMM_TYPE_ALIASES, CP_COMM_TYPES, DERIVED, DTYPES,
+                     NORMALIZATIONS, PIPELINE_SCHEDULES, POSITION_EMBEDDINGS,
+                     RECOMPUTE_GRANULARITIES, RECOMPUTE_METHODS, RECOMPUTE_MODULES,
+                     TransformerConfig, _parse_int_pair, config_fields)
 
 CHOICES = {
     "normalization": NORMALIZATIONS, "activation": ACTIVATIONS,
     "position_embedding_type": POSITION_EMBEDDINGS,
     "recompute_granularity": RECOMPUTE_GRANULARITIES, "recompute_method": RECOMPUTE_METHODS,
     "pipeline_schedule": PIPELINE_SCHEDULES, "recompute_modules": RECOMPUTE_MODULES,
+    "cp_comm_type": CP_COMM_TYPES + tuple(CP_COMM_TYPE_ALIASES),
 }
 
 
@@ -40,7 +42,19 @@ def _dtype(text):
     return DTYPES[text]
 
 
-TYPES = {"int": int, "float": float, "str": str, "bool": bool, "torch.dtype": _dtype}
+def _int_pair(text):
+    """Megatron's tuple flags: ``--window-size 128,0``."""
+    try:
+        return _parse_int_pair("value", text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+TYPES = {"int": int, "float": float, "str": str, "bool": bool, "torch.dtype": _dtype,
+         "tuple[int, int]": _int_pair}
+
+
+METAVARS = {"tuple[int, int]": "L,R"}
 
 
 def field_type_name(f):
@@ -84,7 +98,7 @@ def add_config_arguments(parser):
             continue
         group.add_argument(*option_strings(f), dest=f.name, default=default, help=help_text,
                            type=TYPES[kind], choices=CHOICES.get(f.name),
-                           metavar=kind.upper().replace("TORCH.", ""))
+                           metavar=METAVARS.get(kind, kind.upper().replace("TORCH.", "")))
         for alias, value in f.metadata.get("aliases", {}).items():
             group.add_argument(alias, dest=f.name, action="store_const", const=value,
                                default=default, help=f"same as {dashed(f.name)} {value}")
@@ -118,6 +132,8 @@ def config_to_argv(config):
             argv.append(dashed(f.name) if value else "--no-" + dashed(f.name)[2:])
         elif isinstance(value, torch.dtype):
             argv += [dashed(f.name), _dtype_name(value)]
+        elif field_type_name(f).startswith("tuple["):          # Megatron's tuple flags: L,R
+            argv += [dashed(f.name), ",".join(str(v) for v in value)]
         elif isinstance(value, (list, tuple)):
             argv += [dashed(f.name), *map(str, value)]
         else:

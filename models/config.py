@@ -25,6 +25,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tpfuse.parallel.context_split import (CP_COMM_TYPE_ALIASES, CP_COMM_TYPES,
+                                           check_context_parallel_heads, check_sequence_split)
+
 from .layer_assignment import stage_layer_counts
 
 CATEGORIES = ("model", "parallelism", "precision", "recompute")
@@ -73,6 +76,10 @@ class TransformerConfig:
     position_embedding_type: str = _f(
         "model", "position embedding: learned_absolute | rope", "learned_absolute")
     rotary_base: int = _f("model", "base of the rotary embedding frequencies", 10000)
+    window_size: tuple[int, int] | None = _f(
+        "model", "sliding-window attention (Megatron/TE's L,R: a query sees the L keys before it "
+        "and itself; R must be 0 as attention is causal; L=-1: no window; HF/Mistral "
+        "sliding_window = L+1)", None)
     add_bias_linear: bool = _f("model", "biases in the linear layers", True,
                                negative_flag="--disable-bias-linear")
     untie_embeddings_and_output_weights: bool = _f(
@@ -97,6 +104,10 @@ class TransformerConfig:
         "parallelism", "1f1b | interleaved | zb-h1 (zero bubble, weight gradients deferred); "
         "default: interleaved when vpp > 1, else 1f1b", None)
     context_parallel_size: int = _f("parallelism", "context-parallel group size cp", 1)
+    cp_comm_type: str = _f(
+        "parallelism", "context-parallel attention: p2p (ring, K/V blocks overlapped with the "
+        "kernel) | all_gather (K/V gathered once; 'allgather' accepted) | a2a (Ulysses, heads <-> "
+        "sequence; heads per tp rank divisible by cp)", "p2p")
     expert_model_parallel_size: int = _f("parallelism", "expert-parallel group size ep", 1)
     expert_tensor_parallel_size: int | None = _f(
         "parallelism", "tensor-parallel size inside experts (default: = tp)", None)
@@ -167,6 +178,23 @@ class TransformerConfig:
                           "as Megatron does (no TP group to shard over)")
             self.sequence_parallel = False
         self._derive_virtual_pipeline_size()
+        self._normalize_window_and_comm_type()
+
+    def _normalize_window_and_comm_type(self):
+        """``window_size`` as a tuple of two ints ("L,R", a list from JSON, or L alone = (L, 0)),
+        None for L = -1; Megatron's ``allgather`` spelling as ``all_gather``."""
+        self.cp_comm_type = CP_COMM_TYPE_ALIASES.get(self.cp_comm_type, self.cp_comm_type)
+        window = self.window_size
+        if window is None:
+            return
+        if isinstance(window, str):
+            window = _parse_int_pair("window_size", window)
+        if isinstance(window, int) and not isinstance(window, bool):
+            window = (window, 0)
+        if (not isinstance(window, (tuple, list)) or len(window) != 2
+                or any(isinstance(v, bool) or not isinstance(v, int) for v in window)):
+            raise ValueError(f"window_size={self.window_size!r} must be two ints L,R")
+        self.window_size = None if tuple(window) in ((-1, 0), (-1, -1)) else tuple(window)
 
     def _derive_virtual_pipeline_size(self):
         per_chunk = self.num_layers_per_virtual_pipeline_stage
@@ -213,6 +241,7 @@ class TransformerConfig:
         _require_choice(self, "position_embedding_type", POSITION_EMBEDDINGS)
         self._validate_shape()
         self._validate_tensor_parallel()
+        self._validate_context_parallel()
         self._validate_pipeline()
         self._validate_precision()
         self._validate_recompute()
@@ -247,6 +276,31 @@ class TransformerConfig:
         if self.sequence_parallel and self.seq_length % tp:
             raise ValueError(f"seq_length={self.seq_length} is not divisible by "
                              f"tensor_model_parallel_size={tp} (sequence_parallel=True)")
+
+    def _validate_context_parallel(self):
+        """Sequence split, comm type, heads for a2a, no attention dropout, the window's form
+        (parallel/context_split.py)."""
+        _require_choice(self, "cp_comm_type", CP_COMM_TYPES)
+        cp, tp = self.context_parallel_size, self.tensor_model_parallel_size
+        check_sequence_split(self.seq_length, cp, tp, self.sequence_parallel)
+        if cp > 1:
+            check_context_parallel_heads(self.cp_comm_type, self.num_attention_heads // tp,
+                                         self.num_query_groups // tp, cp)
+            if self.attention_dropout > 0:
+                raise ValueError(
+                    f"attention_dropout={self.attention_dropout} with context_parallel_size={cp}: "
+                    "context-parallel attention has no dropout; pass --attention-dropout 0")
+        if self.window_size is not None:
+            left, right = self.window_size
+            if left < 0 or right != 0:
+                raise ValueError(f"window_size={self.window_size}: expected (L, 0) with L >= 0 "
+                                 "keys before the query (attention is causal: R = 0), or L = -1 "
+                                 "for no window")
+
+    @property
+    def attention_window(self) -> int | None:
+        """flash_attention's ``window_size`` W = L + 1 (positions a query sees, its own too)."""
+        return None if self.window_size is None else self.window_size[0] + 1
 
     def _validate_pipeline(self):
         pp, vpp = self.pipeline_model_parallel_size, self.virtual_pipeline_model_parallel_size
@@ -334,6 +388,17 @@ class TransformerConfig:
         if self.sequence_parallel:
             raise ValueError("distribute_saved_activations must be False with "
                              "sequence_parallel=True (the input is already split over TP)")
+
+
+def _parse_int_pair(name, text):
+    parts = [p.strip() for p in text.strip("()[] ").split(",")]
+    try:
+        values = tuple(int(p) for p in parts)
+    except ValueError:
+        values = ()
+    if len(values) not in (1, 2):
+        raise ValueError(f"{name}={text!r} must be 'L,R' (two ints) or 'L'")
+    return values if len(values) == 2 else (values[0], 0)
 
 
 def _parse_dtype(name, text):

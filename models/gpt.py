@@ -5,6 +5,11 @@
     post_process:  final norm → output layer (column-parallel over the padded vocab; under SP its
                    fused all-gather restores the full sequence) → logits (s, b, V/tp)
                    → vocab_parallel_cross_entropy → per-token loss (b, s) fp32
+    masks:         causal; ``forward(..., document_ids=(b, s))`` keeps attention inside packed
+                   documents; ``config.window_size`` adds a sliding window
+    context par.:  with cp > 1 every input ``(b, s)`` is this cp rank's ``s/cp`` tokens (chunks
+                   r and 2·cp−1−r, ``training.context_parallel.get_batch_on_this_cp_rank``);
+                   default positions are their global ones; attention is context-parallel
     inference:     ``forward(..., inference_context=ctx)`` runs the layers on the new tokens only,
                    attention reading/extending ctx's KV cache (see tpfuse.inference); positions
                    default to ctx.sequence_len_offset + 0..s−1; logits of the last token only
@@ -44,6 +49,7 @@ from torch import nn
 
 from tpfuse.tp_layers import (ColumnParallelLinear, Norm, TransformerLayer,
                               vocab_parallel_cross_entropy)
+from tpfuse.parallel.context_split import local_token_index
 from tpfuse.tp_layers.rope import default_position_ids, rotary_cos_sin
 
 from .embedding import GPTEmbedding, draw_position_master, draw_vocab_master, draw_word_master
@@ -81,7 +87,8 @@ def resolve_state(state=None):
 def check_layout_matches(config, state):
     """ValueError when the config's parallel sizes disagree with the process groups."""
     if state is None:
-        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
+        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                     "context_parallel_size"):
             if getattr(config, name) != 1:
                 raise ValueError(f"{name}={getattr(config, name)} needs an initialised "
                                  "ParallelState (none is set and torch.distributed is not running)")
@@ -99,10 +106,9 @@ def check_layout_matches(config, state):
 def check_supported(config):
     if config.vocab_size is None:
         raise ValueError("vocab_size is required to build a GPTModel (--vocab-size)")
-    for name in ("context_parallel_size", "expert_model_parallel_size"):
-        if getattr(config, name) != 1:
-            raise ValueError(f"{name}={getattr(config, name)} is not supported by GPTModel "
-                             "(no context-parallel attention / experts); use 1")
+    if config.expert_model_parallel_size != 1:
+        raise ValueError(f"expert_model_parallel_size={config.expert_model_parallel_size} is not "
+                         "supported by GPTModel (no experts); use 1")
 
 
 class GPTModel(nn.Module):
@@ -153,7 +159,7 @@ class GPTModel(nn.Module):
                 params_dtype=c.params_dtype,
                 recompute_modules=(tuple(c.recompute_modules)
                                    if c.recompute_granularity == "selective" else ()),
-                state=self.state)
+                state=self.state, window_size=c.attention_window, cp_comm_type=c.cp_comm_type)
 
     def _build_output(self, word_master):
         c = self.config
@@ -204,10 +210,17 @@ class GPTModel(nn.Module):
 
     # ---------------------------------------------------------------- forward
     def forward(self, input_ids, position_ids=None, attention_mask=None, labels=None,
-                inference_context=None):
+                inference_context=None, document_ids=None):
         if attention_mask is not None:
-            raise ValueError("attention_mask: GPTModel's attention is causal only; pass None "
-                             "(reset_attention_mask / custom masks are not supported)")
+            raise ValueError("attention_mask: GPTModel takes no dense mask (its attention is "
+                             "causal, within document_ids (b, s) for packed documents); pass None")
+        if document_ids is not None and inference_context is not None:
+            raise ValueError("document_ids with inference_context: the KV cache keeps its own "
+                             "document ids (InferenceContext.set_left_padding)")
+        has_input = input_ids is not None or self.input_tensor is not None
+        if position_ids is None and inference_context is None and has_input \
+                and self.state is not None and self.state.cp_size > 1:
+            position_ids = self._context_parallel_positions(input_ids)
         if inference_context is not None and self.config.sequence_parallel:
             raise ValueError("inference_context needs sequence_parallel=False (a decode step has "
                              "one token per sequence); build the model for inference with "
@@ -225,7 +238,7 @@ class GPTModel(nn.Module):
         rotary = self._rotary_tables(hidden, position_ids)            # once for all layers
         if inference_context is None:
             hidden = run_layers(self.layers, hidden, position_ids, self.config, self.training,
-                                rotary_pos_emb=rotary)
+                                rotary_pos_emb=rotary, document_ids=document_ids)
         else:
             for layer in self.layers:                                 # KV cache: no recompute
                 hidden = layer(hidden, position_ids, inference_context=inference_context,
@@ -253,6 +266,18 @@ class GPTModel(nn.Module):
             position_ids = default_position_ids(hidden.shape[1], hidden.shape[0] * tp,
                                                 hidden.device)
         return rotary_cos_sin(position_ids, c.kv_channels, c.rotary_base)
+
+    def _context_parallel_positions(self, input_ids):
+        """``(b, s/cp)`` global positions of this cp rank's two chunks (the default positions)."""
+        if input_ids is not None:
+            batch, local = input_ids.shape
+        else:           # a later pipeline stage called without ids: (s/cp[/tp], b, h) received
+            local = self.input_tensor.shape[0] * (self.state.tp_size
+                                                  if self.config.sequence_parallel else 1)
+            batch = self.input_tensor.shape[1]
+        cp = self.state.cp_size
+        device = input_ids.device if input_ids is not None else self.input_tensor.device
+        return local_token_index(local * cp, cp, self.state.cp_rank, device).expand(batch, local)
 
 
 def tied_embedding_weight(model_chunks, state=None):

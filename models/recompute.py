@@ -18,9 +18,10 @@ import torch
 from tpfuse.tp_layers.checkpointing import checkpoint
 
 
-def _run(layers, hidden, position_ids, rotary_pos_emb):
+def _run(layers, hidden, position_ids, rotary_pos_emb, document_ids=None):
     for layer in layers:
-        hidden = layer(hidden, position_ids, rotary_pos_emb=rotary_pos_emb)
+        hidden = layer(hidden, position_ids, rotary_pos_emb=rotary_pos_emb,
+                       document_ids=document_ids)
     return hidden
 
 
@@ -30,15 +31,16 @@ def _distribute_group(config, layers):
     return layers[0].tp.group
 
 
-def run_layers(layers, hidden, position_ids, config, training, rotary_pos_emb=None):
+def run_layers(layers, hidden, position_ids, config, training, rotary_pos_emb=None,
+               document_ids=None):
     """Apply ``layers`` in order, with full recompute as the config says (only when gradients
     are needed)."""
     if config.recompute_granularity != "full" or not training or not torch.is_grad_enabled():
-        return _run(layers, hidden, position_ids, rotary_pos_emb)
+        return _run(layers, hidden, position_ids, rotary_pos_emb, document_ids)
     n, group = config.recompute_num_layers, _distribute_group(config, layers)
 
     def group_of(chunk):
-        return lambda h: _run(chunk, h, position_ids, rotary_pos_emb)
+        return lambda h: _run(chunk, h, position_ids, rotary_pos_emb, document_ids)
 
     if config.recompute_method == "uniform":
         for start in range(0, len(layers), n):
@@ -49,5 +51,6 @@ def run_layers(layers, hidden, position_ids, config, training, rotary_pos_emb=No
         if index < n:
             hidden = checkpoint(group_of([layer]), hidden, distribute_group=group)
         else:
-            hidden = layer(hidden, position_ids, rotary_pos_emb=rotary_pos_emb)
+            hidden = layer(hidden, position_ids, rotary_pos_emb=rotary_pos_emb,
+                           document_ids=document_ids)
     return hidden

@@ -61,8 +61,9 @@ def rope_complex(x, positions, base):
     return torch.cat([z.real, z.imag], dim=-1).to(x.dtype)
 
 
-def dense_attention(p, prefix, x, heads, groups, rope_base=None, positions=None):
-    """Causal self-attention, head by head, from the fused-QKV master (Megatron's grouped layout)."""
+def dense_attention(p, prefix, x, heads, groups, rope_base=None, positions=None, keep=None):
+    """Causal self-attention, head by head, from the fused-QKV master (Megatron's grouped layout);
+    ``keep`` (bool, broadcastable to (b, 1, s, s)) replaces the causal mask when given."""
     s, b, h = x.shape
     d, per_group = h // heads, heads // groups
     qkv = F.linear(x, p[prefix + "linear_qkv.weight"], p.get(prefix + "linear_qkv.bias"))
@@ -76,7 +77,8 @@ def dense_attention(p, prefix, x, heads, groups, rope_base=None, positions=None)
         q, k, v = (t.permute(1, 0, 2)[:, None] for t in (q, k, v))            # (b, 1, s, d)
         if rope_base is not None:
             q, k = rope_complex(q, positions, rope_base), rope_complex(k, positions, rope_base)
-        outputs.append(F.scaled_dot_product_attention(q, k, v, is_causal=True)[:, 0])
+        outputs.append(F.scaled_dot_product_attention(q, k, v, attn_mask=keep,
+                                                      is_causal=keep is None)[:, 0])
     context = torch.cat(outputs, dim=-1).permute(1, 0, 2)                      # (s, b, heads·d)
     return F.linear(context, p[prefix + "linear_proj.weight"], p.get(prefix + "linear_proj.bias"))
 

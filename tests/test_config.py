@@ -90,10 +90,32 @@ def test_sequence_parallel_without_tp_is_disabled_like_megatron():
     (dict(recompute_method="block"), "recompute_granularity"),
     (dict(hidden_size=16, activation="swiglu"), "ffn_hidden_size=0"),
     (dict(vocab_size=0), "vocab_size=0"),
+    (dict(context_parallel_size=2, attention_dropout=0.0, seq_length=6),
+     "seq_length=6 is not divisible by 2 × context_parallel_size (2) = 4"),
+    (dict(context_parallel_size=2, attention_dropout=0.0, tensor_model_parallel_size=2,
+          sequence_parallel=True, seq_length=12), "seq_length=12 is not divisible by 2 × "
+                                                  "context_parallel_size (2)"
+                                   " × tensor_model_parallel_size (2)"),
+    (dict(context_parallel_size=2), "attention_dropout=0.1 with context_parallel_size=2"),
+    (dict(context_parallel_size=4, attention_dropout=0.0, seq_length=16, num_query_groups=2,
+          cp_comm_type="a2a"), "query groups (kv heads) per tensor-parallel rank = 2 is not "
+                               "divisible by context_parallel_size=4"),
+    (dict(cp_comm_type="a2a+p2p"), "cp_comm_type='a2a+p2p'"),
+    (dict(window_size=(4, 2)), "window_size=(4, 2)"),
+    (dict(window_size="4,x"), "window_size='4,x'"),
 ])
 def test_invalid_settings_raise_naming_fields(overrides, named):
     with pytest.raises(ValueError, match=re.escape(named)):
         make(**overrides)
+
+
+def test_window_and_comm_type_forms():
+    """Megatron's --window-size L,R and the TE/HF meaning of the window (W = L + 1 positions)."""
+    assert parse(["--num-layers", "2", "--hidden-size", "8", "--num-attention-heads", "2",
+                  "--seq-length", "4", "--window-size", "127,0"]).attention_window == 128
+    assert make(window_size=[3, 0]).window_size == (3, 0)        # a JSON list (checkpoints)
+    assert make(window_size=(-1, 0)).window_size is None and make().attention_window is None
+    assert make(cp_comm_type="allgather").cp_comm_type == "all_gather"   # Megatron's spelling
 
 
 def test_flags_use_megatron_names_and_dash_underscore_mapping():
@@ -128,7 +150,8 @@ def test_every_field_round_trips_through_flags():
         make(num_layers=8, pipeline_model_parallel_size=4, decoder_first_pipeline_num_layers=1,
              decoder_last_pipeline_num_layers=1, untie_embeddings_and_output_weights=True,
              recompute_granularity="full", recompute_method="block", recompute_num_layers=1,
-             seed=7, make_vocab_size_divisible_by=8, context_parallel_size=2),
+             seed=7, make_vocab_size_divisible_by=8, context_parallel_size=2,
+             attention_dropout=0.0, cp_comm_type="a2a", window_size=(3, 0)),
         make(num_layers=8, pipeline_model_parallel_size=2, num_layers_per_virtual_pipeline_stage=2),
     ]
     for config in configs:

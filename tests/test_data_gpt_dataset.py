@@ -100,9 +100,14 @@ def _megatron_masks(tokens, eod):
 
 @pytest.mark.parametrize("text", [[1, 2, EOD, 4, 5, EOD, 7, 8], [EOD, EOD, 3, 4, 5, 6, 7, EOD], list(range(9))])
 def test_eod_masks_and_positions(text):
-    fields = sample_fields(np.array(text), EOD, True, True, True)
+    fields = sample_fields(np.array(text), EOD, True, True, True, create_attention_mask=True)
     mask, loss_mask, position_ids = _megatron_masks(torch.tensor(text[:-1]), EOD)
     assert np.array_equal(fields["attention_mask"], mask.numpy())
+    # the document ids the attention takes give Megatron's mask: causal within equal ids
+    ids, s = fields["document_ids"], len(text) - 1
+    allowed = np.tril(np.ones((s, s), dtype=bool)) & (ids[:, None] == ids[None, :])
+    assert np.array_equal(~allowed[None], mask.numpy())
+    assert "attention_mask" not in sample_fields(np.array(text), EOD, True, True, True)
     assert np.array_equal(fields["loss_mask"], loss_mask.numpy())
     assert np.array_equal(fields["position_ids"], position_ids.numpy())
     if text[0] == 1:  # by hand: positions restart after each EOD, loss zero on the EOD inputs
@@ -111,7 +116,7 @@ def test_eod_masks_and_positions(text):
     plain = sample_fields(np.array(text), EOD, False, False, False)
     s = len(text) - 1
     assert plain["position_ids"].tolist() == list(range(s)) and plain["loss_mask"].tolist() == [1.0] * s
-    assert "attention_mask" not in plain
+    assert "attention_mask" not in plain and "document_ids" not in plain
 
 
 def test_cache_reuse_and_corruption(tmp_path, monkeypatch):

@@ -28,18 +28,18 @@ TINY_MODEL = [
 ]
 
 
-def _train(argv):
+def _train(argv, model=None):
     from tpfuse.pretrain_gpt import (forward_step, model_provider,
                                      train_valid_test_datasets_provider)
     from tpfuse.training.pretrain import pretrain
 
     result = pretrain(train_valid_test_datasets_provider, model_provider, forward_step,
-                      argv=TINY_MODEL + list(argv))
+                      argv=(TINY_MODEL if model is None else model) + list(argv))
     return result.train_losses if result.is_logger else None
 
 
-def _losses(run_distributed, world_size, argv):
-    per_rank = run_distributed(world_size, _train, argv)
+def _losses(run_distributed, world_size, argv, model=None):
+    per_rank = run_distributed(world_size, _train, argv, model)
     logged = [losses for losses in per_rank if losses is not None]
     assert len(logged) == 1, "exactly one rank logs the loss"
     return logged[0]
@@ -53,12 +53,14 @@ def reference(run_distributed):
     return losses
 
 
-def _parallel(tp=1, pp=1, vpp_layers=None, sp=False):
+def _parallel(tp=1, pp=1, vpp_layers=None, sp=False, cp=1, cp_comm_type="p2p"):
     argv = ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp)]
     if vpp_layers:
         argv += ["--num-layers-per-virtual-pipeline-stage", str(vpp_layers)]
     if sp:
         argv += ["--sequence-parallel"]
+    if cp > 1:  # the sequence of 8 in 2·cp chunks (of 1 token per tp rank with tp2 × cp2 + SP)
+        argv += ["--context-parallel-size", str(cp), "--cp-comm-type", cp_comm_type]
     return argv
 
 
@@ -87,6 +89,10 @@ LAYOUTS = {
     # after the backward pass that started them: a bucket waits for them
     "tp2-pp2-dp2-zb-h1-distopt": (8, _parallel(tp=2, pp=2) + DISTRIBUTED_OPTIMIZER
                                   + ["--overlap-param-gather", "--pipeline-schedule", "zb-h1"]),
+    "cp2": (2, _parallel(cp=2)),
+    "tp2-cp2-sp": (4, _parallel(tp=2, sp=True, cp=2)),
+    "pp2-cp2-allgather": (4, _parallel(pp=2, cp=2, cp_comm_type="all_gather")),
+    "dp2-cp2-a2a": (4, _parallel(cp=2, cp_comm_type="a2a")),
 }
 
 
@@ -153,3 +159,30 @@ def test_distributed_optimizer_resumes_exactly_and_reshards_dp4_to_dp2(run_distr
     halved = _losses(run_distributed, 2, DISTRIBUTED_OPTIMIZER + save)
     assert (len(first), len(same), len(halved)) == (4, 3, 3)
     assert first + same + halved == pytest.approx(reference, rel=1e-5)
+
+
+def _byte_corpus(prefix):
+    """EOD-separated documents of 1..12 bytes (ByteTokenizer ids): packed samples of 8 tokens hold
+    several documents, which cross the context-parallel chunks (2 tokens each at cp = 2)."""
+    from tpfuse.data import ByteTokenizer, write_indexed_dataset
+
+    tokenizer = ByteTokenizer()
+    words = ("def", "x", "return a + b", "class Model:", "pass", "import torch", "for i in r",
+             "yield", "if not ok:", "self.w = w", "print(s)", "a")
+    docs = [tokenizer.tokenize(words[i % len(words)]) + [tokenizer.eod] for i in range(400)]
+    write_indexed_dataset(prefix, docs, tokenizer.vocab_size)
+
+
+def test_document_masked_corpus_with_context_parallelism(run_distributed, tmp_path):
+    """--reset-attention-mask --reset-position-ids --eod-mask-loss and a sliding window on a real
+    indexed corpus: tp2 × cp2 with sequence parallelism (ring attention) equals one process."""
+    prefix = str(tmp_path / "corpus")
+    _byte_corpus(prefix)
+    model = [a for a in TINY_MODEL if a not in ("--mock-data", "--vocab-size", "63")]
+    flags = ["--data-path", prefix, "--tokenizer-type", "ByteTokenizer", "--split", "100,0,0",
+             "--reset-attention-mask", "--reset-position-ids", "--eod-mask-loss",
+             "--window-size", "4,0"]
+    single = _losses(run_distributed, 1, flags, model)
+    layout = _losses(run_distributed, 4, flags + _parallel(tp=2, sp=True, cp=2), model)
+    assert single[-1] < single[0]
+    assert layout == pytest.approx(single, rel=1e-5)

@@ -7,7 +7,8 @@ from tpfuse.kernels.ag_matmul import all_gather_matmul
 from tpfuse.kernels.bias_dropout_add import bias_dropout_add
 from tpfuse.kernels.cross_entropy import (cross_entropy_loss_from_stats, cross_entropy_shard_grad,
                                           cross_entropy_shard_stats)
-from tpfuse.kernels.flash_attention import MAX_HEAD_DIM, MIN_HEAD_DIM, flash_attention
+from tpfuse.kernels.flash_attention import (MAX_HEAD_DIM, MIN_HEAD_DIM, attention_backward,
+                                           attention_forward, flash_attention, merge_attention)
 from tpfuse.kernels.layer_norm import layer_norm
 from tpfuse.kernels.matmul import matmul
 from tpfuse.kernels.matmul_rs import matmul_reduce_scatter
@@ -19,9 +20,10 @@ from tpfuse.parallel.mappings import (copy_to_region, gather_from_region,
                                       scatter_to_region, scatter_to_sequence_parallel_region)
 
 __all__ = [
-    "all_gather_matmul", "bias_dropout_add", "cross_entropy_loss_from_stats",
-    "cross_entropy_shard_grad",
+    "all_gather_matmul", "attention_backward", "attention_forward", "bias_dropout_add",
+    "cross_entropy_loss_from_stats", "cross_entropy_shard_grad",
     "cross_entropy_shard_stats", "MAX_HEAD_DIM", "MIN_HEAD_DIM", "flash_attention", "layer_norm",
+    "merge_attention",
     "linear_with_grad_accumulation", "matmul", "matmul_reduce_scatter", "rms_norm", "copy_to_region", "gather_from_region",
     "gather_from_sequence_parallel_region", "reduce_from_region",
     "reduce_scatter_to_sequence_parallel_region", "scatter_to_region",

@@ -46,3 +46,38 @@ def _default_state_or_none():
         if dist.is_available() and dist.is_initialized():
             raise  # a distributed run must say which TP group it means
         return None
+
+
+@dataclass(frozen=True)
+class CPGroup:
+    """The context-parallel ProcessGroup (None at size 1), its global ranks in cp order, our rank.
+
+    The ring of ring attention runs in cp order: rank i sends to ``next_rank`` = ranks[i + 1]."""
+    group: object
+    ranks: tuple
+    rank: int
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def next_rank(self) -> int:
+        return self.ranks[(self.rank + 1) % self.size]
+
+    @property
+    def prev_rank(self) -> int:
+        return self.ranks[(self.rank - 1) % self.size]
+
+
+def resolve_cp_group(cp_group=None, state=None, tp_group=None) -> CPGroup:
+    """An explicit ``cp_group``; else ``state``'s cp group (the default state when no explicit
+    TP ``tp_group`` was given either); else context-parallel size 1."""
+    if cp_group is not None:
+        ranks = tuple(dist.get_process_group_ranks(cp_group))
+        return CPGroup(cp_group if len(ranks) > 1 else None, ranks, dist.get_rank(cp_group))
+    if state is None and tp_group is None:
+        state = _default_state_or_none()
+    if state is None or state.cp_size == 1:
+        return CPGroup(None, (dist.get_rank() if dist.is_initialized() else 0,), 0)
+    return CPGroup(state.cp_group, tuple(state.ranks("cp")), state.cp_rank)

@@ -18,6 +18,15 @@ support (``kernels.flash_attention`` takes 16 ≤ d ≤ 128; tiny test models us
 ``forward`` returns ``(output, bias)`` (bias added by the caller's bias-dropout-add; ``None``
 without ``add_bias_linear``).
 
+Masks beyond causal: ``window_size=W`` (flash_attention's sliding window: the last W positions,
+the query's own included) and ``forward(..., document_ids=ids)`` ``(b, s)`` int (packed
+documents: attend only within equal ids, ``--reset-attention-mask``).
+
+Context parallelism (cp > 1, from ``state`` or ``cp_group=``): the local sequence is this cp
+rank's two load-balanced chunks (parallel/context_split.py), ``position_ids`` / ``document_ids``
+are those of the local tokens, and the core attention is ``context_parallel_attention`` with
+``cp_comm_type`` ``p2p`` (ring) | ``all_gather`` | ``a2a`` (tp_layers/context_parallel.py).
+
 Inference (``forward(..., inference_context=ctx)``, a ``tpfuse.inference.InferenceContext``): the
 step's k/v ``[b, g_l, s, d]`` (this rank's KV heads only: GQA and TP shrink the cache alike) are
 written into the context's cache at ``ctx.sequence_len_offset``, and q attends over every cached
@@ -39,9 +48,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tpfuse.parallel.context_split import local_token_index
+
 from . import _deps
-from ._group import resolve_tp_group
+from ._group import resolve_cp_group, resolve_tp_group
 from .checkpointing import checkpoint
+from .context_parallel import (canonical_comm_type, check_context_parallel_heads,
+                               context_parallel_attention)
 from .init import normal_init
 from .linear import ColumnParallelLinear, RowParallelLinear
 from .random import get_rng_tracker
@@ -67,6 +80,23 @@ def check_heads(hidden_size: int, num_attention_heads: int, num_query_groups: in
                          f"tensor-parallel size tp={tp}")
 
 
+def check_context_parallel_layer(cp_size: int, comm_type: str, heads_local: int,
+                                 groups_local: int, attention_dropout: float,
+                                 window_size: int | None) -> None:
+    """ValueError naming the values for settings context-parallel attention cannot take."""
+    if window_size is not None and (isinstance(window_size, bool)
+                                    or not isinstance(window_size, int) or window_size < 1):
+        raise ValueError(f"window_size={window_size!r} must be a positive int (positions a query "
+                         "sees, its own included) or None")
+    if cp_size == 1:
+        return
+    check_context_parallel_heads(comm_type, heads_local, groups_local, cp_size)
+    if attention_dropout > 0:
+        raise ValueError(f"attention_dropout={attention_dropout} with context_parallel_size="
+                         f"{cp_size}: context-parallel attention runs the flash building blocks, "
+                         "which have no dropout; set attention_dropout=0 (--attention-dropout 0)")
+
+
 class ParallelAttention(nn.Module):
     def __init__(self, hidden_size: int, num_attention_heads: int, *,
                  num_query_groups: int | None = None, add_bias_linear: bool = True,
@@ -74,12 +104,18 @@ class ParallelAttention(nn.Module):
                  rotary_base: float = 10000, sequence_parallel: bool = False,
                  init_method_std: float = 0.02, output_layer_init_std: float | None = None,
                  params_dtype: torch.dtype = torch.float32, recompute_core_attention: bool = False,
-                 group=None, state=None):
+                 group=None, state=None, window_size: int | None = None,
+                 cp_comm_type: str = "p2p", cp_group=None):
         super().__init__()
         self.tp = resolve_tp_group(group, state)
+        self.cp = resolve_cp_group(cp_group, state, group)
         self.recompute_core_attention = recompute_core_attention
         groups = num_query_groups or num_attention_heads
         check_heads(hidden_size, num_attention_heads, groups, self.tp.size)
+        self.window_size, self.cp_comm_type = window_size, canonical_comm_type(cp_comm_type)
+        check_context_parallel_layer(self.cp.size, self.cp_comm_type,
+                                     num_attention_heads // self.tp.size, groups // self.tp.size,
+                                     attention_dropout, window_size)
         if position_embedding_type not in POSITION_EMBEDDINGS:
             raise ValueError(f"position_embedding_type must be one of {POSITION_EMBEDDINGS}, "
                              f"got {position_embedding_type!r}")
@@ -109,11 +145,13 @@ class ParallelAttention(nn.Module):
         return local * self.tp.size if self.sequence_parallel else local
 
     def forward(self, hidden_states: torch.Tensor, position_ids: torch.Tensor | None = None,
-                inference_context=None, rotary_pos_emb=None):
+                inference_context=None, rotary_pos_emb=None,
+                document_ids: torch.Tensor | None = None):
         seq, batch = self.full_sequence_length(hidden_states), hidden_states.shape[1]
-        if position_ids is not None and tuple(position_ids.shape) != (batch, seq):
-            raise ValueError(f"position_ids shape {tuple(position_ids.shape)} != (b, s) = "
-                             f"{(batch, seq)}")  # checked before the QKV all-gather
+        for name, ids in (("position_ids", position_ids), ("document_ids", document_ids)):
+            if ids is not None and tuple(ids.shape) != (batch, seq):
+                raise ValueError(f"{name} shape {tuple(ids.shape)} != (b, s) = "
+                                 f"{(batch, seq)}")  # checked before the QKV all-gather
         qkv = self.linear_qkv(hidden_states)                     # (s, b, (h_l + 2 g_l)·d)
         qkv = qkv.view(seq, batch, self.groups_local, self.heads_per_group + 2, self.head_dim)
         hpg = self.heads_per_group
@@ -124,16 +162,17 @@ class ParallelAttention(nn.Module):
         if self.rope:
             if rotary_pos_emb is None:
                 if position_ids is None:
-                    position_ids = default_position_ids(batch, seq, hidden_states.device)
+                    position_ids = self.default_position_ids(batch, seq, hidden_states.device)
                 rotary_pos_emb = rotary_cos_sin(position_ids, self.head_dim, self.rotary_base)
             cos, sin = rotary_pos_emb                            # (b, 1, s, d) each
         if inference_context is not None:
             q, k = self._rotate(q, k, cos, sin)
             context = self._cached_attention(q, k, v, inference_context)
         elif self.recompute_core_attention and self.training:
-            context = checkpoint(self._core_attention, q, k, v, cos, sin)   # keeps q, k, v
+            context = checkpoint(self._core_attention, q, k, v, cos, sin,   # keeps q, k, v
+                                 document_ids)
         else:
-            context = self._core_attention(q, k, v, cos, sin)
+            context = self._core_attention(q, k, v, cos, sin, document_ids)
         context = context.permute(2, 0, 1, 3).reshape(seq, batch, self.heads_local * self.head_dim)
         return self.linear_proj(context)                          # (s or s/tp, b, h), bias
 
@@ -143,14 +182,30 @@ class ParallelAttention(nn.Module):
             return q, k
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
-    def _core_attention(self, q, k, v, cos, sin):
-        """Rotary (when cos/sin are given) and causal attention: [b, h_l, s, d] → [b, h_l, s, d]
-        (the region ``core_attn`` recompute re-runs)."""
+    def _core_attention(self, q, k, v, cos, sin, document_ids=None):
+        """Rotary (when cos/sin are given) and causal attention (within the window and the
+        documents): [b, h_l, s, d] → [b, h_l, s, d] (the region ``core_attn`` recompute re-runs);
+        context-parallel over the cp group when cp > 1 (s = this rank's s/cp tokens)."""
         q, k = self._rotate(q, k, cos, sin)
         dropout = self.attention_dropout if self.training else 0.0
+        if self.cp.size > 1:
+            return context_parallel_attention(
+                q.contiguous(), k.contiguous(), v.contiguous(), self.cp, self.cp_comm_type,
+                window_size=self.window_size, document_ids=document_ids)
         if dropout > 0 or not FLASH_HEAD_DIMS[0] <= self.head_dim <= FLASH_HEAD_DIMS[1]:
-            return self._explicit_attention(q, k, v, dropout)
-        return _deps.flash_attention(q.contiguous(), k.contiguous(), v.contiguous(), causal=True)
+            return self._explicit_attention(q, k, v, dropout, q_document_ids=document_ids,
+                                            k_document_ids=document_ids)
+        return _deps.flash_attention(q.contiguous(), k.contiguous(), v.contiguous(), causal=True,
+                                     window_size=self.window_size, q_document_ids=document_ids,
+                                     k_document_ids=document_ids)
+
+    def default_position_ids(self, batch: int, seq: int, device) -> torch.Tensor:
+        """``(b, s)`` positions of the local tokens: 0..s−1, or under context parallelism the
+        global positions of this rank's two chunks."""
+        if self.cp.size == 1:
+            return default_position_ids(batch, seq, device)
+        index = local_token_index(seq * self.cp.size, self.cp.size, self.cp.rank, device)
+        return index.expand(batch, seq)
 
     def _cached_attention(self, q, k, v, inference_context):
         """Append k/v [b, g_l, s, d] to the KV cache; q [b, h_l, s, d] attends over the cache.
@@ -165,6 +220,7 @@ class ParallelAttention(nn.Module):
             try:
                 return _deps.flash_attention(q.contiguous(), keys.contiguous(),
                                              values.contiguous(), causal=True, q_offset=offset,
+                                             window_size=self.window_size,
                                              q_document_ids=q_ids, k_document_ids=k_ids)
             except NotImplementedError:   # a kernel backend without offsets / document masks
                 pass
@@ -176,14 +232,17 @@ class ParallelAttention(nn.Module):
         """softmax(q kᵀ/√d + mask) → dropout (TP stream) → @ v, in fp32 (flash has no dropout).
 
         q [b, h_l, s_q, d], k/v [b, g_l, s_k, d]; query i sits at position q_offset + i, key j
-        at j; masked: key_pos > query_pos, and keys of another document ((b, s_q) / (b, s_k)
-        ids, when given)."""
+        at j; masked: key_pos > query_pos, keys outside the sliding window (query_pos − key_pos
+        ≥ window_size), and keys of another document ((b, s_q) / (b, s_k) ids, when given)."""
         k = k.repeat_interleave(self.heads_per_group, dim=1)     # [b, h_l, s_k, d]
         v = v.repeat_interleave(self.heads_per_group, dim=1)
         scores = (q.float() @ k.float().transpose(-1, -2)) / math.sqrt(self.head_dim)
         s_q, s_k = scores.shape[-2:]
         query_pos = torch.arange(s_q, device=q.device) + q_offset
-        masked = torch.arange(s_k, device=q.device)[None, :] > query_pos[:, None]   # (s_q, s_k)
+        key_pos = torch.arange(s_k, device=q.device)[None, :]
+        masked = key_pos > query_pos[:, None]                                     # (s_q, s_k)
+        if self.window_size is not None:
+            masked = masked | (query_pos[:, None] - key_pos >= self.window_size)
         if q_document_ids is not None:
             masked = masked | (q_document_ids[:, None, :, None] != k_document_ids[:, None, None, :])
         probs = scores.masked_fill(masked, float("-inf")).softmax(dim=-1)

@@ -4,7 +4,9 @@
 
 ``hidden_states`` is ``(s, b, h)``, or this rank's chunk ``(s/tp, b, h)`` with sequence
 parallelism (the attention sees the full sequence after its QKV all-gather; rotary angles come
-from ``position_ids (b, s)`` over the full sequence, default 0..s−1).
+from ``position_ids (b, s)`` over the full sequence, default 0..s−1). Under context parallelism s
+is this cp rank's s/cp tokens (its two load-balanced chunks). ``document_ids (b, s)`` keep
+attention inside packed documents; ``window_size`` / ``cp_comm_type``: ParallelAttention's.
 
 Hidden dropout (in ``bias_dropout_add``, whose seed is drawn from the active generator):
 without sequence parallelism the activations are replicated over TP, so the seed comes from the
@@ -30,7 +32,7 @@ import torch
 from torch import nn
 
 from . import _deps
-from ._group import resolve_tp_group
+from ._group import resolve_cp_group, resolve_tp_group
 from .checkpointing import DiscardedOutput, checkpoint
 from .attention import ParallelAttention
 from .mlp import ParallelMLP
@@ -50,7 +52,7 @@ class TransformerLayer(nn.Module):
                  sequence_parallel: bool = False, init_method_std: float = 0.02,
                  output_layer_init_std: float | None = None,
                  params_dtype: torch.dtype = torch.float32, recompute_modules=(), state=None,
-                 group=None):
+                 group=None, window_size: int | None = None, cp_comm_type: str = "p2p"):
         super().__init__()
         if not 0.0 <= hidden_dropout < 1.0:
             raise ValueError(f"hidden_dropout must be in [0, 1), got {hidden_dropout}")
@@ -72,12 +74,14 @@ class TransformerLayer(nn.Module):
             hidden_size, num_attention_heads, num_query_groups=num_query_groups,
             attention_dropout=attention_dropout, position_embedding_type=position_embedding_type,
             rotary_base=rotary_base, recompute_core_attention="core_attn" in recompute_modules,
-            **common)
+            window_size=window_size, cp_comm_type=cp_comm_type,
+            cp_group=resolve_cp_group(None, state, group).group, **common)
         self.pre_mlp_norm = Norm(hidden_size, **norm)
         self.mlp = ParallelMLP(hidden_size, ffn_hidden_size, activation=activation, **common)
 
     def forward(self, hidden_states: torch.Tensor, position_ids: torch.Tensor | None = None,
-                inference_context=None, rotary_pos_emb=None):
+                inference_context=None, rotary_pos_emb=None,
+                document_ids: torch.Tensor | None = None):
         if hidden_states.dim() != 3 or hidden_states.shape[-1] != self.hidden_size:
             raise ValueError(f"hidden_states must be (s, b, {self.hidden_size}), got "
                              f"{tuple(hidden_states.shape)}")
@@ -86,7 +90,8 @@ class TransformerLayer(nn.Module):
                       else self.input_norm)
         attn_out, attn_bias = self.self_attention(input_norm(hidden_states), position_ids,
                                                   inference_context=inference_context,
-                                                  rotary_pos_emb=rotary_pos_emb)
+                                                  rotary_pos_emb=rotary_pos_emb,
+                                                  document_ids=document_ids)
         if "layernorm" in recompute:
             input_norm.discard(attn_out)             # the QKV GEMM has taken its input
         hidden_states = self._bias_dropout_add(attn_out, attn_bias, hidden_states)

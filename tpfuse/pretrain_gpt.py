@@ -18,30 +18,37 @@ from tpfuse.training.pretrain import get_args, get_config, get_tokenizer, pretra
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
-    """Mean per-token loss over the tokens the mask keeps. loss_mask, output_tensor: (b, s)."""
-    losses = output_tensor.float().reshape(-1)
-    mask = loss_mask.float().reshape(-1).to(losses.device)
-    loss = (losses * mask).sum() / mask.sum().clamp(min=1.0)
-    return loss, {"lm loss": loss.detach()}
+    """Mean per-token loss over the tokens the mask keeps. loss_mask, output_tensor: (b, s) (with
+    context parallelism this rank's s/cp tokens; the mean is over the whole sequence's)."""
+    from tpfuse.training.context_parallel import sequence_mean_loss
+
+    loss, reported = sequence_mean_loss(output_tensor, loss_mask)
+    return loss, {"lm loss": reported}
 
 
 def forward_step(data_iterator, model):
     """One micro-batch through one model chunk: (output, loss function). A chunk copies only
     what it uses: tokens on the first stage, labels on the last, position ids where the first
-    stage embeds them or rope needs the sample's own (--reset-position-ids); a middle pipeline
-    stage (neither end) then reads no batch at all, as in Megatron."""
+    stage embeds them or rope needs the sample's own (--reset-position-ids), document ids on every
+    chunk with --reset-attention-mask; a middle pipeline stage needing none of them reads no batch
+    at all, as in Megatron. With context parallelism the batch is cut to this cp rank's s/cp
+    tokens (chunks r and 2·cp−1−r) first."""
+    from tpfuse.training.context_parallel import get_batch_on_this_cp_rank
+
     first, last = model.pre_process, model.post_process
-    positions_needed = first or (get_args().reset_position_ids
+    args = get_args()
+    positions_needed = first or (args.reset_position_ids
                                  and get_config().position_embedding_type == "rope")
-    if not (first or last or positions_needed):
+    documents_needed = args.reset_attention_mask
+    if not (first or last or positions_needed or documents_needed):
         return model(None), partial(loss_func, None)
-    batch = next(data_iterator)
+    batch = get_batch_on_this_cp_rank(next(data_iterator))
     device = next(model.parameters()).device
-    tokens = batch["tokens"].to(device) if first else None                # (b, s)
-    labels = batch["labels"].to(device) if last else None                 # (b, s)
-    position_ids = batch["position_ids"].to(device) if positions_needed else None  # (b, s)
-    output = model(tokens, position_ids, attention_mask=batch.get("attention_mask"),
-                   labels=labels)
+    tokens = batch["tokens"].to(device) if first else None                # (b, s[/cp])
+    labels = batch["labels"].to(device) if last else None                 # (b, s[/cp])
+    position_ids = batch["position_ids"].to(device) if positions_needed else None
+    document_ids = batch["document_ids"].to(device) if documents_needed else None
+    output = model(tokens, position_ids, labels=labels, document_ids=document_ids)
     return output, partial(loss_func, batch["loss_mask"] if last else None)
 
 

@@ -80,8 +80,10 @@ def _add_data_arguments(parser) -> None:
     data.add_argument("--tokenizer-model", default=None,
                       help="HuggingFaceTokenizer: a local tokenizer.json (or its folder)")
     data.add_argument("--eod-mask-loss", action="store_true", help="no loss on end-of-doc tokens")
-    data.add_argument("--reset-position-ids", action="store_true")
-    data.add_argument("--reset-attention-mask", action="store_true")
+    data.add_argument("--reset-position-ids", action="store_true",
+                      help="positions restart at 0 after every end-of-document token")
+    data.add_argument("--reset-attention-mask", action="store_true",
+                      help="attend only within a document (document ids from the EOD tokens)")
 
 
 def _add_run_arguments(parser) -> None:
@@ -301,9 +303,6 @@ def _check_data(args) -> None:
     if sources == 0:
         raise ValueError("no data: give --data-path PREFIX (see tpfuse-preprocess), "
                          "--train-data-path ..., or --mock-data")
-    if args.reset_attention_mask:
-        raise ValueError("--reset-attention-mask is not supported: tpfuse's attention is causal over "
-                         "the whole sample (flash attention takes no arbitrary mask)")
     if args.split is None:
         if args.data_path and _is_rank_zero():
             print("WARNING: --split not given with --data-path; using Megatron's legacy default "

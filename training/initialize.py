@@ -85,6 +85,3 @@ def check_layout(config) -> None:
         raise ValueError(
             f"world size {world} is not divisible by tensor_model_parallel_size ({tp}) × "
             f"pipeline_model_parallel_size ({pp}) × context_parallel_size ({cp})")
-    if cp != 1:
-        raise ValueError(f"context_parallel_size={cp}: the GPT model does not implement context "
-                         f"parallelism yet; use 1")

@@ -1,0 +1,179 @@
+"""Attention over one (query chunk, key chunk) pair: what context-parallel attention is built of.
+
+``block_forward`` → ``(out, lse)`` and ``block_backward`` → ``(dq, dk, dv)`` are
+``kernels.flash_attention``'s ``attention_forward`` / ``attention_backward`` (the same mask
+keywords: causal, ``window_size``, document ids, position offsets), with two additions:
+
+- head dims outside the kernels' 16..128 (tiny test models) run ``explicit_forward`` /
+  ``explicit_backward``, the fp32 masked softmax with the same algebra and the same empty-row
+  convention (out 0, lse −inf);
+- a pair whose every key is visible to every query (no window, no documents) is passed as a full,
+  unshifted mask and a diagonal pair as an aligned causal one, so kernels that take only aligned
+  masks run the common ring blocks; a backend that refuses a mask (``NotImplementedError``) falls
+  back to the torch path.
+
+``chunk_pairs`` lists which (query chunk, key chunk) pairs of a causal / windowed sequence hold any
+visible key; ``BlockAttention`` is the autograd Function over one call.
+
+    forward   S = scale · Q Kᵀ + M,  lse = log Σ_j e^S,  O = e^(S − lse) V
+    backward  P = e^(S − lse),  δ = rowsum(dO ⊙ O),  dS = P ⊙ (dO Vᵀ − δ)
+              dQ = scale · dS K,  dK = scale · Σ_group dSᵀ Q,  dV = Σ_group Pᵀ dO
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from . import _deps
+
+
+@dataclass(frozen=True)
+class BlockMask:
+    """Mask keywords of one block call (kernels.flash_attention's, query i at q_offset + i)."""
+    causal: bool = True
+    window_size: int | None = None
+    q_document_ids: torch.Tensor | None = None      # (b, s_q)
+    k_document_ids: torch.Tensor | None = None      # (b, s_k)
+    q_offset: int = 0
+    k_offset: int = 0
+
+    def simplified(self, s_q: int, s_k: int) -> "BlockMask":
+        """The same visibility in the form aligned-mask kernels take, where there is one."""
+        if self.window_size is not None or self.q_document_ids is not None:
+            return self
+        shift = self.q_offset - self.k_offset
+        if not self.causal or shift >= s_k - 1:    # no causal rule / every key precedes every query
+            return BlockMask(causal=False)
+        if shift == 0 and s_q == s_k:
+            return BlockMask(causal=self.causal)
+        return self
+
+    def keywords(self) -> dict:
+        return dict(causal=self.causal, window_size=self.window_size,
+                    q_document_ids=self.q_document_ids, k_document_ids=self.k_document_ids,
+                    q_offset=self.q_offset, k_offset=self.k_offset)
+
+    def visible(self, s_q: int, s_k: int, device) -> torch.Tensor:
+        """Bool ``(b or 1, 1, s_q, s_k)``, True where key j is visible to query i."""
+        rows = torch.arange(s_q, device=device)[:, None] + (self.q_offset - self.k_offset)
+        cols = torch.arange(s_k, device=device)[None, :]
+        keep = torch.ones(s_q, s_k, dtype=torch.bool, device=device)
+        if self.causal:
+            keep &= cols <= rows
+        if self.window_size is not None:
+            keep &= rows - cols < self.window_size
+        keep = keep[None, None]
+        if self.q_document_ids is not None:
+            same = self.q_document_ids[:, :, None] == self.k_document_ids[:, None, :]
+            keep = keep & same[:, None]
+        return keep
+
+
+def kernel_takes(head_dim: int) -> bool:
+    return _deps.MIN_HEAD_DIM <= head_dim <= _deps.MAX_HEAD_DIM
+
+
+def default_scale(head_dim: int, softmax_scale: float | None) -> float:
+    return 1.0 / math.sqrt(head_dim) if softmax_scale is None else softmax_scale
+
+
+# ------------------------------------------------------------------------ explicit (any head dim)
+
+def _scores(q, k, scale, mask):
+    """fp32 masked scores ``(b, h, s_q, s_k)`` and the visibility, kv heads repeated per group."""
+    group = q.shape[1] // k.shape[1]
+    keys = k.float().repeat_interleave(group, dim=1)                         # (b, h, s_k, d)
+    scores = scale * q.float() @ keys.transpose(-1, -2)
+    keep = mask.visible(q.shape[2], k.shape[2], q.device)
+    return scores.masked_fill(~keep, float("-inf")), group
+
+
+def explicit_forward(q, k, v, scale, mask):
+    """``(out in q's dtype, lse fp32)`` by an explicit masked softmax; empty rows: 0, −inf."""
+    scores, group = _scores(q, k, scale, mask)
+    lse = torch.logsumexp(scores, dim=-1)                                    # (b, h, s_q)
+    probs = torch.exp(scores - lse.masked_fill(torch.isinf(lse), 0.0)[..., None])
+    out = probs @ v.float().repeat_interleave(group, dim=1)
+    return out.to(q.dtype), lse
+
+
+def explicit_backward(dout, q, k, v, out, lse, scale, mask):
+    """``(dq, dk, dv)`` of this key block given the whole attention's out and lse (fp32 math)."""
+    scores, group = _scores(q, k, scale, mask)
+    probs = torch.exp(scores - lse.float().masked_fill(torch.isinf(lse), 0.0)[..., None])
+    dout32 = dout.float()
+    values = v.float().repeat_interleave(group, dim=1)
+    delta = (dout32 * out.float()).sum(-1, keepdim=True)                     # (b, h, s_q, 1)
+    dscores = probs * (dout32 @ values.transpose(-1, -2) - delta)             # (b, h, s_q, s_k)
+    dq = scale * dscores @ k.float().repeat_interleave(group, dim=1)
+    b, g, s_k, d = k.shape
+    dk = (scale * dscores.transpose(-1, -2) @ q.float()).view(b, g, group, s_k, d).sum(2)
+    dv = (probs.transpose(-1, -2) @ dout32).view(b, g, group, s_k, d).sum(2)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+# ----------------------------------------------------------------------------- dispatch
+
+def block_forward(q, k, v, scale: float, mask: BlockMask):
+    """``(out (b, h, s_q, d), lse (b, h, s_q) fp32)`` of q over these keys only."""
+    if not kernel_takes(q.shape[-1]):
+        return explicit_forward(q, k, v, scale, mask)
+    mask = mask.simplified(q.shape[2], k.shape[2])
+    try:
+        return _deps.attention_forward(q, k, v, softmax_scale=scale, **mask.keywords())
+    except NotImplementedError:        # a kernel backend without this mask: the torch path
+        return _deps.attention_forward(q, k, v, softmax_scale=scale, backend="torch",
+                                       **mask.keywords())
+
+
+def block_backward(dout, q, k, v, out, lse, scale: float, mask: BlockMask):
+    """``(dq, dk, dv)``: this key block's part of the gradient (dq sums over blocks)."""
+    if not kernel_takes(q.shape[-1]):
+        return explicit_backward(dout, q, k, v, out, lse, scale, mask)
+    mask = mask.simplified(q.shape[2], k.shape[2])
+    try:
+        return _deps.attention_backward(dout, q, k, v, out, lse, softmax_scale=scale,
+                                        **mask.keywords())
+    except NotImplementedError:
+        return _deps.attention_backward(dout, q, k, v, out, lse, softmax_scale=scale,
+                                        backend="torch", **mask.keywords())
+
+
+class BlockAttention(torch.autograd.Function):
+    """``out = attention(q, k, v)`` over one block, differentiable in q, k, v (any head dim)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, scale, mask):
+        out, lse = block_forward(q, k, v, scale, mask)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.settings = (scale, mask)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = block_backward(dout.contiguous(), q, k, v, out, lse, *ctx.settings)
+        return dq, dk, dv, None, None
+
+
+# ------------------------------------------------------------------------ which pairs to compute
+
+def pair_visible(q_start: int, q_len: int, k_start: int, k_len: int, causal: bool,
+                 window_size: int | None) -> bool:
+    """Whether any key of positions [k_start, k_start + k_len) is visible to any query of
+    [q_start, q_start + q_len) under the positional rules (documents aside)."""
+    if causal and k_start > q_start + q_len - 1:          # every key after every query
+        return False
+    if window_size is not None and q_start - (k_start + k_len - 1) >= window_size:
+        return False                                       # every key older than the window
+    return True
+
+
+def chunk_pairs(q_chunks, k_chunks, chunk_len: int, causal: bool, window_size: int | None):
+    """``[(qi, ki)]``: local indices of the query / key chunks (global chunk ids ``q_chunks``,
+    ``k_chunks``, each ``chunk_len`` tokens) whose pair holds a visible key."""
+    return [(qi, ki) for qi, qc in enumerate(q_chunks) for ki, kc in enumerate(k_chunks)
+            if pair_visible(qc * chunk_len, chunk_len, kc * chunk_len, chunk_len, causal,
+                            window_size)]
