@@ -5,7 +5,8 @@ In fp32 on CPU with dropout off, the same model, seed and data give the same per
 (which grows with tp), with the real ``pretrain`` loop
 (pipeline schedule, DP gradient sync, tied-embedding sync, global-norm clipping, AdamW). Only the
 order of floating-point sums differs between layouts (TP splits GEMM reductions, DP averages
-partial gradients, pipelines accumulate micro-batches in another order), which moves fp32 results
+partial gradients, pipelines accumulate micro-batches in another order, context parallelism merges
+partial softmaxes by their logsumexp and sums dK/dV round the ring), which moves fp32 results
 by ~1e-7 relative per step; 1e-5 leaves room for 10 AdamW steps to amplify that, while a wrong
 gradient (a missed all-reduce, a dropped layer, a swapped micro-batch) moves the loss by far more.
 """
@@ -89,8 +90,8 @@ LAYOUTS = {
     # after the backward pass that started them: a bucket waits for them
     "tp2-pp2-dp2-zb-h1-distopt": (8, _parallel(tp=2, pp=2) + DISTRIBUTED_OPTIMIZER
                                   + ["--overlap-param-gather", "--pipeline-schedule", "zb-h1"]),
+    # context parallelism, one comm type each (tp2 × cp2 + SP with the ring: the corpus test)
     "cp2": (2, _parallel(cp=2)),
-    "tp2-cp2-sp": (4, _parallel(tp=2, sp=True, cp=2)),
     "pp2-cp2-allgather": (4, _parallel(pp=2, cp=2, cp_comm_type="all_gather")),
     "dp2-cp2-a2a": (4, _parallel(cp=2, cp_comm_type="a2a")),
 }
@@ -175,7 +176,8 @@ def _byte_corpus(prefix):
 
 def test_document_masked_corpus_with_context_parallelism(run_distributed, tmp_path):
     """--reset-attention-mask --reset-position-ids --eod-mask-loss and a sliding window on a real
-    indexed corpus: tp2 × cp2 with sequence parallelism (ring attention) equals one process."""
+    indexed corpus: tp2 × cp2 with sequence parallelism (ring attention; each rank holds one token
+    of each of its two chunks) equals one process."""
     prefix = str(tmp_path / "corpus")
     _byte_corpus(prefix)
     model = [a for a in TINY_MODEL if a not in ("--mock-data", "--vocab-size", "63")]
