@@ -73,7 +73,8 @@ def test_middle_stage_reads_no_batch(monkeypatch, reset_position_ids, reads):
     config = _config()
     monkeypatch.setitem(pretrain_module._GLOBALS, "config", config)
     monkeypatch.setitem(pretrain_module._GLOBALS, "args",
-                        SimpleNamespace(reset_position_ids=reset_position_ids))
+                        SimpleNamespace(reset_position_ids=reset_position_ids,
+                                        reset_attention_mask=False))
     middle = GPTModel(config, pre_process=False, post_process=False)
     hidden = torch.randn(8, 2, 32)
     middle.set_input_tensor(hidden)
