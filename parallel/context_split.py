@@ -74,14 +74,9 @@ def rank_order_index(seq_length: int, cp_size: int, device=None) -> torch.Tensor
     concatenated in cp-rank order (what an all-gather / all-to-all over the cp group returns).
 
     ``natural = gathered[:, argsort(rank_order_index)]`` restores sequence order;
-    ``gathered = natural[:, rank_order_index]`` goes back."""
+    ``gathered = natural[:, rank_order_index]`` goes back (``rank_order_to_natural`` /
+    ``natural_to_rank_order`` do the same without an index)."""
     return torch.cat([local_token_index(seq_length, cp_size, r, device) for r in range(cp_size)])
-
-
-def natural_order_index(seq_length: int, cp_size: int, device=None) -> torch.Tensor:
-    """``(s,)``: for each global position, where it sits in the cp-rank-ordered concatenation
-    (the inverse permutation of ``rank_order_index``)."""
-    return torch.argsort(rank_order_index(seq_length, cp_size, device))
 
 
 def canonical_comm_type(comm_type: str) -> str:
@@ -107,3 +102,26 @@ def check_context_parallel_heads(comm_type: str, heads_local: int, groups_local:
                 f"cp_comm_type='a2a': {name} per tensor-parallel rank = {value} is not divisible "
                 f"by context_parallel_size={cp_size} (Ulysses gives each cp rank 1/cp of the "
                 "heads); use p2p or all_gather")
+
+
+def rank_order_to_natural(x: torch.Tensor, cp_size: int, dim: int) -> torch.Tensor:
+    """The cp ranks' s/cp tokens concatenated in rank order along ``dim`` (what an all-gather or
+    all-to-all over the cp group returns) → sequence order. Chunk j comes from rank j's first half,
+    chunk 2·cp−1−j from its second: a flip and a cat, so autograd keeps nothing for backward."""
+    dim = dim % x.dim()
+    shape, s = x.shape, x.shape[dim]
+    c = check_sequence_split(s, cp_size)
+    halves = x.reshape(*shape[:dim], cp_size, 2, c, *shape[dim + 1:])
+    first, second = halves.select(dim + 1, 0), halves.select(dim + 1, 1).flip(dim)
+    return torch.cat([first, second], dim).reshape(shape)
+
+
+def natural_to_rank_order(x: torch.Tensor, cp_size: int, dim: int) -> torch.Tensor:
+    """The inverse of ``rank_order_to_natural``: sequence order → rank j's chunks (j, 2·cp−1−j)
+    at slot j along ``dim``."""
+    dim = dim % x.dim()
+    shape, s = x.shape, x.shape[dim]
+    c = check_sequence_split(s, cp_size)
+    chunks = x.reshape(*shape[:dim], 2 * cp_size, c, *shape[dim + 1:])
+    first, second = chunks.narrow(dim, 0, cp_size), chunks.narrow(dim, cp_size, cp_size).flip(dim)
+    return torch.stack([first, second], dim + 1).reshape(shape)

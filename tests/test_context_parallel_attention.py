@@ -16,7 +16,8 @@ import torch
 
 from tpfuse.kernels.flash_attention import attention_reference, flash_attention
 from tpfuse.parallel.context_split import (check_sequence_split, local_token_index,
-                                           rank_order_index, split_sequence)
+                                           natural_to_rank_order, rank_order_index,
+                                           rank_order_to_natural, split_sequence)
 
 B, HEADS, KV_HEADS, SEQ = 2, 8, 4, 32
 MASKS = {
@@ -130,6 +131,8 @@ def test_sequence_split_layout():
     pieces = [split_sequence(x, 4, r, dim=1) for r in range(4)]
     restored = torch.cat(pieces, dim=1)[:, torch.argsort(rank_order_index(8, 4))]
     assert torch.equal(restored, x)
+    assert torch.equal(rank_order_to_natural(torch.cat(pieces, dim=1), 4, dim=1), x)
+    assert torch.equal(natural_to_rank_order(x, 4, dim=1), torch.cat(pieces, dim=1))
     with pytest.raises(ValueError, match=r"seq_length=12 is not divisible by 2 × "
                                          r"context_parallel_size \(2\) × tensor_model_parallel_"):
         check_sequence_split(12, 2, tp_size=2, sequence_parallel=True)

@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from tpfuse.parallel.context_split import (CP_COMM_TYPE_ALIASES, CP_COMM_TYPES,  # noqa: F401
                                            canonical_comm_type, check_context_parallel_heads,
-                                           natural_order_index, rank_order_index)
+                                           natural_to_rank_order, rank_order_to_natural)
 from tpfuse.parallel.mappings import all_gather_first_dim, reduce_scatter_first_dim
 
 from .attention_blocks import BlockAttention, BlockMask, block_backward, block_forward
@@ -40,14 +40,10 @@ from .ring_attention import RingPlan, ring_attention
 
 # ----------------------------------------------------------------------------- shared pieces
 
-def _rank_order_to_natural(t: torch.Tensor, s: int, cp_size: int, dim: int) -> torch.Tensor:
-    return t.index_select(dim, natural_order_index(s, cp_size, t.device))
-
-
 def gather_document_ids(document_ids: torch.Tensor, cp) -> torch.Tensor:
     """``(b, 2c)`` local ids → ``(b, s)`` ids of the whole sequence in natural order."""
     gathered = all_gather_first_dim(document_ids.t().contiguous(), cp.group)   # (s, b) rank order
-    return _rank_order_to_natural(gathered, gathered.shape[0], cp.size, 0).t()
+    return rank_order_to_natural(gathered, cp.size, 0).t()
 
 
 def _chunk_mask(q_chunk, c, k_start, k_end, causal, window_size, ids) -> BlockMask:
@@ -70,7 +66,7 @@ def _gather_kv(k, v, cp, s):
     """Local K/V ``(b, g, 2c, d)`` → the whole sequence's ``(2, b, g, s, d)`` in natural order."""
     kv = torch.stack([k, v]).movedim(3, 0)                            # (2c, 2, b, g, d)
     gathered = all_gather_first_dim(kv, cp.group)                      # (s, 2, b, g, d) rank order
-    return _rank_order_to_natural(gathered, s, cp.size, 0).movedim(0, 3)
+    return rank_order_to_natural(gathered, cp.size, 0).movedim(0, 3)
 
 
 class AllGatherAttention(torch.autograd.Function):
@@ -115,7 +111,7 @@ class AllGatherAttention(torch.autograd.Function):
             dq[:, :, rows] = part_dq
             dkv[0, :, :, start:end] += part_dk
             dkv[1, :, :, start:end] += part_dv
-        rank_order = dkv.index_select(3, rank_order_index(s, cp.size, q.device)).movedim(3, 0)
+        rank_order = natural_to_rank_order(dkv, cp.size, 3).movedim(3, 0)
         local = reduce_scatter_first_dim(rank_order, cp.group).movedim(0, 3)  # (2, b, g, 2c, d)
         return dq, local[0].to(k.dtype), local[1].to(v.dtype), None, None, None, None, None
 
@@ -150,13 +146,13 @@ def _heads_to_sequence(x, cp):
     slots = x.reshape(b, cp.size, n // cp.size, two_c, d).transpose(0, 1)   # (cp, b, n/cp, 2c, d)
     received = _AllToAll.apply(slots, cp.group)                # slot j: rank j's chunks, our heads
     full = received.permute(1, 2, 0, 3, 4).reshape(b, n // cp.size, cp.size * two_c, d)
-    return _rank_order_to_natural(full, cp.size * two_c, cp.size, 2)
+    return rank_order_to_natural(full, cp.size, 2)
 
 
 def _sequence_to_heads(x, cp):
     """The inverse of ``_heads_to_sequence``: ``(b, n/cp, s, d)`` → ``(b, n, 2c, d)``."""
     b, n_part, s, d = x.shape
-    ranked = x.index_select(2, rank_order_index(s, cp.size, x.device))
+    ranked = natural_to_rank_order(x, cp.size, 2)
     slots = ranked.reshape(b, n_part, cp.size, s // cp.size, d).permute(2, 0, 1, 3, 4)
     received = _AllToAll.apply(slots, cp.group)                # slot j: head group j, our chunks
     return received.transpose(0, 1).reshape(b, cp.size * n_part, s // cp.size, d)
