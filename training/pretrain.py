@@ -341,8 +341,10 @@ def run_banner(run) -> None:
     config, state = run.config, run.state
     params = sum(p.numel() for p in run.params)
     preset = f"preset {run.args.preset} | " if run.args.preset else ""
+    comm_type = f" ({config.cp_comm_type})" if state.cp_size > 1 else ""
     print(f"> tpfuse: {preset}tp={state.tp_size} pp={state.pp_size} vpp={state.vpp_size or 1} "
-          f"dp={state.dp_size} sequence_parallel={config.sequence_parallel} | "
+          f"dp={state.dp_size} cp={state.cp_size}{comm_type} "
+          f"sequence_parallel={config.sequence_parallel} | "
           f"{config.num_layers} layers, hidden {config.hidden_size}, "
           f"{config.num_attention_heads} heads, seq {config.seq_length} | "
           f"parameters on this rank: {params:,}", flush=True)
