@@ -47,9 +47,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from tpfuse.parallel.context_split import local_token_index
 from tpfuse.tp_layers import (ColumnParallelLinear, Norm, TransformerLayer,
                               vocab_parallel_cross_entropy)
-from tpfuse.parallel.context_split import local_token_index
 from tpfuse.tp_layers.rope import default_position_ids, rotary_cos_sin
 
 from .embedding import GPTEmbedding, draw_position_master, draw_vocab_master, draw_word_master
