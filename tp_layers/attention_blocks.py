@@ -13,7 +13,10 @@ keywords: causal, ``window_size``, document ids, position offsets), with two add
   back to the torch path.
 
 ``chunk_pairs`` lists which (query chunk, key chunk) pairs of a causal / windowed sequence hold any
-visible key; ``BlockAttention`` is the autograd Function over one call.
+visible key, ``ChunkPlan`` turns them into block calls with their masks; ``BlockAttention`` is the
+autograd Function over one call. Context-parallel attention cuts its work into c × c blocks
+(c = s / (2·cp)): every call has equal query and key lengths, so aligned-mask kernels run the
+fully visible and the diagonal ones.
 
     forward   S = scale · Q Kᵀ + M,  lse = log Σ_j e^S,  O = e^(S − lse) V
     backward  P = e^(S − lse),  δ = rowsum(dO ⊙ O),  dS = P ⊙ (dO Vᵀ − δ)
@@ -177,3 +180,50 @@ def chunk_pairs(q_chunks, k_chunks, chunk_len: int, causal: bool, window_size: i
     return [(qi, ki) for qi, qc in enumerate(q_chunks) for ki, kc in enumerate(k_chunks)
             if pair_visible(qc * chunk_len, chunk_len, kc * chunk_len, chunk_len, causal,
                             window_size)]
+
+
+@dataclass(frozen=True)
+class ChunkPlan:
+    """The block calls of one context-parallel attention: this cp rank's query chunks
+    (``cp_rank``, 2·cp−1−``cp_rank``) against key chunks of ``chunk_len`` tokens, with the
+    masks (positions from the global chunk index, document ids sliced from the whole
+    sequence's)."""
+    cp_size: int
+    cp_rank: int
+    chunk_len: int                      # c = s / (2·cp)
+    scale: float
+    causal: bool
+    window_size: int | None
+    document_ids: torch.Tensor | None   # (b, s) of the whole sequence, natural order
+
+    def chunks_of(self, cp_rank: int) -> tuple[int, int]:
+        return cp_rank, 2 * self.cp_size - 1 - cp_rank
+
+    def pairs(self, k_chunks):
+        """``(qi, ki, BlockMask)`` for every visible (local query chunk qi, key chunk
+        ``k_chunks[ki]``) pair."""
+        q_chunks = self.chunks_of(self.cp_rank)
+        for qi, ki in chunk_pairs(q_chunks, k_chunks, self.chunk_len, self.causal,
+                                  self.window_size):
+            yield qi, ki, self.mask(q_chunks[qi], k_chunks[ki])
+
+    def mask(self, q_chunk: int, k_chunk: int) -> BlockMask:
+        c, ids = self.chunk_len, self.document_ids
+        return BlockMask(
+            causal=self.causal, window_size=self.window_size, q_offset=q_chunk * c,
+            k_offset=k_chunk * c,
+            q_document_ids=None if ids is None else ids[:, q_chunk * c:(q_chunk + 1) * c],
+            k_document_ids=None if ids is None else ids[:, k_chunk * c:(k_chunk + 1) * c])
+
+
+def chunk(t: torch.Tensor, index: int, c: int) -> torch.Tensor:
+    """Chunk ``index`` of ``c`` rows along the sequence dim −2 of ``(..., s, d)``: a view."""
+    return t.narrow(-2, index * c, c)
+
+
+def merge_into(out: torch.Tensor, lse: torch.Tensor, part_out, part_lse) -> None:
+    """``(out, lse) ← merge_attention((out, lse), (part_out, part_lse))`` in place (fp32 views
+    ``(b, h, c, d)`` / ``(b, h, c)``)."""
+    merged_out, merged_lse = _deps.merge_attention(out, lse, part_out, part_lse)
+    out.copy_(merged_out)
+    lse.copy_(merged_lse)

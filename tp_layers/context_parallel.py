@@ -8,8 +8,8 @@ sequence. Three ways to bring keys and queries together (Megatron's ``--cp-comm-
     Wins for long sequences and cp spanning slow links (inter-node): the transfer per step is
     small and overlapped, and no rank ever holds the whole K/V.
 ``all_gather`` — K/V gathered once (one all-gather of cp·|K/V local|), each query chunk attends to
-    its causal prefix; backward re-gathers K/V (kept: only the local K/V, memory 1/cp) and
-    reduce-scatters dK/dV. One collective instead of cp − 1 steps: wins when the sequence per rank
+    the key chunks it can see; backward re-gathers K/V (kept: only the local K/V, memory 1/cp)
+    and reduce-scatters dK/dV. One collective instead of cp − 1 steps: wins when the sequence per rank
     is short (a ring step would be latency-bound) or with GQA, where K/V is small next to Q, on a
     fast intra-node link; it holds the full K/V transiently.
 ``a2a`` — DeepSpeed-Ulysses. An all-to-all swaps the split: every rank gets the whole sequence of
@@ -34,9 +34,9 @@ from tpfuse.parallel.context_split import (CP_COMM_TYPE_ALIASES, CP_COMM_TYPES, 
                                            natural_to_rank_order, rank_order_to_natural)
 from tpfuse.parallel.mappings import all_gather_first_dim, reduce_scatter_first_dim
 
-from .attention_blocks import BlockAttention, BlockMask, block_backward, block_forward
-from .attention_blocks import default_scale
-from .ring_attention import RingPlan, ring_attention
+from .attention_blocks import (BlockAttention, BlockMask, ChunkPlan, block_backward, block_forward,
+                               chunk, default_scale, merge_into)
+from .ring_attention import ring_attention
 
 # ----------------------------------------------------------------------------- shared pieces
 
@@ -46,23 +46,9 @@ def gather_document_ids(document_ids: torch.Tensor, cp) -> torch.Tensor:
     return rank_order_to_natural(gathered, cp.size, 0).t()
 
 
-def _chunk_mask(q_chunk, c, k_start, k_end, causal, window_size, ids) -> BlockMask:
-    return BlockMask(causal=causal, window_size=window_size, q_offset=q_chunk * c,
-                     k_offset=k_start,
-                     q_document_ids=None if ids is None else ids[:, q_chunk * c:(q_chunk + 1) * c],
-                     k_document_ids=None if ids is None else ids[:, k_start:k_end])
-
-
-def _key_range(q_chunk, c, s, causal, window_size) -> tuple[int, int]:
-    """Keys [start, end) some query of chunk ``q_chunk`` may see (positional rules)."""
-    end = (q_chunk + 1) * c if causal else s
-    start = max(0, q_chunk * c - window_size + 1) if window_size is not None else 0
-    return start, end
-
-
 # ----------------------------------------------------------------------------- all_gather
 
-def _gather_kv(k, v, cp, s):
+def _gather_kv(k, v, cp):
     """Local K/V ``(b, g, 2c, d)`` → the whole sequence's ``(2, b, g, s, d)`` in natural order."""
     kv = torch.stack([k, v]).movedim(3, 0)                            # (2c, 2, b, g, d)
     gathered = all_gather_first_dim(kv, cp.group)                      # (s, 2, b, g, d) rank order
@@ -70,50 +56,45 @@ def _gather_kv(k, v, cp, s):
 
 
 class AllGatherAttention(torch.autograd.Function):
-    """K/V all-gathered in forward and again in backward (only the local K/V is kept);
-    dK/dV of the whole sequence reduce-scattered back to the owners."""
+    """K/V all-gathered in forward and again in backward (only the local K/V is kept); each
+    query chunk attends to the visible key chunks (c × c blocks merged by lse); dK/dV of the
+    whole sequence reduce-scattered back to the owners."""
 
     @staticmethod
-    def forward(ctx, q, k, v, cp, scale, causal, window_size, ids):
-        c = q.shape[2] // 2
-        s = 2 * c * cp.size
-        kv = _gather_kv(k, v, cp, s)
-        outs, lses = [], []
-        for qi, q_chunk in enumerate((cp.rank, 2 * cp.size - 1 - cp.rank)):
-            start, end = _key_range(q_chunk, c, s, causal, window_size)
-            mask = _chunk_mask(q_chunk, c, start, end, causal, window_size, ids)
-            out, lse = block_forward(q.narrow(2, qi * c, c), kv[0, :, :, start:end],
-                                     kv[1, :, :, start:end], scale, mask)
-            outs.append(out)
-            lses.append(lse)
-        out, lse = torch.cat(outs, dim=2), torch.cat(lses, dim=2)
+    def forward(ctx, q, k, v, cp, plan: ChunkPlan):
+        c, chunks = plan.chunk_len, range(2 * cp.size)
+        kv = _gather_kv(k, v, cp)                                      # (2, b, g, s, d)
+        b, h, _, d = q.shape
+        out = torch.zeros(b, h, 2 * c, d, dtype=torch.float32, device=q.device)
+        lse = torch.full((b, h, 2 * c), float("-inf"), dtype=torch.float32, device=q.device)
+        for qi, ki, mask in plan.pairs(chunks):
+            part_out, part_lse = block_forward(chunk(q, qi, c), chunk(kv[0], ki, c),
+                                               chunk(kv[1], ki, c), plan.scale, mask)
+            merge_into(chunk(out, qi, c), lse.narrow(-1, qi * c, c), part_out, part_lse)
+        out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.settings = (cp, scale, causal, window_size, ids)
+        ctx.settings = (cp, plan)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        cp, scale, causal, window_size, ids = ctx.settings
-        c = q.shape[2] // 2
-        s = 2 * c * cp.size
-        kv = _gather_kv(k, v, cp, s)
+        cp, plan = ctx.settings
+        c, chunks = plan.chunk_len, range(2 * cp.size)
+        kv = _gather_kv(k, v, cp)
         dout = dout.contiguous()
-        dq = torch.empty_like(q)
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)   # (2, b, g, s, d)
-        for qi, q_chunk in enumerate((cp.rank, 2 * cp.size - 1 - cp.rank)):
-            start, end = _key_range(q_chunk, c, s, causal, window_size)
-            rows = slice(qi * c, (qi + 1) * c)
+        for qi, ki, mask in plan.pairs(chunks):
             part_dq, part_dk, part_dv = block_backward(
-                dout[:, :, rows], q[:, :, rows], kv[0, :, :, start:end], kv[1, :, :, start:end],
-                out[:, :, rows], lse[:, :, rows], scale,
-                _chunk_mask(q_chunk, c, start, end, causal, window_size, ids))
-            dq[:, :, rows] = part_dq
-            dkv[0, :, :, start:end] += part_dk
-            dkv[1, :, :, start:end] += part_dv
+                chunk(dout, qi, c), chunk(q, qi, c), chunk(kv[0], ki, c), chunk(kv[1], ki, c),
+                chunk(out, qi, c), lse.narrow(-1, qi * c, c), plan.scale, mask)
+            chunk(dq, qi, c).add_(part_dq)
+            chunk(dkv[0], ki, c).add_(part_dk)
+            chunk(dkv[1], ki, c).add_(part_dv)
         rank_order = natural_to_rank_order(dkv, cp.size, 3).movedim(3, 0)
         local = reduce_scatter_first_dim(rank_order, cp.group).movedim(0, 3)  # (2, b, g, 2c, d)
-        return dq, local[0].to(k.dtype), local[1].to(v.dtype), None, None, None, None, None
+        return dq.to(q.dtype), local[0].to(k.dtype), local[1].to(v.dtype), None, None
 
 
 # ----------------------------------------------------------------------------- a2a (Ulysses)
@@ -189,9 +170,9 @@ def context_parallel_attention(q, k, v, cp, comm_type: str = "p2p", *, causal: b
                          "equal chunks")
     check_context_parallel_heads(comm_type, q.shape[1], k.shape[1], cp.size)
     ids = None if document_ids is None else gather_document_ids(document_ids, cp)
+    if comm_type == "a2a":
+        return ulysses_attention(q, k, v, cp, scale, causal, window_size, ids)
+    plan = ChunkPlan(cp.size, cp.rank, q.shape[2] // 2, scale, causal, window_size, ids)
     if comm_type == "p2p":
-        plan = RingPlan(cp, q.shape[2] // 2, scale, causal, window_size, ids)
-        return ring_attention(q, k, v, plan)
-    if comm_type == "all_gather":
-        return AllGatherAttention.apply(q, k, v, cp, scale, causal, window_size, ids)
-    return ulysses_attention(q, k, v, cp, scale, causal, window_size, ids)
+        return ring_attention(q, k, v, cp, plan)
+    return AllGatherAttention.apply(q, k, v, cp, plan)

@@ -31,8 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from . import _deps
-from .attention_blocks import BlockMask, block_backward, block_forward, chunk_pairs
+from .attention_blocks import ChunkPlan, block_backward, block_forward, chunk, merge_into
 
 KV_TAG, DKV_TAG = 11, 12   # gloo matches messages by tag; NCCL by posting order (the same here)
 
@@ -64,48 +63,10 @@ class _PendingExchange:
         return self.received
 
 
-@dataclass(frozen=True)
-class RingPlan:
-    """What every block call of one ring attention needs besides the tensors."""
-    cp: object                          # tp_layers._group.CPGroup
-    chunk_len: int                      # c = s / (2·cp)
-    scale: float
-    causal: bool
-    window_size: int | None
-    document_ids: torch.Tensor | None   # (b, s) of the whole sequence, natural order
-
-    def chunks_of(self, cp_rank: int) -> tuple[int, int]:
-        return cp_rank, 2 * self.cp.size - 1 - cp_rank
-
-    def pairs(self, owner: int):
-        """Visible (local query chunk, key chunk of ``owner``) pairs with their block masks."""
-        q_chunks, k_chunks = self.chunks_of(self.cp.rank), self.chunks_of(owner)
-        for qi, ki in chunk_pairs(q_chunks, k_chunks, self.chunk_len, self.causal,
-                                  self.window_size):
-            yield qi, ki, self.mask(q_chunks[qi], k_chunks[ki])
-
-    def mask(self, q_chunk: int, k_chunk: int) -> BlockMask:
-        c, ids = self.chunk_len, self.document_ids
-        return BlockMask(
-            causal=self.causal, window_size=self.window_size, q_offset=q_chunk * c,
-            k_offset=k_chunk * c,
-            q_document_ids=None if ids is None else ids[:, q_chunk * c:(q_chunk + 1) * c],
-            k_document_ids=None if ids is None else ids[:, k_chunk * c:(k_chunk + 1) * c])
-
-
-def _chunk(t: torch.Tensor, index: int, c: int) -> torch.Tensor:
-    """Local chunk ``index`` (0 or 1) of a ``(..., 2c, d)`` tensor: a view along dim −2."""
-    return t.narrow(-2, index * c, c)
-
-
-def _lse_chunk(lse: torch.Tensor, index: int, c: int) -> torch.Tensor:
-    return lse.narrow(-1, index * c, c)
-
-
 class RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, plan: RingPlan):
-        c, cp = plan.chunk_len, plan.cp
+    def forward(ctx, q, k, v, cp, plan: ChunkPlan):
+        c = plan.chunk_len
         kv = torch.stack([k, v])                                       # (2, b, g, 2c, d)
         b, h, _, d = q.shape
         out = torch.zeros(b, h, 2 * c, d, dtype=torch.float32, device=q.device)
@@ -114,25 +75,22 @@ class RingAttention(torch.autograd.Function):
         for step in range(cp.size):
             owner = (cp.rank - step) % cp.size
             pending = exchange.start(kv) if step + 1 < cp.size else None
-            for qi, ki, mask in plan.pairs(owner):
-                part_out, part_lse = block_forward(
-                    _chunk(q, qi, c), _chunk(kv[0], ki, c), _chunk(kv[1], ki, c), plan.scale, mask)
-                merged_out, merged_lse = _deps.merge_attention(
-                    _chunk(out, qi, c), _lse_chunk(lse, qi, c), part_out, part_lse)
-                _chunk(out, qi, c).copy_(merged_out)
-                _lse_chunk(lse, qi, c).copy_(merged_lse)
+            for qi, ki, mask in plan.pairs(plan.chunks_of(owner)):
+                part_out, part_lse = block_forward(chunk(q, qi, c), chunk(kv[0], ki, c),
+                                                   chunk(kv[1], ki, c), plan.scale, mask)
+                merge_into(chunk(out, qi, c), lse.narrow(-1, qi * c, c), part_out, part_lse)
             if pending is not None:
                 kv = pending.wait()
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.plan = plan
+        ctx.settings = (cp, plan)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        plan = ctx.plan
-        c, cp = plan.chunk_len, plan.cp
+        cp, plan = ctx.settings
+        c = plan.chunk_len
         dout = dout.contiguous()
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         kv = torch.stack([k, v])
@@ -142,24 +100,24 @@ class RingAttention(torch.autograd.Function):
             owner = (cp.rank - step) % cp.size
             pending_kv = kv_exchange.start(kv) if step + 1 < cp.size else None
             dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)  # (2, b, g, 2c, d)
-            for qi, ki, mask in plan.pairs(owner):
+            for qi, ki, mask in plan.pairs(plan.chunks_of(owner)):
                 part_dq, part_dk, part_dv = block_backward(
-                    _chunk(dout, qi, c), _chunk(q, qi, c), _chunk(kv[0], ki, c),
-                    _chunk(kv[1], ki, c), _chunk(out, qi, c), _lse_chunk(lse, qi, c),
-                    plan.scale, mask)
-                _chunk(dq, qi, c).add_(part_dq)
-                _chunk(dkv[0], ki, c).add_(part_dk)
-                _chunk(dkv[1], ki, c).add_(part_dv)
+                    chunk(dout, qi, c), chunk(q, qi, c), chunk(kv[0], ki, c), chunk(kv[1], ki, c),
+                    chunk(out, qi, c), lse.narrow(-1, qi * c, c), plan.scale, mask)
+                chunk(dq, qi, c).add_(part_dq)
+                chunk(dkv[0], ki, c).add_(part_dk)
+                chunk(dkv[1], ki, c).add_(part_dv)
             if pending_dkv is not None:
                 dkv += pending_dkv.wait()        # what the ranks before added to this block
             pending_dkv = dkv_exchange.start(dkv)
             if pending_kv is not None:
                 kv = pending_kv.wait()
         dkv = pending_dkv.wait()                 # our own block, summed over the whole ring
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
 
 
-def ring_attention(q, k, v, plan: RingPlan) -> torch.Tensor:
+def ring_attention(q, k, v, cp, plan: ChunkPlan) -> torch.Tensor:
     """Attention of the local chunks' queries over the whole sequence's keys (see the module
-    docstring): ``q (b, h, 2c, d)``, ``k, v (b, g, 2c, d)`` → ``(b, h, 2c, d)``."""
-    return RingAttention.apply(q, k, v, plan)
+    docstring): ``q (b, h, 2c, d)``, ``k, v (b, g, 2c, d)`` → ``(b, h, 2c, d)``; ``cp`` a
+    ``tp_layers._group.CPGroup``."""
+    return RingAttention.apply(q, k, v, cp, plan)
