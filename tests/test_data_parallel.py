@@ -48,7 +48,19 @@ def _model():
                                torch.nn.Tanh(), torch.nn.Linear(3, 2))
 
 
-def reduce_body(distributed: bool, overlap: bool):
+def reduce_body(distributed: bool, overlap: bool, native_reduce_scatter: bool):
+    from tpfuse.training import data_parallel
+
+    chooser = data_parallel._all_reduce_is_faster
+    if native_reduce_scatter:   # the NCCL path (reduce_scatter_tensor) on gloo
+        data_parallel._all_reduce_is_faster = lambda group: False
+    try:
+        return _reduce(distributed, overlap)
+    finally:
+        data_parallel._all_reduce_is_faster = chooser
+
+
+def _reduce(distributed: bool, overlap: bool):
     from tpfuse.parallel.state import ParallelState
 
     state = ParallelState.initialize()
@@ -86,10 +98,11 @@ def reduce_body(distributed: bool, overlap: bool):
     return launched, len(buffers.queues["dense"]), max(errors)
 
 
-@pytest.mark.parametrize("distributed", [False, True], ids=["all-reduce", "reduce-scatter"])
+@pytest.mark.parametrize("distributed, native", [(False, False), (True, False), (True, True)],
+                         ids=["all-reduce", "sharded-gloo", "sharded-reduce-scatter"])
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "after-backward"])
-def test_buckets_average_over_data_parallel_ranks(run_distributed, distributed, overlap):
-    for launched, buckets, error in run_distributed(4, reduce_body, distributed, overlap):
+def test_buckets_average_over_data_parallel_ranks(run_distributed, distributed, native, overlap):
+    for launched, buckets, error in run_distributed(4, reduce_body, distributed, overlap, native):
         assert error < 1e-6
         if overlap:   # bucket_size 20 splits the 80 parameters; all in flight before backward ends
             assert buckets > 1 and launched == buckets
