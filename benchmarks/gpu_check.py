@@ -31,6 +31,7 @@ import time
 import traceback
 
 import torch
+import triton.runtime.errors
 
 from gpu_check_cases import SHAPES, all_cases
 
@@ -151,11 +152,20 @@ def compiled_kernels():
                 fn = fn.fn
             for cache in getattr(fn, "device_caches", {}).values():
                 for compiled in cache[0].values():
-                    compiled._init_handles()
-                    meta = compiled.metadata
-                    rows.append((f"{name.rsplit('.', 1)[-1]}.{fn.__name__}", meta.num_warps, meta.num_stages,
-                                 compiled.n_regs, compiled.n_spills, meta.shared))
+                    rows.append(_variant_row(f"{name.rsplit('.', 1)[-1]}.{fn.__name__}", compiled))
     return sorted(set(rows))
+
+
+def _variant_row(kernel, compiled):
+    """One compiled variant's row; registers and spills are -1 for a variant the driver refuses to
+    load (an autotuner config over the shared-memory limit: compiled, tried, discarded)."""
+    meta = compiled.metadata
+    try:
+        compiled._init_handles()
+        regs, spills = compiled.n_regs, compiled.n_spills
+    except triton.runtime.errors.OutOfResources:
+        regs, spills = -1, -1
+    return kernel, meta.num_warps, meta.num_stages, regs, spills, meta.shared
 
 
 def print_compiled():
@@ -166,7 +176,7 @@ def print_compiled():
         return
     print("\nCompiled kernel variants (registers per thread, spilled bytes, shared memory):")
     for kernel, warps, stages, regs, spills, shared in rows:
-        flag = "  <-- spills" if spills else ""
+        flag = "  <-- over the shared-memory limit" if regs < 0 else "  <-- spills" if spills else ""
         print(f"  {kernel:48s} warps={warps:2d} stages={stages} regs={regs:3d} spills={spills} "
               f"shared={shared}{flag}")
 
