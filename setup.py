@@ -7,7 +7,7 @@ import os
 
 from setuptools import setup
 
-SUBPACKAGES = ["parallel", "kernels", "tp_layers", "models", "pipeline", "data", "training",
+SUBPACKAGES = ["parallel", "kernels", "tp_layers", "moe", "models", "pipeline", "data", "training",
                "inference", "convert", "megatron_compat"]
 HERE = os.path.dirname(os.path.abspath(__file__))
 

@@ -26,6 +26,8 @@ from .config import (ACTIVATIONS, CATEGORIES, CP_COMM_TYPE_ALIASES, CP_COMM_TYPE
                      NORMALIZATIONS, PIPELINE_SCHEDULES, POSITION_EMBEDDINGS,
                      RECOMPUTE_GRANULARITIES, RECOMPUTE_METHODS, RECOMPUTE_MODULES,
                      TransformerConfig, _parse_int_pair, config_fields)
+from .moe_config import (MOE_LOAD_BALANCING_TYPES, MOE_ROUTER_DTYPES, MOE_SCORE_FUNCTIONS,
+                         MOE_TOKEN_DISPATCHER_TYPES, MOE_TOKEN_DROP_POLICIES, parse_moe_layer_freq)
 
 CHOICES = {
     "normalization": NORMALIZATIONS, "activation": ACTIVATIONS,
@@ -33,6 +35,10 @@ CHOICES = {
     "recompute_granularity": RECOMPUTE_GRANULARITIES, "recompute_method": RECOMPUTE_METHODS,
     "pipeline_schedule": PIPELINE_SCHEDULES, "recompute_modules": RECOMPUTE_MODULES,
     "cp_comm_type": CP_COMM_TYPES + tuple(CP_COMM_TYPE_ALIASES),
+    "moe_router_score_function": MOE_SCORE_FUNCTIONS,
+    "moe_router_load_balancing_type": MOE_LOAD_BALANCING_TYPES,
+    "moe_token_drop_policy": MOE_TOKEN_DROP_POLICIES,
+    "moe_token_dispatcher_type": MOE_TOKEN_DISPATCHER_TYPES, "moe_router_dtype": MOE_ROUTER_DTYPES,
 }
 
 
@@ -50,11 +56,18 @@ def _int_pair(text):
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
+def _layer_freq(text):
+    try:
+        return parse_moe_layer_freq(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
 TYPES = {"int": int, "float": float, "str": str, "bool": bool, "torch.dtype": _dtype,
-         "tuple[int, int]": _int_pair}
+         "tuple[int, int]": _int_pair, "int | list[int]": _layer_freq}
 
 
-METAVARS = {"tuple[int, int]": "L,R"}
+METAVARS = {"tuple[int, int]": "L,R", "int | list[int]": "INT|LIST"}
 
 
 def field_type_name(f):

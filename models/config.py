@@ -29,8 +29,9 @@ from tpfuse.parallel.context_split import (CP_COMM_TYPE_ALIASES, CP_COMM_TYPES,
                                            check_context_parallel_heads, check_sequence_split)
 
 from .layer_assignment import stage_layer_counts
+from .moe_config import parse_moe_layer_freq, validate_moe
 
-CATEGORIES = ("model", "parallelism", "precision", "recompute")
+CATEGORIES = ("model", "parallelism", "moe", "precision", "recompute")
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 ACTIVATIONS = ("gelu", "gelu_tanh", "swiglu")
 POSITION_EMBEDDINGS = ("learned_absolute", "rope")
@@ -40,7 +41,8 @@ RECOMPUTE_METHODS = ("uniform", "block")
 RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp")
 MEGATRON_ONLY_RECOMPUTE_MODULES = ("moe_act", "mla_up_proj", "moe", "shared_experts")
 DERIVED = ("num_query_groups", "ffn_hidden_size", "max_position_embeddings",
-           "virtual_pipeline_model_parallel_size", "params_dtype", "recompute_modules")
+           "virtual_pipeline_model_parallel_size", "params_dtype", "recompute_modules",
+           "moe_ffn_hidden_size")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -118,6 +120,45 @@ class TransformerConfig:
     decoder_last_pipeline_num_layers: int | None = _f(
         "parallelism", "layers on the last pipeline stage (uneven split)", None)
 
+    # ---- mixture of experts (Megatron-core's names; see moe_config.py) ------------------------
+    num_moe_experts: int | None = _f(
+        "moe", "routed experts per MoE layer (None: dense MLPs only)", None, flag="--num-experts")
+    moe_ffn_hidden_size: int | None = _f(
+        "moe", "hidden size of each routed expert (default: ffn_hidden_size)", None)
+    moe_layer_freq: int | list[int] = _f(
+        "moe", "MoE at every N-th layer (int), or one 0/1 per layer, e.g. '([0]+[1]*3)*2'", 1)
+    moe_router_topk: int = _f("moe", "experts each token is routed to (k)", 2)
+    moe_router_score_function: str = _f("moe", "router scores: softmax | sigmoid", "softmax")
+    moe_router_pre_softmax: bool = _f(
+        "moe", "softmax over all experts before top-k (default: softmax of the top-k logits)",
+        False)
+    moe_router_topk_scaling_factor: float | None = _f(
+        "moe", "multiply the top-k routing probabilities by this", None)
+    moe_router_num_groups: int | None = _f(
+        "moe", "expert groups for group-limited routing (device/node-limited)", None)
+    moe_router_group_topk: int | None = _f(
+        "moe", "groups each token may use (group-limited routing)", None)
+    moe_router_dtype: str | None = _f(
+        "moe", "router logits/probabilities dtype: fp32 | fp64 (default: params dtype)", None)
+    moe_router_load_balancing_type: str = _f(
+        "moe", "load-balancing loss: aux_loss | seq_aux_loss | none", "aux_loss")
+    moe_aux_loss_coeff: float = _f("moe", "coefficient of the load-balancing loss", 0.0)
+    moe_z_loss_coeff: float | None = _f("moe", "coefficient of the router z-loss", None)
+    moe_expert_capacity_factor: float | None = _f(
+        "moe", "expert capacity = factor × tokens·k / experts; excess tokens dropped "
+               "(None: dropless)", None)
+    moe_pad_expert_input_to_capacity: bool = _f(
+        "moe", "pad every expert's input to its capacity (alltoall dispatcher)", False)
+    moe_token_drop_policy: str = _f(
+        "moe", "over capacity drop the lowest-probability tokens (probs) or the last (position)",
+        "probs")
+    moe_shared_expert_intermediate_size: int | None = _f(
+        "moe", "hidden size of the shared expert MLP every token also goes through", None)
+    moe_token_dispatcher_type: str = _f(
+        "moe", "token dispatch across expert-parallel ranks: allgather | alltoall", "allgather")
+    moe_grouped_gemm: bool = _f(
+        "moe", "all local experts' GEMMs in one grouped GEMM (else a loop over experts)", False)
+
     # ---- precision ---------------------------------------------------------------------------
     params_dtype: torch.dtype | None = _f(
         "precision", "parameter dtype: float32 | bfloat16 | float16 (default from bf16/fp16)", None)
@@ -166,6 +207,9 @@ class TransformerConfig:
                 self.ffn_hidden_size = 4 * self.hidden_size
         if self.max_position_embeddings is None:
             self.max_position_embeddings = self.seq_length
+        if self.moe_ffn_hidden_size is None and self.num_moe_experts is not None:
+            self.moe_ffn_hidden_size = self.ffn_hidden_size
+        self.moe_layer_freq = parse_moe_layer_freq(self.moe_layer_freq)
         if self.params_dtype is None:
             self.params_dtype = (torch.bfloat16 if self.bf16 else
                                  torch.float16 if self.fp16 else torch.float32)
@@ -245,6 +289,7 @@ class TransformerConfig:
         self._validate_pipeline()
         self._validate_precision()
         self._validate_recompute()
+        validate_moe(self)
 
     def _validate_shape(self):
         h, heads, groups = self.hidden_size, self.num_attention_heads, self.num_query_groups

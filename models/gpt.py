@@ -32,6 +32,12 @@ master (so both start equal; Megatron zeroes it and all-reduces instead) and mar
 ``shared = shared_embedding = True``; after backward ``allreduce_embedding_grads`` sums the two
 gradients over the embedding group so both copies take the same optimizer step.
 
+Mixture of experts: with ``num_moe_experts`` set, the global layers ``moe_layer_pattern(config)``
+marks use an ``MoELayer`` as their MLP block (built where the ParallelMLP would be, so the draw
+order stays per layer). The chunk's MoE layers share one ``RouterLossTracker``
+(``.router_losses``): the pipeline executor sets its backward scale through
+``set_aux_loss_scale(1/m)``, and the trainer reads and clears the logged router losses there.
+
 Model providers: ``gpt_model_provider(pre_process, post_process, vp_stage=None)`` has Megatron's
 signature and reads the config registered with ``set_global_config`` (Megatron reads ``get_args()``);
 ``make_gpt_model_provider(config)`` returns the same function closed over an explicit config.
@@ -47,6 +53,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from tpfuse.moe.aux_losses import RouterLossTracker
+from tpfuse.moe.layer import MoELayer
 from tpfuse.parallel.context_split import local_token_index
 from tpfuse.tp_layers import (ColumnParallelLinear, Norm, TransformerLayer,
                               vocab_parallel_cross_entropy)
@@ -54,6 +62,7 @@ from tpfuse.tp_layers.rope import default_position_ids, rotary_cos_sin
 
 from .embedding import GPTEmbedding, draw_position_master, draw_vocab_master, draw_word_master
 from .layer_assignment import layers_for
+from .moe_config import moe_layer_pattern
 from .recompute import run_layers
 
 WORD_EMBEDDING_SEED_OFFSET = 1
@@ -88,27 +97,30 @@ def check_layout_matches(config, state):
     """ValueError when the config's parallel sizes disagree with the process groups."""
     if state is None:
         for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
-                     "context_parallel_size"):
-            if getattr(config, name) != 1:
+                     "context_parallel_size", "expert_model_parallel_size",
+                     "expert_tensor_parallel_size"):
+            if getattr(config, name) not in (1, None):
                 raise ValueError(f"{name}={getattr(config, name)} needs an initialised "
                                  "ParallelState (none is set and torch.distributed is not running)")
         return
     pairs = (("tensor_model_parallel_size", state.tp_size),
              ("pipeline_model_parallel_size", state.pp_size),
              ("context_parallel_size", state.cp_size),
-             ("virtual_pipeline_model_parallel_size", state.vpp_size))
+             ("virtual_pipeline_model_parallel_size", state.vpp_size),
+             ("expert_model_parallel_size", state.ep_size))
     for name, actual in pairs:
         if getattr(config, name) != actual:
             raise ValueError(f"config {name}={getattr(config, name)} but the ParallelState has "
                              f"{actual}")
+    etp = config.expert_tensor_parallel_size or config.tensor_model_parallel_size
+    if etp != state.etp_size:
+        raise ValueError(f"config expert_tensor_parallel_size={etp} but the ParallelState has "
+                         f"{state.etp_size}")
 
 
 def check_supported(config):
     if config.vocab_size is None:
         raise ValueError("vocab_size is required to build a GPTModel (--vocab-size)")
-    if config.expert_model_parallel_size != 1:
-        raise ValueError(f"expert_model_parallel_size={config.expert_model_parallel_size} is not "
-                         "supported by GPTModel (no experts); use 1")
 
 
 class GPTModel(nn.Module):
@@ -125,6 +137,7 @@ class GPTModel(nn.Module):
         self.share_embeddings_and_output_weights = not config.untie_embeddings_and_output_weights
         self.layer_indices = layers_for(config, state.pp_rank if state else 0, vp_stage)
         self.input_tensor = None
+        self.router_losses = RouterLossTracker()
 
         word_master = None
         if pre_process or (post_process and self.share_embeddings_and_output_weights):
@@ -145,6 +158,10 @@ class GPTModel(nn.Module):
 
     def _build_layer(self, index):
         c = self.config
+        mlp_builder = None
+        if moe_layer_pattern(c)[index]:
+            def mlp_builder():
+                return MoELayer(c, index, self.router_losses, self.state)
         with seeded(c.seed + LAYER_SEED_OFFSET + index):
             return TransformerLayer(
                 c.hidden_size, c.num_attention_heads, c.ffn_hidden_size,
@@ -159,7 +176,8 @@ class GPTModel(nn.Module):
                 params_dtype=c.params_dtype,
                 recompute_modules=(tuple(c.recompute_modules)
                                    if c.recompute_granularity == "selective" else ()),
-                state=self.state, window_size=c.attention_window, cp_comm_type=c.cp_comm_type)
+                state=self.state, window_size=c.attention_window, cp_comm_type=c.cp_comm_type,
+                mlp_builder=mlp_builder)
 
     def _build_output(self, word_master):
         c = self.config
@@ -189,6 +207,10 @@ class GPTModel(nn.Module):
                 raise ValueError(f"set_input_tensor expects one tensor, got {len(input_tensor)}")
             input_tensor = input_tensor[0]
         self.input_tensor = input_tensor
+
+    def set_aux_loss_scale(self, scale: float) -> None:
+        """The gradient the router losses receive in backward: the main loss's scale (1/m)."""
+        self.router_losses.set_loss_scale(scale)
 
     def shared_embedding_or_output_weight(self):
         """The tied word-embedding weight this chunk holds (None when it holds neither end)."""

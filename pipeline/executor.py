@@ -28,6 +28,9 @@
   computed once per configuration and cached; a step adds O(1) work per action.
 - ``timers`` (optional, ``tpfuse.training.timers.Timers``): level-2 timers of the compute and
   p2p time inside the schedule (see ``stage_actions.py``).
+- Auxiliary losses injected inside a chunk's backward (the MoE router losses) are scaled like the
+  main loss: a chunk (or its ``.module``) with ``set_aux_loss_scale`` gets ``1/num_microbatches``
+  before the schedule runs (Megatron's ``MoEAuxLossAutoScaler.set_loss_scale``).
 
 Every check (sizes, group size, iterator and chunk counts, schedule deadlock) runs before the
 first message is exchanged, so bad settings raise ValueError instead of hanging a peer.

@@ -96,6 +96,16 @@ def _set_input_tensor(chunk, tensor) -> None:
     target.set_input_tensor(tensor)
 
 
+def _set_aux_loss_scale(chunks, scale: float) -> None:
+    """Losses injected in a chunk's backward (MoE router losses) take the main loss's 1/m."""
+    for chunk in chunks:
+        target = chunk
+        while not hasattr(target, "set_aux_loss_scale") and hasattr(target, "module"):
+            target = target.module
+        if hasattr(target, "set_aux_loss_scale"):
+            target.set_aux_loss_scale(scale)
+
+
 def _forward(run: StageRun, mb: int, chunk: int, recv_index, send_index) -> None:
     stage = run.stage(chunk)
     input_tensor = None
@@ -187,6 +197,7 @@ HANDLERS = {"F": _forward, "B": _backward, "I": _input_grad, "W": _weight_grad}
 def execute(run: StageRun, steps) -> list:
     """Run ``steps`` ((action, recv_index, send_index), ...); the loss dicts on the rank holding
     the last virtual stage, else []."""
+    _set_aux_loss_scale(run.chunks, 1.0 / run.num_microbatches)
     for action, recv_index, send_index in steps:
         HANDLERS[action.kind](run, action.microbatch, action.chunk, recv_index, send_index)
     if run.comm is not None:

@@ -25,6 +25,8 @@ arrives (``tp_layers/checkpointing.py``). Only while training with gradients ena
 forward and shared by every layer; without them a rope layer computes its own.
 
 Master weights are drawn in construction order: QKV, attention projection, fc1, fc2.
+``mlp_builder`` (a callable returning a module with ParallelMLP's ``forward(x) -> (out, bias)``)
+replaces the ParallelMLP, built at the same point of the draw order (e.g. an MoE layer).
 """
 from __future__ import annotations
 
@@ -52,7 +54,8 @@ class TransformerLayer(nn.Module):
                  sequence_parallel: bool = False, init_method_std: float = 0.02,
                  output_layer_init_std: float | None = None,
                  params_dtype: torch.dtype = torch.float32, recompute_modules=(), state=None,
-                 group=None, window_size: int | None = None, cp_comm_type: str = "p2p"):
+                 group=None, window_size: int | None = None, cp_comm_type: str = "p2p",
+                 mlp_builder=None):
         super().__init__()
         if not 0.0 <= hidden_dropout < 1.0:
             raise ValueError(f"hidden_dropout must be in [0, 1), got {hidden_dropout}")
@@ -77,7 +80,8 @@ class TransformerLayer(nn.Module):
             window_size=window_size, cp_comm_type=cp_comm_type,
             cp_group=resolve_cp_group(None, state, group).group, **common)
         self.pre_mlp_norm = Norm(hidden_size, **norm)
-        self.mlp = ParallelMLP(hidden_size, ffn_hidden_size, activation=activation, **common)
+        self.mlp = (mlp_builder() if mlp_builder is not None else
+                    ParallelMLP(hidden_size, ffn_hidden_size, activation=activation, **common))
 
     def forward(self, hidden_states: torch.Tensor, position_ids: torch.Tensor | None = None,
                 inference_context=None, rotary_pos_emb=None,

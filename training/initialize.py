@@ -85,3 +85,9 @@ def check_layout(config) -> None:
         raise ValueError(
             f"world size {world} is not divisible by tensor_model_parallel_size ({tp}) × "
             f"pipeline_model_parallel_size ({pp}) × context_parallel_size ({cp})")
+    ep = config.expert_model_parallel_size
+    etp = config.expert_tensor_parallel_size or tp
+    if world % (etp * ep * pp) != 0:
+        raise ValueError(
+            f"world size {world} is not divisible by expert_tensor_parallel_size ({etp}) × "
+            f"expert_model_parallel_size ({ep}) × pipeline_model_parallel_size ({pp})")

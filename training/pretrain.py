@@ -297,7 +297,9 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step,
         tensor_model_parallel_size=config.tensor_model_parallel_size,
         pipeline_model_parallel_size=config.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=config.virtual_pipeline_model_parallel_size,
-        context_parallel_size=config.context_parallel_size)
+        context_parallel_size=config.context_parallel_size,
+        expert_model_parallel_size=config.expert_model_parallel_size,
+        expert_tensor_parallel_size=config.expert_tensor_parallel_size)
     if dist.get_rank() == 0 and not args.no_layout_table:
         from tpfuse.parallel.report import format_layout_table
 

@@ -1,0 +1,18 @@
+"""Mixture of experts: the MoE layer, its router and losses, token dispatch across expert-parallel
+ranks, and the grouped experts (Megatron-core's ``transformer/moe`` rebuilt on tpfuse's layers and
+kernels).
+"""
+from tpfuse._lazy import lazy_exports
+
+_EXPORTS = {
+    "MoELayer": "layer",
+    "TopKRouter": "router",
+    "GroupedExperts": "experts",
+    "AllGatherDispatcher": "dispatcher",
+    "AlltoAllDispatcher": "dispatcher",
+    "RouterLossTracker": "aux_losses",
+    "MoEGroups": "groups",
+    "topk_routing": "routing",
+    "apply_capacity": "routing",
+}
+__getattr__, __dir__, __all__ = lazy_exports(__name__, _EXPORTS, globals())

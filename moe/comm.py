@@ -1,0 +1,108 @@
+"""Variable-size collectives of the token dispatchers, as conjugate autograd Functions.
+
+Rows (dim 0) move; every rank knows every split size (the dispatcher exchanges counts first):
+
+    all_to_all(x, group, out_splits, in_splits)   forward: rank r sends in_splits[q] rows to q and
+                                                  receives out_splits[q] rows from q, in q order
+                                                  backward: all_to_all with the splits swapped
+    all_gather_v(x, group, sizes)                 forward: concatenate every rank's rows (sizes[q]
+                                                  from rank q);  backward: reduce_scatter_v
+    reduce_scatter_v(x, group, sizes)             forward: sum over ranks, keep my sizes[me] rows
+                                                  of the [sizes[0] | sizes[1] | …] layout
+                                                  backward: all_gather_v
+
+The uneven gather / reduce-scatter pad every rank's block to the largest size and use the even
+collectives (NCCL and gloo alike); each is the identity at group size 1.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from tpfuse.parallel.mappings import all_gather_first_dim, group_rank, group_size
+from tpfuse.parallel.mappings import reduce_scatter_first_dim
+
+
+def _all_to_all(x, group, out_splits, in_splits):
+    x = x.detach().contiguous()
+    out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
+    dist.all_to_all_single(out, x, list(out_splits), list(in_splits), group=group)
+    return out
+
+
+def _pad_rows(x, rows):
+    if x.shape[0] == rows:
+        return x
+    return torch.cat([x, x.new_zeros((rows - x.shape[0],) + tuple(x.shape[1:]))])
+
+
+def _all_gather_v(x, group, sizes):
+    largest = max(sizes)
+    if largest == 0:
+        return x.detach().clone()
+    gathered = all_gather_first_dim(_pad_rows(x.detach().contiguous(), largest), group)
+    blocks = gathered.split(largest)                                     # one per rank
+    return torch.cat([block[:rows] for block, rows in zip(blocks, sizes)])
+
+
+def _reduce_scatter_v(x, group, sizes):
+    largest = max(sizes)
+    if largest == 0:
+        return x.detach().clone()
+    blocks = x.detach().split(list(sizes))
+    padded = torch.cat([_pad_rows(block, largest) for block in blocks])
+    return reduce_scatter_first_dim(padded, group)[:sizes[group_rank(group)]]
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, out_splits, in_splits):
+        ctx.group, ctx.out_splits, ctx.in_splits = group, out_splits, in_splits
+        return _all_to_all(x, group, out_splits, in_splits)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return _all_to_all(dy, ctx.group, ctx.in_splits, ctx.out_splits), None, None, None
+
+
+class _AllGatherV(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, sizes):
+        ctx.group, ctx.sizes = group, sizes
+        return _all_gather_v(x, group, sizes)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return _reduce_scatter_v(dy, ctx.group, ctx.sizes), None, None
+
+
+class _ReduceScatterV(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, sizes):
+        ctx.group, ctx.sizes = group, sizes
+        return _reduce_scatter_v(x, group, sizes)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return _all_gather_v(dy, ctx.group, ctx.sizes), None, None
+
+
+def all_to_all(x, group, out_splits, in_splits):
+    """``(Σ in_splits, ...)`` → ``(Σ out_splits, ...)`` (see the module docstring)."""
+    if group_size(group) == 1:
+        return x
+    return _AllToAll.apply(x, group, tuple(out_splits), tuple(in_splits))
+
+
+def all_gather_v(x, group, sizes):
+    """``(sizes[me], ...)`` → ``(Σ sizes, ...)``."""
+    if group_size(group) == 1:
+        return x
+    return _AllGatherV.apply(x, group, tuple(sizes))
+
+
+def reduce_scatter_v(x, group, sizes):
+    """``(Σ sizes, ...)`` → ``(sizes[me], ...)`` summed over the group."""
+    if group_size(group) == 1:
+        return x
+    return _ReduceScatterV.apply(x, group, tuple(sizes))
