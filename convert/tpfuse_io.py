@@ -96,7 +96,7 @@ def write_checkpoint(root: str, config, params: dict, extra: dict, files: dict |
     """Every rank file of ``config``'s layout with its manifest (sizes and sha256, layout, model
     signature: what the trainer's loaders verify), plus ``files`` (name → source) at the root."""
     model = single_process_model(config)
-    records = reshard.chunk_records(model, 1)
+    records = reshard.chunk_records(model, reshard.dense_sizes(1, 0))
     tp, pp = config.tensor_model_parallel_size, config.pipeline_model_parallel_size
     header = {"layout": {"world_size": tp * pp, "tp": tp, "pp": pp, "dp": 1, "cp": 1, "vpp": 1,
                          "distributed_optimizer": False},

@@ -36,7 +36,8 @@ Mixture of experts: with ``num_moe_experts`` set, the global layers ``moe_layer_
 marks use an ``MoELayer`` as their MLP block (built where the ParallelMLP would be, so the draw
 order stays per layer). The chunk's MoE layers share one ``RouterLossTracker``
 (``.router_losses``): the pipeline executor sets its backward scale through
-``set_aux_loss_scale(1/m)``, and the trainer reads and clears the logged router losses there.
+``set_aux_loss_scale(1/m)``, a loss scaler through ``set_aux_loss_grad_scale(scale)``, and the
+trainer reads and clears the logged router losses there.
 
 Model providers: ``gpt_model_provider(pre_process, post_process, vp_stage=None)`` has Megatron's
 signature and reads the config registered with ``set_global_config`` (Megatron reads ``get_args()``);
@@ -211,6 +212,10 @@ class GPTModel(nn.Module):
     def set_aux_loss_scale(self, scale: float) -> None:
         """The gradient the router losses receive in backward: the main loss's scale (1/m)."""
         self.router_losses.set_loss_scale(scale)
+
+    def set_aux_loss_grad_scale(self, scale: float) -> None:
+        """The loss scaler's factor, applied to the router losses' gradient too."""
+        self.router_losses.set_grad_scale(scale)
 
     def shared_embedding_or_output_weight(self):
         """The tied word-embedding weight this chunk holds (None when it holds neither end)."""

@@ -22,10 +22,11 @@ reduce-scatters) add up to the gradient of the full loss. Megatron-core computes
 quantities (its z-loss divides the coefficient by the group size and averages locally: equal).
 
 Backward injection (Megatron's MoEAuxLossAutoScaler): ``attach_loss(x, loss, tracker)`` returns x
-unchanged; in backward it hands ``loss`` the gradient ``tracker.loss_scale`` — the scale of the
-main loss, 1/m with m micro-batches (the pipeline executor sets it through
-``GPTModel.set_aux_loss_scale``) — so the router loss joins the step's gradient exactly like the
-language-model loss, wherever the pipeline schedule runs the layer's backward.
+unchanged; in backward it hands ``loss`` the gradient ``tracker.backward_scale`` — the scale of
+the main loss: 1/m with m micro-batches (the pipeline executor sets it through
+``GPTModel.set_aux_loss_scale``) times the loss scaler's scale when there is one (the trainer sets
+it through ``GPTModel.set_aux_loss_grad_scale``) — so the router loss joins the step's gradient
+exactly like the language-model loss, wherever the pipeline schedule runs the layer's backward.
 """
 from __future__ import annotations
 
@@ -78,7 +79,7 @@ def gather_sequence(probs, group):
 # ----------------------------------------------------------------------------- backward injection
 
 class _AttachLoss(torch.autograd.Function):
-    """forward: x (the loss only rides along); backward: dx, and d loss = tracker.loss_scale."""
+    """forward: x (the loss only rides along); backward: dx, and d loss = tracker.backward_scale."""
 
     @staticmethod
     def forward(ctx, x, loss, tracker):
@@ -87,12 +88,12 @@ class _AttachLoss(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dx):
-        return dx, torch.full((), ctx.tracker.loss_scale, dtype=torch.float32,
+        return dx, torch.full((), ctx.tracker.backward_scale, dtype=torch.float32,
                               device=dx.device), None
 
 
 def attach_loss(x, loss, tracker):
-    """``x``, with ``loss`` differentiated (scaled by ``tracker.loss_scale``) in x's backward."""
+    """``x``, with ``loss`` differentiated (scaled by ``tracker.backward_scale``) in x's backward."""
     return _AttachLoss.apply(x, loss, tracker)
 
 
@@ -105,18 +106,26 @@ def in_backward() -> bool:
 
 class RouterLossTracker:
     """One per model chunk, shared by its MoE layers: the backward scale of the router losses
-    (``loss_scale``) and, for logging, summed over the micro-batches of the step and kept per
+    (``backward_scale`` = ``loss_scale``, 1/m, × ``grad_scale``, the loss scaler's) and, for logging, summed over the micro-batches of the step and kept per
     global layer (detached): each loss's partial divided by its coefficient
     (``values[name][layer]``) and the tokens this rank routed to each expert after any capacity
     dropping (``tokens_per_expert[layer]``, (E,))."""
 
     def __init__(self):
         self.loss_scale = 1.0
+        self.grad_scale = 1.0
         self.values: dict[str, dict[int, torch.Tensor]] = {}
         self.tokens_per_expert: dict[int, torch.Tensor] = {}
 
     def set_loss_scale(self, scale: float) -> None:
         self.loss_scale = float(scale)
+
+    def set_grad_scale(self, scale: float) -> None:
+        self.grad_scale = float(scale)
+
+    @property
+    def backward_scale(self) -> float:
+        return self.loss_scale * self.grad_scale
 
     def record(self, name: str, layer: int, value: torch.Tensor) -> None:
         if in_backward():

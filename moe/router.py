@@ -64,7 +64,8 @@ class TopKRouter(nn.Module):
             probs, routing_map, _ = apply_capacity(probs, routing_map, self.topk,
                                                    c.moe_expert_capacity_factor,
                                                    c.moe_token_drop_policy)
-        self.tracker.record_tokens(self.layer_number, routing_map.sum(dim=0))
+        if self.training:
+            self.tracker.record_tokens(self.layer_number, routing_map.sum(dim=0))
         return probs, routing_map
 
     # ---------------------------------------------------------------- the losses

@@ -62,6 +62,7 @@ def layout_signature(state, optimizer=None) -> dict:
     """What must match for a rank to restore its own file as is (else: resharding)."""
     return {"world_size": dist.get_world_size(), "tp": state.tp_size, "pp": state.pp_size,
             "dp": state.dp_size, "cp": state.size("cp"), "vpp": state.vpp_size or 1,
+            "ep": state.size("ep"), "etp": state.size("etp"),
             "distributed_optimizer": bool(getattr(optimizer, "distributed", False))}
 
 

@@ -179,10 +179,12 @@ class DataParallelBuffers:
 
     def _start_reduce(self, bucket, async_op: bool) -> None:
         buffer = self._buffer_of_bucket[id(bucket)]
+        if buffer.gradient_scaling_factor != 1.0:
+            # also for a group of one: an expert gradient with edp = 1 < dp_cp still sums the
+            # losses of dp_cp replicas (tokens came from every ep peer) and takes the 1/dp_cp
+            bucket.grad_data.mul_(buffer.gradient_scaling_factor)
         if buffer.dp_size == 1:
             return
-        if buffer.gradient_scaling_factor != 1.0:
-            bucket.grad_data.mul_(buffer.gradient_scaling_factor)
         if buffer.distributed and not _all_reduce_is_faster(buffer.group):
             bucket.grad_work = _reduce_scatter_single(
                 bucket.shard(bucket.grad_data, buffer.dp_rank), bucket.grad_data,

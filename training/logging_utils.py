@@ -26,6 +26,9 @@ def format_log_line(iteration: int, train_iters: int, record: dict,
     ]
     if "loss_scale" in record:
         parts.append(f"loss scale: {record['loss_scale']:.1f}")
+    for name in ("load_balancing_loss", "z_loss"):       # MoE router losses (Megatron's names)
+        if name in record:
+            parts.append(f"{name}: {record[name]:.6E}")
     grad_norm = record["grad_norm"]
     parts.append(f"grad norm: {grad_norm:.3f}" if grad_norm is not None else "grad norm: nan")
     if record.get("skipped_iterations"):

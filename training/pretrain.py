@@ -37,6 +37,7 @@ from tpfuse.training.initialize import (check_layout, device_for_backend,
 from tpfuse.training.logging_utils import TrainingLogger
 from tpfuse.training.observability import RunMonitor
 from tpfuse.training.memory import memory_record, memory_report
+from tpfuse.training.moe_logging import router_metrics
 from tpfuse.training.scheduler import LRScheduler
 from tpfuse.training.host_memory import keep_freed_host_memory
 from tpfuse.training.timers import Timers
@@ -241,6 +242,8 @@ class _Run:
                 timing = self.timers.step_summary(self.device)   # every rank (a gather)
                 if timing:
                     record["timers_ms"] = timing
+                record.update(router_metrics(self.model, self.config, self.state,
+                                             self.calculator.num_microbatches, self.device))
                 if self.is_logger:
                     result.iterations.append(self.iteration)
                     result.train_losses.append(loss)
@@ -344,9 +347,11 @@ def run_banner(run) -> None:
     params = sum(p.numel() for p in run.params)
     preset = f"preset {run.args.preset} | " if run.args.preset else ""
     comm_type = f" ({config.cp_comm_type})" if state.cp_size > 1 else ""
+    experts = (f"{config.num_moe_experts} experts (top-{config.moe_router_topk}) ep={state.ep_size} "
+               f"etp={state.etp_size} edp={state.edp_size} | " if config.num_moe_experts else "")
     print(f"> tpfuse: {preset}tp={state.tp_size} pp={state.pp_size} vpp={state.vpp_size or 1} "
           f"dp={state.dp_size} cp={state.cp_size}{comm_type} "
-          f"sequence_parallel={config.sequence_parallel} | "
+          f"sequence_parallel={config.sequence_parallel} | {experts}"
           f"{config.num_layers} layers, hidden {config.hidden_size}, "
           f"{config.num_attention_heads} heads, seq {config.seq_length} | "
           f"parameters on this rank: {params:,}", flush=True)

@@ -16,6 +16,11 @@ Replicated parameters (norm weights, row-parallel biases, learned positions) are
 every TP rank; TP rank 0's copy is taken. DP replicas are identical, so the weights are read from
 the old ranks with dp rank 0 (and cp rank 0).
 
+Expert parameters (MoE, ``allreduce = False``) stack their ep rank's consecutive block of experts
+on dim 0 and are split over the expert-tensor-parallel group along their partition dim; they are
+read from the old ranks with expert-data-parallel rank 0, keyed by (ep rank, etp rank), and re-cut
+by ``training/sharding.py``.
+
 Optimizer state (``training/optimizer.py``'s ``state_dict``): per model parameter, each rank saved
 the flat elements ``[start, end)`` it optimizes — all of them, or with the distributed optimizer
 its shard — with the Adam moments and, for bf16/fp16, the fp32 main copy. Reading every old rank's
@@ -46,31 +51,10 @@ import os
 
 import torch
 
-from tpfuse.tp_layers.init import shard, unshard
+from .sharding import (  # noqa: F401 (full_from_shards, reshard_tensor, shard_for: re-exported)
+    dense_sizes, full_from_shards, full_tensor, local_part, reshard_tensor, shard_for, sizes_of)
 
 WORD_EMBEDDING = "embedding.word_embeddings.weight"   # GPTModel's single-process name
-
-
-# -------------------------------------------------------------------- pure tensor algebra
-def full_from_shards(shards: list[torch.Tensor], dim: int | None, stride: int) -> torch.Tensor:
-    """The full tensor from the old TP ranks' shards (rank order); replicated: rank 0's copy."""
-    if dim is None:
-        return shards[0]
-    return unshard(shards, dim, stride)
-
-
-def shard_for(full: torch.Tensor, dim: int | None, stride: int, tp: int,
-              tp_rank: int) -> torch.Tensor:
-    """This TP rank's part of ``full`` (all of it for a replicated parameter)."""
-    if dim is None:
-        return full.clone()
-    return shard(full, dim, tp, tp_rank, stride)
-
-
-def reshard_tensor(old_shards: list[torch.Tensor], dim: int | None, stride: int, tp: int,
-                   tp_rank: int) -> torch.Tensor:
-    """shard_{tp_rank}(unshard(old_shards)) — the old layout's shards re-cut for (tp, tp_rank)."""
-    return shard_for(full_from_shards(old_shards, dim, stride), dim, stride, tp, tp_rank)
 
 
 # -------------------------------------------------------------------- save-time metadata
@@ -80,18 +64,22 @@ def _partition(param) -> tuple[int | None, int]:
     return None, 1
 
 
-def chunk_records(chunk, tp: int) -> dict:
-    """local name → {global, dim, stride, full_shape, tied_copy} for one model chunk (what every
-    rank file carries under "reshard"; also used to write converted checkpoints)."""
+def chunk_records(chunk, sizes: dict) -> dict:
+    """local name → {global, dim, stride, full_shape, tied_copy, expert} for one model chunk (what
+    every rank file carries under "reshard"; also used to write converted checkpoints); ``sizes``
+    as ``sharding.sizes_of`` / ``dense_sizes``."""
     names = chunk.global_parameter_names()
     records = {}
     for local, param in chunk.named_parameters():
         dim, stride = _partition(param)
+        expert = getattr(param, "allreduce", True) is False
         full_shape = list(param.shape)
+        if expert:
+            full_shape[0] *= sizes["ep"]
         if dim is not None:
-            full_shape[dim] *= tp
+            full_shape[dim] *= sizes["etp" if expert else "tp"]
         records[local] = {"global": names[local], "dim": dim, "stride": stride,
-                          "full_shape": full_shape,
+                          "full_shape": full_shape, "expert": expert,
                           "tied_copy": bool(getattr(param, "shared_embedding", False))}
     return records
 
@@ -102,14 +90,15 @@ def save_metadata(model_chunks, optimizer, state) -> dict | None:
     ``optimizer_names[i]`` is the global name of ``optimizer.model_params[i]``."""
     if not all(hasattr(chunk, "global_parameter_names") for chunk in model_chunks):
         return None
-    records = [chunk_records(chunk, state.tp_size) for chunk in model_chunks]
+    records = [chunk_records(chunk, sizes_of(state)) for chunk in model_chunks]
     global_by_id = {}
     for chunk, records_of_chunk in zip(model_chunks, records):
         for local, param in chunk.named_parameters():
             global_by_id[id(param)] = records_of_chunk[local]["global"]
     optimizer_names = [global_by_id[id(p)] for p in optimizer.model_params]
     coords = {"tp": state.tp_rank, "pp": state.pp_rank, "dp": state.dp_rank,
-              "cp": state.rank_in("cp") or 0}
+              "cp": state.rank_in("cp") or 0, "ep": state.ep_rank, "etp": state.etp_rank,
+              "edp": state.edp_rank}
     return {"coords": coords, "params": records, "optimizer_names": optimizer_names}
 
 
@@ -136,25 +125,39 @@ def _is_dp0(payload: dict) -> bool:
     return payload["reshard"]["coords"]["dp"] == 0 and payload["reshard"]["coords"]["cp"] == 0
 
 
-def _index_old_shards(payloads: list[dict], optimizer: bool = True) -> dict:
-    """global name → {"record", "weights": {tp_rank: shard}, "optim": {tp_rank: state dict}}.
+def _holds_source(payload: dict, record: dict) -> bool:
+    """Is this old rank's copy the one to read (dense: dp rank 0; expert: edp rank 0)?"""
+    if record.get("expert"):
+        return payload["reshard"]["coords"].get("edp", 0) == 0
+    return _is_dp0(payload)
 
-    Weights come from the dp-rank-0 files; optimizer pieces from every file (see the module
-    docstring), assembled into parameter-shaped moments / main copies per TP shard."""
+
+def _shard_key(record: dict, coords: dict):
+    """Which shard an old rank holds: its tp rank, or (ep rank, etp rank) for an expert."""
+    if record.get("expert"):
+        return coords.get("ep", 0), coords.get("etp", coords["tp"])
+    return coords["tp"]
+
+
+def _index_old_shards(payloads: list[dict], optimizer: bool = True) -> dict:
+    """global name → {"record", "weights": {key: shard}, "optim": {key: state dict}} with key a
+    tp rank, or (ep rank, etp rank) for an expert parameter.
+
+    Weights come from the dp-rank-0 files (experts: edp rank 0); optimizer pieces from every file
+    (see the module docstring), assembled into parameter-shaped moments / main copies per shard."""
     index = {}
-    for payload in filter(_is_dp0, payloads):
+    for payload in payloads:
         meta = payload["reshard"]
-        tp_rank = meta["coords"]["tp"]
         for chunk_state, records in zip(payload["model"], meta["params"]):
             for local, record in records.items():
-                if record["tied_copy"]:
-                    continue           # the embedding itself is the source of truth
+                if record["tied_copy"] or not _holds_source(payload, record):
+                    continue           # tied copy: the embedding itself is the source of truth
                 entry = index.setdefault(record["global"], {"record": record, "weights": {},
                                                             "optim": {}})
-                entry["weights"][tp_rank] = chunk_state[local]
+                entry["weights"][_shard_key(record, meta["coords"])] = chunk_state[local]
     if not optimizer:
         return index
-    flat = {}                          # (name, tp_rank) → {"step", key: flat tensor, "covered"}
+    flat = {}                          # (name, shard key) → {"step", key: flat tensor, "covered"}
     for payload in payloads:
         meta = payload["reshard"]
         if payload.get("optimizer") is None:
@@ -162,9 +165,10 @@ def _index_old_shards(payloads: list[dict], optimizer: bool = True) -> dict:
         for position, name in enumerate(meta["optimizer_names"]):
             piece = payload["optimizer"]["params"][position]
             if name in index and piece is not None:
-                _place_piece(flat, index[name], name, meta["coords"]["tp"], piece)
-    for (name, tp_rank), state in flat.items():
-        index[name]["optim"][tp_rank] = _shaped_optimizer_state(index[name], name, state)
+                key = _shard_key(index[name]["record"], meta["coords"])
+                _place_piece(flat, index[name], name, key, piece)
+    for (name, key), state in flat.items():
+        index[name]["optim"][key] = _shaped_optimizer_state(index[name], name, state)
     return index
 
 
@@ -175,12 +179,12 @@ def _shard_shape(record: dict, tp: int) -> list:
     return shape
 
 
-def _place_piece(flat: dict, entry: dict, name: str, tp_rank: int, piece: dict) -> None:
-    """Copy one saved piece ``[start, end)`` into the flat state of (name, tp_rank)."""
-    weight = entry["weights"].get(tp_rank, next(iter(entry["weights"].values())))
+def _place_piece(flat: dict, entry: dict, name: str, key, piece: dict) -> None:
+    """Copy one saved piece ``[start, end)`` into the flat state of (name, shard key)."""
+    weight = entry["weights"].get(key, next(iter(entry["weights"].values())))
     numel = weight.numel()
-    state = flat.setdefault((name, tp_rank), {"step": piece["step"],
-                                              "covered": torch.zeros(numel, dtype=torch.bool)})
+    state = flat.setdefault((name, key), {"step": piece["step"],
+                                          "covered": torch.zeros(numel, dtype=torch.bool)})
     start, end = piece["start"], piece["end"]
     for key in ("exp_avg", "exp_avg_sq", "main_param"):
         if key in piece:
@@ -200,13 +204,6 @@ def _shaped_optimizer_state(entry: dict, name: str, state: dict) -> dict:
     return dict(shaped, step=state["step"])
 
 
-def _ordered(by_tp_rank: dict, name: str, old_tp: int) -> list:
-    missing = sorted(set(range(old_tp)) - set(by_tp_rank))
-    if missing:
-        raise ValueError(f"checkpoint lacks TP ranks {missing} of parameter {name}")
-    return [by_tp_rank[r] for r in range(old_tp)]
-
-
 VOCAB_PARAMETERS = (WORD_EMBEDDING, "output_layer.weight")
 
 
@@ -223,18 +220,16 @@ def assemble_global_state(folder: str, read_payload, optimizer: bool = True) -> 
     ``optimizer=False``: parameters only (optimizer pieces are not read).
     """
     payloads = _all_payloads(folder, read_payload)
-    old_tp = payloads[0]["layout"]["tp"]
+    old_layout = payloads[0]["layout"]
     full = {}
     for name, entry in _index_old_shards(payloads, optimizer).items():
-        record = entry["record"]
-        weights = _ordered(entry["weights"], name, old_tp)
-        full[name] = {"param": full_from_shards(weights, record["dim"], record["stride"])}
-        if entry["optim"]:
-            states = _ordered(entry["optim"], name, old_tp)
-            for key, value in states[0].items():
+        full[name] = {"param": full_tensor(entry, entry["weights"], name, old_layout)}
+        by_key = entry["optim"]
+        if by_key:
+            for key, value in by_key[min(by_key)].items():
                 if torch.is_tensor(value) and value.ndim > 0:
-                    value = full_from_shards([s[key] for s in states], record["dim"],
-                                             record["stride"])
+                    value = full_tensor(entry, {k: s[key] for k, s in by_key.items()}, name,
+                                        old_layout)
                 full[name][key] = value
     return full
 
@@ -244,17 +239,17 @@ def _source_name(record: dict) -> str:
     return WORD_EMBEDDING if record["tied_copy"] else record["global"]
 
 
-def _my_slice(entry: dict, tensors_by_tp: dict, name: str, old_tp: int, tp: int,
-              tp_rank: int) -> torch.Tensor:
+def _my_slice(entry: dict, tensors_by_key: dict, name: str, old_layout: dict,
+              sizes: dict) -> torch.Tensor:
     """This rank's slice of a parameter (or optimizer tensor); a vocabulary parameter's padding
     is refitted to this run's (``entry["new_rows"]``, ``entry["vocab_size"]``, set by ``_plan``)."""
     record = entry["record"]
-    if record["dim"] is None:
-        return tensors_by_tp[min(tensors_by_tp)].clone()
-    full = full_from_shards(_ordered(tensors_by_tp, name, old_tp), record["dim"], record["stride"])
+    if record["dim"] is None and not record.get("expert"):
+        return tensors_by_key[min(tensors_by_key)].clone()
+    full = full_tensor(entry, tensors_by_key, name, old_layout)
     if entry.get("new_rows", full.shape[0]) != full.shape[0]:
         full = fit_vocab_rows(full, entry["new_rows"], entry["vocab_size"])
-    return shard_for(full, record["dim"], record["stride"], tp, tp_rank)
+    return local_part(record, full, sizes)
 
 
 def _check_same_parameter(name: str, old: dict, new: dict) -> None:
@@ -269,12 +264,12 @@ def _check_same_parameter(name: str, old: dict, new: dict) -> None:
                          f"{new['dim']}, stride {new['stride']})")
 
 
-def _plan(model_chunks, index: dict, tp: int) -> list[tuple]:
+def _plan(model_chunks, index: dict, sizes: dict) -> list[tuple]:
     """[(param, source global name)] for every local parameter; raises on any mismatch. Marks
     vocabulary parameters whose padding changes with ``new_rows`` / ``vocab_size``."""
     plan = []
     for chunk in model_chunks:
-        records = chunk_records(chunk, tp)
+        records = chunk_records(chunk, sizes)
         for local, param in chunk.named_parameters():
             name = _source_name(records[local])
             if name not in index:
@@ -288,14 +283,14 @@ def _plan(model_chunks, index: dict, tp: int) -> list[tuple]:
     return plan
 
 
-def _load_weights(plan, index: dict, old_tp: int, tp: int, tp_rank: int) -> None:
+def _load_weights(plan, index: dict, old_layout: dict, sizes: dict) -> None:
     with torch.no_grad():
         for param, name in plan:
             entry = index[name]
-            param.copy_(_my_slice(entry, entry["weights"], name, old_tp, tp, tp_rank))
+            param.copy_(_my_slice(entry, entry["weights"], name, old_layout, sizes))
 
 
-def _resharded_piece(piece, name: str, index: dict, old_tp: int, state) -> dict:
+def _resharded_piece(piece, name: str, index: dict, old_layout: dict, sizes: dict) -> dict:
     """The saved-state entry of one new piece: this rank's TP slice of every parameter-shaped
     tensor, flattened and cut to the piece's ``[start, end)``; ``step`` carried over."""
     by_tp = index[name]["optim"]
@@ -306,12 +301,13 @@ def _resharded_piece(piece, name: str, index: dict, old_tp: int, state) -> dict:
     for key, value in first.items():
         if key != "step":
             full = _my_slice(index[name], {r: by_tp[r][key] for r in by_tp},
-                             f"{name} ({key})", old_tp, state.tp_size, state.tp_rank)
+                             f"{name} ({key})", old_layout, sizes)
             entry[key] = full.reshape(-1)[piece.start:piece.end]
     return entry
 
 
-def _load_optimizer(optimizer, plan, payloads, index: dict, old_tp: int, state) -> None:
+def _load_optimizer(optimizer, plan, payloads, index: dict, old_layout: dict,
+                    sizes: dict) -> None:
     name_by_id = {id(param): name for param, name in plan}
     saved = payloads[0]["optimizer"]
     if len(saved["param_groups"]) != len(optimizer.param_groups):
@@ -322,7 +318,7 @@ def _load_optimizer(optimizer, plan, payloads, index: dict, old_tp: int, state) 
         group.update(hyper)
     for piece in optimizer.pieces:
         name = name_by_id[id(piece.model_param)]
-        optimizer.load_piece(piece, _resharded_piece(piece, name, index, old_tp, state))
+        optimizer.load_piece(piece, _resharded_piece(piece, name, index, old_layout, sizes))
     if optimizer.grad_scaler is not None and saved.get("grad_scaler") is not None:
         optimizer.grad_scaler.load_state_dict(saved["grad_scaler"])
 
@@ -337,9 +333,10 @@ def load_resharded(folder: str, model_chunks, optimizer, state, new_layout: dict
     payloads = _all_payloads(folder, read_payload)
     old_layout = payloads[0]["layout"]
     index = _index_old_shards(payloads)
-    plan = _plan(model_chunks, index, state.tp_size)
-    _load_weights(plan, index, old_layout["tp"], state.tp_size, state.tp_rank)
-    _load_optimizer(optimizer, plan, payloads, index, old_layout["tp"], state)
+    sizes = sizes_of(state)
+    plan = _plan(model_chunks, index, sizes)
+    _load_weights(plan, index, old_layout, sizes)
+    _load_optimizer(optimizer, plan, payloads, index, old_layout, sizes)
     if _is_global_rank_zero():
         print(f"> checkpoint {folder}: resharded from layout {old_layout} to {new_layout}; "
               "RNG states are not restored (the freshly seeded generators are kept)", flush=True)
@@ -353,13 +350,15 @@ def _is_global_rank_zero() -> bool:
 
 
 def load_model_weights(folder: str, read_payload, model_chunks, tp: int, tp_rank: int) -> dict:
-    """Fill only the chunks' parameters (TP rank ``tp_rank`` of ``tp``) from a checkpoint folder
-    of any layout; no optimizer state is read, none is needed. Local, not a collective.
+    """Fill only the chunks' parameters (TP rank ``tp_rank`` of ``tp``; experts unsplit over ep,
+    split over etp = tp) from a checkpoint folder of any layout; no optimizer state is read, none
+    is needed. Local, not a collective.
 
     The same checks as a resharding load (missing parameter, shape). Returns
     the old rank-0 payload (its ``model_config``, ``extra``, ``layout``, ...)."""
-    payloads = [p for p in _all_payloads(folder, read_payload) if _is_dp0(p)]
+    payloads = _all_payloads(folder, read_payload)
     old_layout = payloads[0]["layout"]
     index = _index_old_shards(payloads, optimizer=False)
-    _load_weights(_plan(model_chunks, index, tp), index, old_layout["tp"], tp, tp_rank)
+    sizes = dense_sizes(tp, tp_rank)
+    _load_weights(_plan(model_chunks, index, sizes), index, old_layout, sizes)
     return min(payloads, key=lambda p: p["rank"])

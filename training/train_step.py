@@ -49,12 +49,21 @@ def loss_scaled(forward_step, optimizer):
     def scaled_forward_step(data_iterator, model):
         output, loss_func = forward_step(data_iterator, model)
         scale = optimizer.loss_scale
+        _set_aux_loss_grad_scale(model, scale)
 
         def scaled_loss_func(output_tensor):
             loss, logs = loss_func(output_tensor)
             return loss * scale, logs
         return output, scaled_loss_func
     return scaled_forward_step
+
+
+def _set_aux_loss_grad_scale(chunk, scale) -> None:
+    """Router (auxiliary) losses injected in backward take the loss scale too (MoE models)."""
+    while not hasattr(chunk, "set_aux_loss_grad_scale") and hasattr(chunk, "module"):
+        chunk = chunk.module
+    if hasattr(chunk, "set_aux_loss_grad_scale"):
+        chunk.set_aux_loss_grad_scale(float(scale))
 
 
 def loss_nonfinite(loss_dicts, device, key: str = "lm loss"):
