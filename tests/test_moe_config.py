@@ -128,3 +128,16 @@ def test_gpt_model_rejects_a_state_with_other_expert_sizes():
     with pytest.raises(ValueError, match="expert_model_parallel_size=2 but the ParallelState "
                                          "has 1"):
         check_layout_matches(make(expert_model_parallel_size=2), state)
+
+
+def test_moe_flops_by_hand():
+    from tpfuse.training.throughput import flops_per_iteration
+
+    config = TransformerConfig(num_layers=2, hidden_size=8, num_attention_heads=2, seq_length=4,
+                               vocab_size=100, make_vocab_size_divisible_by=128,
+                               num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=16,
+                               moe_layer_freq=[0, 1], moe_shared_expert_intermediate_size=8)
+    # per token: attention 2·8·24 + 2·2·4·8 + 2·8·8 = 640 per layer; layer 0 dense gelu mlp
+    # 2·8·32·2 = 1024; layer 1 router 2·8·4 = 64 + (2 experts · 16 + shared 8) · 2·8·2 = 1280;
+    # logits 2·8·128 = 2048 → 2·640 + 1024 + 1344 + 2048 = 5696
+    assert flops_per_iteration(config, 3) == 3 * 3 * 4 * 5696

@@ -27,7 +27,8 @@ from tpfuse.training.throughput import throughput
 SCALARS = {"loss": "lm loss", "lr": "learning-rate", "grad_norm": "grad-norm",
            "global_batch_size": "batch-size", "tokens_per_s": "throughput/tokens-per-s",
            "tflops_per_rank": "throughput/tflops-per-rank", "mfu": "throughput/mfu",
-           "loss_scale": "loss-scale", "valid_loss": "lm loss validation"}
+           "loss_scale": "loss-scale", "valid_loss": "lm loss validation",
+           "load_balancing_loss": "load_balancing_loss", "z_loss": "z_loss"}
 
 
 def _require(module: str, flag: str, extra: str):

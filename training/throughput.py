@@ -8,7 +8,9 @@ h hidden, g query groups of head dim d = h / heads, f = ffn hidden size, s seque
     qkv          2 · h · (h + 2·g·d)
     attention    2 · 2 · s · h                  (Q·Kᵀ and P·V)
     projection   2 · h · h
-    mlp          2 · h · f · (3 if swiglu else 2) · k       (k: experts per token, 1 when dense)
+    mlp          2 · h · f · (3 if swiglu else 2)           (dense layers)
+    MoE layer    2 · h · E (router) + 2 · h · (k · f_e + f_s) · (3 if swiglu else 2)
+                 (k experts per token of hidden f_e = moe_ffn_hidden_size, f_s the shared expert's)
 
 plus the output layer 2 · h · V_padded per token. One iteration of B samples::
 
@@ -19,17 +21,24 @@ of one device (``--peak-tflops``: the dense peak in the training precision).
 """
 from __future__ import annotations
 
+from tpfuse.models.moe_config import moe_layer_pattern
+
 
 def forward_flops_per_token(config) -> float:
     """Model FLOPs of one token's forward pass (see the module docstring)."""
     h, s, layers = config.hidden_size, config.seq_length, config.num_layers
     kv = config.num_query_groups * config.kv_channels
     mlp_matrices = 3 if config.activation == "swiglu" else 2
-    experts_per_token = getattr(config, "moe_router_topk", 1) \
-        if getattr(config, "num_moe_experts", None) else 1
-    per_layer = (2 * h * (h + 2 * kv) + 2 * 2 * s * h + 2 * h * h
-                 + 2 * h * config.ffn_hidden_size * mlp_matrices * experts_per_token)
-    return layers * per_layer + 2 * h * config.padded_vocab_size
+    attention = 2 * h * (h + 2 * kv) + 2 * 2 * s * h + 2 * h * h
+    dense_mlp = 2 * h * config.ffn_hidden_size * mlp_matrices
+    moe_layers = sum(moe_layer_pattern(config))
+    moe_mlp = 0
+    if moe_layers:
+        hidden = (config.moe_router_topk * config.moe_ffn_hidden_size
+                  + (config.moe_shared_expert_intermediate_size or 0))
+        moe_mlp = 2 * h * config.num_moe_experts + 2 * h * hidden * mlp_matrices
+    return (layers * attention + (layers - moe_layers) * dense_mlp + moe_layers * moe_mlp
+            + 2 * h * config.padded_vocab_size)
 
 
 def flops_per_iteration(config, global_batch_size: int) -> float:
