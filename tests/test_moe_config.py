@@ -141,3 +141,24 @@ def test_moe_flops_by_hand():
     # 2·8·32·2 = 1024; layer 1 router 2·8·4 = 64 + (2 experts · 16 + shared 8) · 2·8·2 = 1280;
     # logits 2·8·128 = 2048 → 2·640 + 1024 + 1344 + 2048 = 5696
     assert flops_per_iteration(config, 3) == 3 * 3 * 4 * 5696
+
+
+def test_full_recompute_gives_the_same_gradients_and_logs_each_loss_once():
+    """Recomputed MoE layers re-run the router inside backward: the gradients (router losses
+    included) and the logged losses are those of the plain run (fp32, same ops: 1e-6)."""
+    from tpfuse.models import GPTModel
+
+    common = dict(moe_aux_loss_coeff=0.1, moe_z_loss_coeff=0.01, hidden_dropout=0.0,
+                  attention_dropout=0.0)
+    plain = GPTModel(make(**common))
+    recomputed = GPTModel(make(recompute_granularity="full", recompute_method="uniform",
+                               recompute_num_layers=2, **common))
+    ids = torch.randint(0, 61, (2, 8), generator=torch.Generator().manual_seed(0))
+    for model in (plain, recomputed):
+        model(ids, labels=ids).mean().backward()
+    for (name, a), (_, b) in zip(plain.named_parameters(), recomputed.named_parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-6, atol=1e-6, msg=name)
+    for name in ("load_balancing_loss", "z_loss"):
+        assert recomputed.router_losses.values[name].keys() == plain.router_losses.values[name].keys()
+        for layer, value in plain.router_losses.values[name].items():
+            torch.testing.assert_close(recomputed.router_losses.values[name][layer], value)
