@@ -1,7 +1,8 @@
 """GroupedExperts: the local experts of one MoE layer, weights stacked for the grouped GEMM.
 
 Expert e:  ``y = act(x W1_e + b1_e) W2_e + b2_e`` with ``W1_e (h, F1)``, ``W2_e (F, h)``;
-F1 = F for gelu, 2F for swiglu (columns ``[gate | up]``, ``act = silu(gate) · up``).
+F1 = F for gelu / gelu_tanh, 2F for swiglu (columns ``[gate | up]``,
+``act = silu(gate) · up``).
 
 Stacked on this rank: ``weight1 (L, h, F1/etp)``, ``weight2 (L, F/etp, h)``, ``bias1 (L, F1/etp)``,
 ``bias2 (L, h)`` for its L = E/ep experts ``first .. first + L − 1`` (first = ep rank · L) and its
@@ -53,6 +54,7 @@ class GroupedExperts(nn.Module):
         super().__init__()
         hidden, ffn, dtype = config.hidden_size, config.moe_ffn_hidden_size, config.params_dtype
         experts, self.groups, self.grouped = config.num_moe_experts, groups, grouped
+        self.activation = config.activation
         self.gated = config.activation == "swiglu"
         self.num_local = experts // groups.ep_size
         first = groups.ep_rank * self.num_local
@@ -75,7 +77,7 @@ class GroupedExperts(nn.Module):
         if self.gated:
             gate, up = h1.chunk(2, dim=-1)
             return F.silu(gate) * up
-        return F.gelu(h1)
+        return F.gelu(h1, approximate="tanh" if self.activation == "gelu_tanh" else "none")
 
     def _bias2(self):
         """bias2 once in the etp sum: scaled by 1 on etp rank 0, by 0 elsewhere."""
@@ -114,7 +116,7 @@ class GroupedExperts(nn.Module):
             if self.gated:
                 h = self._activation(matmul(x, self.weight1[local], bias1))
             else:
-                h = matmul(x, self.weight1[local], bias1, "gelu")
+                h = matmul(x, self.weight1[local], bias1, self.activation)   # fused epilogue
             outputs.append(matmul(h, self.weight2[local], None if bias2 is None else bias2[local]))
             start += count
         return torch.cat(outputs) if outputs else rows.new_zeros((0, rows.shape[1]))

@@ -34,7 +34,7 @@ def _act(h, activation):
     if activation == "swiglu":
         gate, up = h.chunk(2, dim=-1)
         return F.silu(gate) * up
-    return F.gelu(h)
+    return F.gelu(h, approximate="tanh" if activation == "gelu_tanh" else "none")
 
 
 def expert_mlp(x, m, e, activation):

@@ -2,7 +2,7 @@
 
 Four gloo ranks hold the tokens of several micro-batches (data parallel) split over the sequence
 (sequence parallelism when tp = 2); every layout — ep = 1, 2, 4; etp = 1, 2; both dispatchers;
-grouped GEMM and the expert loop; gelu and swiglu; with biases, a shared expert, the
+grouped GEMM and the expert loop; gelu, gelu_tanh and swiglu; with biases, a shared expert, the
 load-balancing loss (aux_loss or seq_aux_loss) and the z-loss — must give, on every rank:
 the outputs of its tokens, the input gradients, and every parameter gradient (after the reductions
 the trainer performs: dense parameters over dp, expert parameters over edp) equal to the float64
@@ -36,7 +36,7 @@ LAYOUTS = {  # name: (tp, ep, etp) over 4 ranks
 
 def _cfg(variant):
     return {"hidden": HIDDEN, "ffn": FFN, "experts": EXPERTS, "topk": TOPK,
-            "activation": "swiglu" if variant % 2 else "gelu", "bias": True, "shared": 8,
+            "activation": ("gelu", "swiglu", "gelu_tanh")[variant % 3], "bias": True, "shared": 8,
             "score_function": "softmax", "aux_coeff": 0.1,
             "balancing": "seq_aux_loss" if variant % 2 else "aux_loss", "z_coeff": 0.01}
 
