@@ -106,10 +106,10 @@ def in_backward() -> bool:
 
 class RouterLossTracker:
     """One per model chunk, shared by its MoE layers: the backward scale of the router losses
-    (``backward_scale`` = ``loss_scale``, 1/m, × ``grad_scale``, the loss scaler's) and, for logging, summed over the micro-batches of the step and kept per
-    global layer (detached): each loss's partial divided by its coefficient
-    (``values[name][layer]``) and the tokens this rank routed to each expert after any capacity
-    dropping (``tokens_per_expert[layer]``, (E,))."""
+    (``backward_scale`` = ``loss_scale``, 1/m, × ``grad_scale``, the loss scaler's) and, for
+    logging, summed over the micro-batches of the step and kept per global layer (detached): each
+    loss's partial divided by its coefficient (``values[name][layer]``) and the tokens this rank
+    routed to each expert after any capacity dropping (``tokens_per_expert[layer]``, (E,))."""
 
     def __init__(self):
         self.loss_scale = 1.0

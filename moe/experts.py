@@ -66,8 +66,8 @@ class GroupedExperts(nn.Module):
         self.weight1 = _expert_param(shard(master1[mine], 2, etp, etp_rank, stride), 2, stride)
         self.weight2 = _expert_param(shard(master2[mine], 1, etp, etp_rank), 1)
         if config.add_bias_linear:
-            self.bias1 = _expert_param(torch.zeros(self.num_local, stride * ffn // etp, dtype=dtype),
-                                       1, stride)
+            bias1 = torch.zeros(self.num_local, stride * ffn // etp, dtype=dtype)
+            self.bias1 = _expert_param(bias1, 1, stride)
             self.bias2 = _expert_param(torch.zeros(self.num_local, hidden, dtype=dtype))
         else:
             self.register_parameter("bias1", None)
