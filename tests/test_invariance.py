@@ -220,12 +220,12 @@ def test_moe_layout_reproduces_single_process_losses(run_distributed, moe_refere
 
 
 def test_moe_checkpoint_reshards_across_expert_layouts(run_distributed, moe_reference, tmp_path):
-    """4 steps at ep = 2 (experts 0-1 | 2-3 on two ranks), resumed at tp 2 × ep 2 with etp 1 and
-    sequence parallelism: the experts and their Adam moments are re-cut, the curve continues."""
+    """4 steps at ep = 2 (experts 0-1 | 2-3 on two ranks, dp 2), resumed at tp 2 + SP with every
+    expert split over etp = 2 instead: the experts and their Adam moments are re-cut (whole
+    experts → column / row shards), the curve continues."""
     save = ["--save", str(tmp_path / "ckpt"), "--save-interval", "4"]
     first = _losses(run_distributed, 2, MOE + save + ["--train-iters", "4",
                                                      "--expert-model-parallel-size", "2"])
-    resumed = _losses(run_distributed, 4, MOE + save + _parallel(tp=2, sp=True) + [
-        "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1",
+    resumed = _losses(run_distributed, 2, MOE + save + _parallel(tp=2, sp=True) + [
         "--load", str(tmp_path / "ckpt")])
     assert first + resumed == pytest.approx(moe_reference, rel=1e-5)
