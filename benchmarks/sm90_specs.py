@@ -163,6 +163,7 @@ def special_cases():
                          {"BLOCK_M": 128, "BLOCK_D": 128}, 4, 3))
     out.extend(symm_mem_cases())
     out.extend(wgrad_cases())
+    out.extend(moe_cases())
     return out
 
 
@@ -174,6 +175,37 @@ def wgrad_cases():
     return [_case("wgrad accumulate into fp32 main_grad", kernel, config.kwargs, config.num_warps,
                   config.num_stages, dict(units, INPUT_PRECISION="tf32", DOT_IN_FP32=False),
                   types={"out_ptr": "*fp32"}) for config in kernel.configs]
+
+
+def moe_cases():
+    """Grouped GEMM (forward, the dgrad layout on one config, wgrad) and token permutation at the
+    MoE training shapes (int32 group offsets, int64 row maps from torch.topk, fp32 probabilities,
+    top-8 routing)."""
+    gg, mp = _module("grouped_gemm"), _module("moe_permute")
+    precision = {"INPUT_PRECISION": "tf32", "DOT_IN_FP32": False}
+    ints = {"offsets_ptr": "*i32"}
+    out = []
+    for index, config in enumerate(gg._grouped_gemm_kernel.configs):
+        layouts = [("fwd", {"stride_xk": 1, "stride_wn": 1, "stride_yn": 1})]
+        if index == 0:
+            layouts.append(("dgrad wᵀ", {"stride_xk": 1, "stride_wk": 1, "stride_yn": 1}))
+        for label, units in layouts:
+            out.append(_case("grouped_gemm", gg._grouped_gemm_kernel, config.kwargs,
+                             config.num_warps, config.num_stages, dict(units, **precision),
+                             types=ints, label=f"{label}: " + _tiles(config)))
+    for config in gg._grouped_wgrad_kernel.configs:
+        out.append(_case("grouped_gemm wgrad", gg._grouped_wgrad_kernel, config.kwargs,
+                         config.num_warps, config.num_stages,
+                         dict({"stride_xk": 1, "stride_dn": 1, "stride_wn": 1}, **precision),
+                         types=ints))
+    rows = {"map_ptr": "*i64", "probs_ptr": "*fp32", "dprobs_ptr": "*fp32"}
+    meta = {"TOPK": 8, "BLOCK_H": mp.GPU_BLOCK_H}
+    out.append(_case("moe_permute permute", mp._permute_kernel, meta, 4, 3, types=rows))
+    out.append(_case("moe_permute unpermute", mp._unpermute_kernel, meta, 4, 3,
+                     {"HAS_PROBS": True}, types=rows))
+    out.append(_case("moe_permute unpermute bwd", mp._unpermute_backward_kernel, meta, 4, 3,
+                     types=rows))
+    return out
 
 
 def symm_mem_cases():

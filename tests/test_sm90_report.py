@@ -61,6 +61,7 @@ def test_hopper_gemms_use_wgmma_and_the_persistent_one_tma(rows):
     assert all(r["tma"] and r["wgmma"] for r in tma)
     pointer = [r for r in _where(rows, "matmul (pointer)") if "64x64x32" not in r["config"]]
     assert all(r["wgmma"] and not r["tma"] for r in pointer)  # (2-warp tiles are below a warp group)
+    assert all(r["wgmma"] for r in _where(rows, "grouped_gemm"))   # MoE: fwd, dgrad, wgrad
 
 
 def test_json_rows_have_the_documented_fields(rows):
