@@ -147,7 +147,7 @@ def config_to_argv(config):
             argv += [dashed(f.name), _dtype_name(value)]
         elif field_type_name(f).startswith("tuple["):          # Megatron's tuple flags: L,R
             argv += [dashed(f.name), ",".join(str(v) for v in value)]
-        elif isinstance(value, (list, tuple)):
+        elif isinstance(value, (list, tuple)) and field_type_name(f) != "int | list[int]":
             argv += [dashed(f.name), *map(str, value)]
         else:
             argv += [dashed(f.name), str(value)]
