@@ -21,12 +21,16 @@ and the gradients the ranks inject (d partial_r; for seq through the all-gather,
 reduce-scatters) add up to the gradient of the full loss. Megatron-core computes the same
 quantities (its z-loss divides the coefficient by the group size and averages locally: equal).
 
-Backward injection (Megatron's MoEAuxLossAutoScaler): ``attach_loss(x, loss, tracker)`` returns x
-unchanged; in backward it hands ``loss`` the gradient ``tracker.backward_scale`` — the scale of
-the main loss: 1/m with m micro-batches (the pipeline executor sets it through
-``GPTModel.set_aux_loss_scale``) times the loss scaler's scale when there is one (the trainer sets
-it through ``GPTModel.set_aux_loss_grad_scale``) — so the router loss joins the step's gradient
-exactly like the language-model loss, wherever the pipeline schedule runs the layer's backward.
+Backward injection (Megatron's MoEAuxLossAutoScaler): ``attach_loss(x, loss, tracker, name,
+layer, coeff)`` returns x unchanged; in backward it hands ``loss`` the gradient
+``tracker.backward_scale`` — the scale of the main loss: 1/m with m micro-batches (the pipeline
+executor sets it through ``GPTModel.set_aux_loss_scale``) times the loss scaler's scale when there
+is one (the trainer sets it through ``GPTModel.set_aux_loss_grad_scale``) — so the router loss
+joins the step's gradient exactly like the language-model loss, wherever the pipeline schedule runs
+the layer's backward. The loss is recorded for the log (``loss / coeff``) at that moment too: once
+per micro-batch and layer whatever activation recompute does (a checkpoint that runs the forward
+without a graph computes the loss only in its recompute; one that keeps the forward's graph
+recomputes a loss nobody back-propagates).
 """
 from __future__ import annotations
 
@@ -79,22 +83,26 @@ def gather_sequence(probs, group):
 # ----------------------------------------------------------------------------- backward injection
 
 class _AttachLoss(torch.autograd.Function):
-    """forward: x (the loss only rides along); backward: dx, and d loss = tracker.backward_scale."""
+    """forward: x (the loss only rides along); backward: dx, d loss = tracker.backward_scale,
+    and the loss recorded."""
 
     @staticmethod
-    def forward(ctx, x, loss, tracker):
-        ctx.tracker = tracker
+    def forward(ctx, x, loss, tracker, name, layer, coeff):
+        ctx.tracker, ctx.name, ctx.layer = tracker, name, layer
+        ctx.value = loss.detach() / coeff
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, dx):
-        return dx, torch.full((), ctx.tracker.backward_scale, dtype=torch.float32,
-                              device=dx.device), None
+        ctx.tracker.record(ctx.name, ctx.layer, ctx.value)
+        scale = torch.full((), ctx.tracker.backward_scale, dtype=torch.float32, device=dx.device)
+        return dx, scale, None, None, None, None
 
 
-def attach_loss(x, loss, tracker):
-    """``x``, with ``loss`` differentiated (scaled by ``tracker.backward_scale``) in x's backward."""
-    return _AttachLoss.apply(x, loss, tracker)
+def attach_loss(x, loss, tracker, name: str, layer: int, coeff: float):
+    """``x``, with ``loss`` differentiated (scaled by ``tracker.backward_scale``) in x's backward,
+    where ``loss / coeff`` is also recorded as ``tracker.values[name][layer]``."""
+    return _AttachLoss.apply(x, loss, tracker, name, layer, coeff)
 
 
 # ----------------------------------------------------------------------------- tracking
@@ -128,15 +136,13 @@ class RouterLossTracker:
         return self.loss_scale * self.grad_scale
 
     def record(self, name: str, layer: int, value: torch.Tensor) -> None:
-        if in_backward():
-            return        # a recomputed forward: this micro-batch was recorded already
         per_layer = self.values.setdefault(name, {})
         value = value.detach().float()
         per_layer[layer] = per_layer[layer] + value if layer in per_layer else value
 
     def record_tokens(self, layer: int, counts: torch.Tensor) -> None:
         if in_backward():
-            return
+            return        # a forward re-run by activation recompute: counted already
         counts = counts.detach().float()
         previous = self.tokens_per_expert.get(layer)
         self.tokens_per_expert[layer] = counts if previous is None else previous + counts

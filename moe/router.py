@@ -7,9 +7,9 @@ optional capacity, and the router losses (see ``routing.py`` and ``aux_losses.py
 
 ``W (E, h)`` is replicated. Under sequence parallelism each TP rank routes its own tokens, so W
 enters through ``copy_to_region`` (its gradient is all-reduced over TP inside autograd; marked
-``sequence_parallel = True``, like the norm weights). The losses are computed and logged only in
-training with gradients enabled, as Megatron-core does; they see the micro-batch's tokens across
-the sequence partition group (``tp-cp``).
+``sequence_parallel = True``, like the norm weights). The losses are computed only in training
+with gradients enabled, as Megatron-core does, and logged when their gradient is injected; they
+see the micro-batch's tokens across the sequence partition group (``tp-cp``).
 """
 from __future__ import annotations
 
@@ -75,8 +75,8 @@ class TopKRouter(nn.Module):
     def _z_loss(self, logits):
         coeff = self.config.moe_z_loss_coeff
         loss = aux_losses.z_loss(logits, self._total_tokens(logits.shape[0]), coeff)
-        self.tracker.record("z_loss", self.layer_number, loss / coeff)
-        return aux_losses.attach_loss(logits, loss, self.tracker)
+        return aux_losses.attach_loss(logits, loss, self.tracker, "z_loss", self.layer_number,
+                                      coeff)
 
     def _load_balancing_loss(self, logits, probs, batch: int):
         c = self.config
@@ -92,5 +92,5 @@ class TopKRouter(nn.Module):
                                                      group)
             loss = aux_losses.sequence_load_balancing_loss(
                 scores_full, topk_map.view(-1, batch, scores.shape[1]), batch, self.topk, coeff)
-        self.tracker.record("load_balancing_loss", self.layer_number, loss / coeff)
-        return aux_losses.attach_loss(probs, loss, self.tracker)
+        return aux_losses.attach_loss(probs, loss, self.tracker, "load_balancing_loss",
+                                      self.layer_number, coeff)

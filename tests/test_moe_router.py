@@ -118,15 +118,15 @@ def test_no_losses_outside_training():
 
 
 def test_recomputed_forward_is_recorded_once():
-    """Activation recompute re-runs the router inside backward: values and token counts are
-    recorded for the first forward only."""
+    """Activation recompute re-runs the router inside backward: the losses (recorded when their
+    gradient is injected) and the token counts are recorded once, as without recompute."""
     router, tracker = _router("aux_loss")
     hidden = torch.randn(4, 3, 8, requires_grad=True)
     probs, _ = checkpoint(router, hidden, use_reentrant=False)
     probs.sum().backward()
     reference, ref_tracker = _router("aux_loss")
     reference.load_state_dict(router.state_dict())
-    reference(hidden.detach())
-    assert tracker.values["z_loss"][5].item() == pytest.approx(
-        ref_tracker.values["z_loss"][5].item())
+    reference(hidden.detach().requires_grad_())[0].sum().backward()
+    for name in ("z_loss", "load_balancing_loss"):
+        assert tracker.values[name][5].item() == pytest.approx(ref_tracker.values[name][5].item())
     assert torch.equal(tracker.tokens_per_expert[5], ref_tracker.tokens_per_expert[5])
