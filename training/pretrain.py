@@ -143,7 +143,8 @@ class _Run:
         if not self.state.is_pipeline_last_stage():
             return None
         values = torch.stack([d["lm loss"].detach().float().reshape(()) for d in loss_dicts])
-        total = torch.stack([values.sum(), torch.tensor(float(len(values)))]).to(self.device)
+        # the count joins the sum on the losses' own device (CUDA under NCCL) for the all-reduce
+        total = torch.stack([values.sum(), values.new_tensor(float(len(values)))])
         if self.state.dp_size > 1:
             dist.all_reduce(total, group=self.state.dp_group)
         return (total[0] / total[1]).item()
