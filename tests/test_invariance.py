@@ -162,32 +162,79 @@ def test_distributed_optimizer_resumes_exactly_and_reshards_dp4_to_dp2(run_distr
     assert first + same + halved == pytest.approx(reference, rel=1e-5)
 
 
-def _byte_corpus(prefix):
-    """EOD-separated documents of 1..12 bytes (ByteTokenizer ids): packed samples of 8 tokens hold
-    several documents, which cross the context-parallel chunks (2 tokens each at cp = 2)."""
+CORPUS_WORDS = ("def", "x", "return a + b", "class Model:", "pass", "import torch", "for i in r",
+                "yield", "if not ok:", "self.w = w", "print(s)", "a")
+
+
+def _byte_corpus(directory):
+    """EOD-separated documents of 1..12 bytes (ByteTokenizer ids, EOD 256, the last id): packed
+    samples of 8 tokens hold several documents, which cross the context-parallel chunks (2 tokens
+    each at cp = 2)."""
     from tpfuse.data import ByteTokenizer, write_indexed_dataset
 
-    tokenizer = ByteTokenizer()
-    words = ("def", "x", "return a + b", "class Model:", "pass", "import torch", "for i in r",
-             "yield", "if not ok:", "self.w = w", "print(s)", "a")
-    docs = [tokenizer.tokenize(words[i % len(words)]) + [tokenizer.eod] for i in range(400)]
+    tokenizer, prefix = ByteTokenizer(), str(directory / "corpus")
+    docs = [tokenizer.tokenize(CORPUS_WORDS[i % len(CORPUS_WORDS)]) + [tokenizer.eod]
+            for i in range(400)]
     write_indexed_dataset(prefix, docs, tokenizer.vocab_size)
+    return ["--data-path", prefix, "--tokenizer-type", "ByteTokenizer"]
 
 
-def test_document_masked_corpus_with_context_parallelism(run_distributed, tmp_path):
-    """--reset-attention-mask --reset-position-ids --eod-mask-loss and a sliding window on a real
-    indexed corpus: tp2 × cp2 with sequence parallelism (ring attention; each rank holds one token
-    of each of its two chunks) equals one process."""
-    prefix = str(tmp_path / "corpus")
-    _byte_corpus(prefix)
+def _huggingface_corpus(directory):
+    """The same documents through a Hugging Face word-level tokenizer.json whose EOD
+    ``<|endoftext|>`` is id 0 (not the last id, as in GPT-2's file it is not the first): 1..4
+    tokens per document, so a sample of 8 holds 2..8 documents."""
+    tokenizers = pytest.importorskip("tokenizers")   # the optional extra of HF tokenizers
+    from tpfuse.data import HFTokenizer, write_indexed_dataset
+
+    words = sorted({w for text in CORPUS_WORDS for w in text.split()})
+    vocab = {"<|endoftext|>": 0, "[UNK]": 1, **{w: i + 2 for i, w in enumerate(words)}}
+    model = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    model.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    model.save(str(directory / "tokenizer.json"))
+    tokenizer, prefix = HFTokenizer(str(directory / "tokenizer.json")), str(directory / "corpus")
+    assert tokenizer.eod == 0
+    docs = [tokenizer.tokenize(CORPUS_WORDS[i % len(CORPUS_WORDS)]) + [tokenizer.eod]
+            for i in range(400)]
+    write_indexed_dataset(prefix, docs, tokenizer.vocab_size)
+    return ["--data-path", prefix, "--tokenizer-type", "HuggingFaceTokenizer",
+            "--tokenizer-model", str(directory)]
+
+
+CORPUS_LAYOUTS = {
+    # name: (corpus, world size, layout): tp2 x cp2 + SP with the ring (each rank holds one token
+    # of each of its two chunks) on byte ids; cp2 Ulysses on the Hugging Face tokenizer's ids
+    "byte-tp2-cp2-sp-p2p": (_byte_corpus, 4, _parallel(tp=2, sp=True, cp=2)),
+    "hf-cp2-a2a": (_huggingface_corpus, 2, _parallel(cp=2, cp_comm_type="a2a")),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CORPUS_LAYOUTS))
+def test_document_masked_corpus_with_context_parallelism(run_distributed, tmp_path, name):
+    """--reset-attention-mask --reset-position-ids --eod-mask-loss, a sliding window and grouped-
+    query attention (4 heads, 2 kv groups) on a real indexed corpus, documents cut at the
+    tokenizer's EOD: the context-parallel layout equals one process."""
+    corpus, world_size, layout = CORPUS_LAYOUTS[name]
     model = [a for a in TINY_MODEL if a not in ("--mock-data", "--vocab-size", "63")]
-    flags = ["--data-path", prefix, "--tokenizer-type", "ByteTokenizer", "--split", "100,0,0",
-             "--reset-attention-mask", "--reset-position-ids", "--eod-mask-loss",
-             "--window-size", "4,0"]
+    flags = corpus(tmp_path) + [
+        "--split", "100,0,0", "--reset-attention-mask", "--reset-position-ids", "--eod-mask-loss",
+        "--window-size", "4,0", "--num-query-groups", "2"]
     single = _losses(run_distributed, 1, flags, model)
-    layout = _losses(run_distributed, 4, flags + _parallel(tp=2, sp=True, cp=2), model)
+    losses = _losses(run_distributed, world_size, flags + layout, model)
     assert single[-1] < single[0]
-    assert layout == pytest.approx(single, rel=1e-5)
+    assert losses == pytest.approx(single, rel=1e-5)
+
+
+def test_context_parallel_checkpoint_resumes_at_another_layout(run_distributed, reference,
+                                                               tmp_path):
+    """4 iterations at cp2 with the distributed optimizer (its fp32 state sharded over the
+    data+context-parallel group), saved; the last 6 resumed in one process (weights from the cp
+    rank 0 file, the optimizer shards reassembled): the 10 losses are the single-process curve."""
+    save = ["--save", str(tmp_path / "ckpt"), "--load", str(tmp_path / "ckpt")]
+    first = _losses(run_distributed, 2, _parallel(cp=2) + DISTRIBUTED_OPTIMIZER + save
+                    + ["--train-iters", "4"])
+    resumed = _losses(run_distributed, 1, DISTRIBUTED_OPTIMIZER + save)
+    assert (len(first), len(resumed)) == (4, 6)
+    assert first + resumed == pytest.approx(reference, rel=1e-5)
 
 
 # ---------------------------------------------------------------- mixture of experts
