@@ -7,7 +7,10 @@ batch / loss helpers, each against a reference computed another way:
   gradients summed over cp, as the dp-cp gradient reduction does);
 - a GPTModel on packed documents (document ids, positions restarting per document) gives each
   document's tokens exactly the losses and gradients of that document run alone;
-- ``get_batch_on_this_cp_rank`` / ``sequence_mean_loss`` against the whole-sequence values.
+- ``get_batch_on_this_cp_rank`` / ``sequence_mean_loss`` against the whole-sequence values;
+- bad settings (sequence not divisible by 2·cp or 2·cp·tp with SP, kv heads for a2a, attention
+  dropout, cp not dividing the world) fail through ``pretrain`` with a ValueError naming the
+  values on every rank by itself, and the KV cache is refused under context parallelism.
 
 Tolerance: tests/_tp_testing.py (fp32 sums in another order; a wrong mask or offset moves
 outputs by O(1)).
@@ -181,3 +184,72 @@ def _batch_and_loss_on_cp_ranks():
 
 def test_batch_split_and_sequence_mean_loss(run_distributed):
     assert run_distributed(2, _batch_and_loss_on_cp_ranks) == [True, True]
+
+
+# ----------------------------------------------------------------------------- bad settings
+
+TRAIN_FLAGS = ["--num-layers", "2", "--hidden-size", "16", "--num-attention-heads", "4",
+               "--seq-length", "12", "--max-position-embeddings", "12", "--vocab-size", "63",
+               "--mock-data", "--micro-batch-size", "1", "--train-iters", "1", "--lr", "1e-3",
+               "--hidden-dropout", "0.0", "--no-progress-bar", "--no-layout-table"]
+BAD_SETTINGS = [  # (flags, what the message names)
+    (["--context-parallel-size", "2", "--attention-dropout", "0.0", "--seq-length", "10"],
+     "seq_length=10 is not divisible by 2 × context_parallel_size (2) = 4"),
+    (["--context-parallel-size", "2", "--attention-dropout", "0.0", "--tensor-model-parallel-size",
+      "2", "--sequence-parallel"], "seq_length=12 is not divisible by 2 × context_parallel_size (2)"
+                                   " × tensor_model_parallel_size (2) (sequence_parallel=True) = 8"),
+    (["--context-parallel-size", "2", "--attention-dropout", "0.0", "--num-query-groups", "1",
+      "--cp-comm-type", "a2a"], "cp_comm_type='a2a': query groups (kv heads) per tensor-parallel "
+                                "rank = 1 is not divisible by context_parallel_size=2"),
+    (["--context-parallel-size", "2", "--attention-dropout", "0.1"],
+     "attention_dropout=0.1 with context_parallel_size=2"),
+    (["--context-parallel-size", "3", "--attention-dropout", "0.0"],
+     "world size 2 is not divisible by tensor_model_parallel_size (1) × "
+     "pipeline_model_parallel_size (1) × context_parallel_size (3)"),
+]
+
+
+def _pretrain_errors(settings):
+    """Every setting through ``pretrain`` on this rank: the ValueError's message (None if none)."""
+    from tpfuse.pretrain_gpt import (forward_step, model_provider,
+                                     train_valid_test_datasets_provider)
+    from tpfuse.training.pretrain import pretrain
+
+    messages = []
+    for flags, _ in settings:
+        try:
+            pretrain(train_valid_test_datasets_provider, model_provider, forward_step,
+                     argv=TRAIN_FLAGS + flags)
+            messages.append(None)
+        except ValueError as error:
+            messages.append(str(error))
+    return messages
+
+
+def test_bad_context_parallel_settings_fail_on_every_rank_before_any_collective(run_distributed):
+    """Each rank raises by itself (a rank blocked in a collective would time the job out)."""
+    for messages in run_distributed(2, _pretrain_errors, BAD_SETTINGS, timeout_s=120):
+        for message, (flags, named) in zip(messages, BAD_SETTINGS):
+            assert message is not None and named in message, (flags, message)
+
+
+def _cached_attention_error():
+    from tpfuse.inference import InferenceContext
+    from tpfuse.parallel.state import ParallelState
+    from tpfuse.tp_layers import ParallelAttention
+
+    state = ParallelState.initialize(cp=2)
+    try:
+        module = ParallelAttention(16, 4, state=state)
+        module(seeded_randn(1, S // 2, B, 16), inference_context=InferenceContext(B, S))
+    except ValueError as error:
+        return str(error)
+    finally:
+        state.destroy()
+    return None
+
+
+def test_kv_cache_refused_under_context_parallelism(run_distributed):
+    """Generation's KV cache holds whole sequences: refused at cp = 2, on each rank by itself."""
+    for message in run_distributed(2, _cached_attention_error):
+        assert message and "inference_context with context_parallel_size=2" in message, message

@@ -148,6 +148,9 @@ class ParallelAttention(nn.Module):
                 inference_context=None, rotary_pos_emb=None,
                 document_ids: torch.Tensor | None = None):
         seq, batch = self.full_sequence_length(hidden_states), hidden_states.shape[1]
+        if inference_context is not None and self.cp.size > 1:
+            raise ValueError(f"inference_context with context_parallel_size={self.cp.size}: the "
+                             "KV cache holds whole sequences; generate with cp = 1")
         for name, ids in (("position_ids", position_ids), ("document_ids", document_ids)):
             if ids is not None and tuple(ids.shape) != (batch, seq):
                 raise ValueError(f"{name} shape {tuple(ids.shape)} != (b, s) = "
