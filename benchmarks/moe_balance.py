@@ -20,7 +20,7 @@ import statistics
 import tempfile
 
 MODEL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
-         "--seq-length", "128", "--max-position-embeddings", "128", "--vocab-size", "257",
+         "--seq-length", "128", "--max-position-embeddings", "128",
          "--make-vocab-size-divisible-by", "64", "--micro-batch-size", "8",
          "--global-batch-size", "16", "--lr", "3e-3", "--min-lr", "3e-4", "--lr-warmup-iters",
          "5", "--hidden-dropout", "0.0", "--attention-dropout", "0.0", "--eval-interval", "1000",
@@ -34,11 +34,9 @@ COEFFS = (0.0, 1e-2)
 def _train(argv):
     from tpfuse.pretrain_gpt import (forward_step, model_provider,
                                      train_valid_test_datasets_provider)
-    from tpfuse.training.main_job import prepare_default_data
     from tpfuse.training.pretrain import pretrain
 
-    pretrain(train_valid_test_datasets_provider, model_provider, forward_step,
-             argv=prepare_default_data(argv))
+    pretrain(train_valid_test_datasets_provider, model_provider, forward_step, argv=argv)
 
 
 def _imbalance(tokens_per_expert: dict) -> list[float]:
@@ -47,11 +45,14 @@ def _imbalance(tokens_per_expert: dict) -> list[float]:
 
 def run(iters: int, workdir: str) -> dict:
     from tpfuse.parallel.launch import spawn
+    from tpfuse.training.presets import default_cache_dir, ensure_stdlib_corpus
 
+    data = ["--data-path", ensure_stdlib_corpus(default_cache_dir()), "--tokenizer-type",
+            "ByteTokenizer", "--split", "969,30,1"]
     records = {}
     for coeff in COEFFS:
         metrics = os.path.join(workdir, f"metrics_{coeff}.jsonl")
-        spawn(_train, 1, MODEL + ["--train-iters", str(iters), "--lr-decay-iters", str(iters),
+        spawn(_train, 1, MODEL + data + ["--train-iters", str(iters), "--lr-decay-iters", str(iters),
                                   "--moe-aux-loss-coeff", str(coeff), "--metrics-file", metrics])
         with open(metrics) as handle:
             records[coeff] = [r for r in map(json.loads, handle) if "tokens_per_expert" in r]
