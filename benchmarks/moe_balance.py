@@ -52,8 +52,9 @@ def run(iters: int, workdir: str) -> dict:
     records = {}
     for coeff in COEFFS:
         metrics = os.path.join(workdir, f"metrics_{coeff}.jsonl")
-        spawn(_train, 1, MODEL + data + ["--train-iters", str(iters), "--lr-decay-iters", str(iters),
-                                  "--moe-aux-loss-coeff", str(coeff), "--metrics-file", metrics])
+        flags = ["--train-iters", str(iters), "--lr-decay-iters", str(iters),
+                 "--moe-aux-loss-coeff", str(coeff), "--metrics-file", metrics]
+        spawn(_train, 1, MODEL + data + flags)
         with open(metrics) as handle:
             records[coeff] = [r for r in map(json.loads, handle) if "tokens_per_expert" in r]
     return records

@@ -32,12 +32,12 @@ master (so both start equal; Megatron zeroes it and all-reduces instead) and mar
 ``shared = shared_embedding = True``; after backward ``allreduce_embedding_grads`` sums the two
 gradients over the embedding group so both copies take the same optimizer step.
 
-Mixture of experts: with ``num_moe_experts`` set, the global layers ``moe_layer_pattern(config)``
-marks use an ``MoELayer`` as their MLP block (built where the ParallelMLP would be, so the draw
-order stays per layer). The chunk's MoE layers share one ``RouterLossTracker``
-(``.router_losses``): the pipeline executor sets its backward scale through
-``set_aux_loss_scale(1/m)``, a loss scaler through ``set_aux_loss_grad_scale(scale)``, and the
-trainer reads and clears the logged router losses there.
+MoE: with ``num_moe_experts`` set, the layers ``moe_layer_pattern(config)`` marks use an
+``MoELayer`` as their MLP block (built where the ParallelMLP would be: the draw order stays per
+layer). The chunk's MoE layers share one ``RouterLossTracker`` (``.router_losses``, × cp like
+the trainer's main loss): the pipeline executor sets its backward scale via
+``set_aux_loss_scale(1/m)``, a loss scaler via ``set_aux_loss_grad_scale(scale)``; the trainer
+reads and clears the logged losses.
 
 Model providers: ``gpt_model_provider(pre_process, post_process, vp_stage=None)`` has Megatron's
 signature and reads the config registered with ``set_global_config`` (Megatron reads ``get_args()``);
@@ -138,7 +138,7 @@ class GPTModel(nn.Module):
         self.share_embeddings_and_output_weights = not config.untie_embeddings_and_output_weights
         self.layer_indices = layers_for(config, state.pp_rank if state else 0, vp_stage)
         self.input_tensor = None
-        self.router_losses = RouterLossTracker()
+        self.router_losses = RouterLossTracker(state.cp_size if state is not None else 1)
 
         word_master = None
         if pre_process or (post_process and self.share_embeddings_and_output_weights):

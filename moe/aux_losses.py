@@ -4,7 +4,7 @@ Over the T tokens of one micro-batch (B sequences of S tokens), E experts, top-k
 ``p(t, e)`` the router's scores (softmax over all experts, or sigmoid normalised per token) and
 ``n_e`` the tokens whose top-k of those scores holds e (before any capacity dropping):
 
-    aux_loss      = coeff · E/(k·T²) · Σ_e (Σ_t p(t, e)) · n_e                   (Switch Transformer)
+    aux_loss      = coeff · E/(k·T²) · Σ_e (Σ_t p(t, e)) · n_e                  (Switch Transformer)
     seq_aux_loss  = coeff · (1/B) Σ_b Σ_e  E·n_{b,e}/(k·S) · (1/S) Σ_s p(b, s, e)     (per sequence)
     z_loss        = coeff · (1/T) Σ_t logsumexp_e(logit(t, e))²                  (ST-MoE)
 
@@ -114,14 +114,21 @@ def in_backward() -> bool:
 
 class RouterLossTracker:
     """One per model chunk, shared by its MoE layers: the backward scale of the router losses
-    (``backward_scale`` = ``loss_scale``, 1/m, × ``grad_scale``, the loss scaler's) and, for
-    logging, summed over the micro-batches of the step and kept per global layer (detached): each
-    loss's partial divided by its coefficient (``values[name][layer]``) and the tokens this rank
-    routed to each expert after any capacity dropping (``tokens_per_expert[layer]``, (E,))."""
+    (``backward_scale`` = ``loss_scale``, 1/m, × ``grad_scale``, the loss scaler's, ×
+    ``context_parallel_size``) and, for logging, summed over the micro-batches of the step and kept
+    per global layer (detached): each loss's partial divided by its coefficient
+    (``values[name][layer]``) and the tokens this rank routed to each expert after any capacity
+    dropping (``tokens_per_expert[layer]``, (E,)).
 
-    def __init__(self):
+    The cp factor matches the trainer's main loss under context parallelism: each cp rank
+    back-propagates cp · (its share of the sequence's loss) and the gradients are averaged over
+    dp·cp, so a loss whose partials over the cp ranks sum to L must be back-propagated as cp ·
+    partial to reach ∇L (Megatron scales its aux losses by the cp size likewise)."""
+
+    def __init__(self, context_parallel_size: int = 1):
         self.loss_scale = 1.0
         self.grad_scale = 1.0
+        self.context_parallel_size = context_parallel_size
         self.values: dict[str, dict[int, torch.Tensor]] = {}
         self.tokens_per_expert: dict[int, torch.Tensor] = {}
 
@@ -133,7 +140,7 @@ class RouterLossTracker:
 
     @property
     def backward_scale(self) -> float:
-        return self.loss_scale * self.grad_scale
+        return self.loss_scale * self.grad_scale * self.context_parallel_size
 
     def record(self, name: str, layer: int, value: torch.Tensor) -> None:
         per_layer = self.values.setdefault(name, {})

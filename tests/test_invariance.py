@@ -256,6 +256,10 @@ MOE_LAYOUTS = {
     "ep2-alltoall-grouped": (2, ["--expert-model-parallel-size", "2",
                                  "--moe-token-dispatcher-type", "alltoall", "--moe-grouped-gemm"]),
     "tp2-ep2-sp": (4, _parallel(tp=2, sp=True) + ["--expert-model-parallel-size", "2"]),
+    # the router losses see the micro-batch's tokens over both context-parallel ranks
+    "cp2-ep2": (2, _parallel(cp=2) + ["--expert-model-parallel-size", "2"]),
+    # dense state sharded over dp 4, the experts' over their edp 2
+    "dp4-ep2-distopt": (4, DISTRIBUTED_OPTIMIZER + ["--expert-model-parallel-size", "2"]),
 }
 
 
