@@ -12,7 +12,8 @@ with its step time split into router, token dispatch (all-to-all), experts and c
    - ``sequential``: the textbook loop: ``nn.Linear`` modules per expert, ``index_select`` of each
      expert's rows and ``index_add_`` of the outputs (what a plain PyTorch MoE does).
 
-   ``test_experts_ratios`` times the three interleaved round by round and prints median ratios.
+   ``test_experts_ratios`` times the three interleaved round by round and prints median ratios
+   (appended to benchmarks/MOE_RESULTS.md).
 
 2. ``test_moe_layer_step_time_by_ep``: 4 gloo processes (1 thread each), the MoE layer forward +
    backward at ep = 1, 2, 4 with the all-to-all dispatcher (and ep = 4 with the all-gather one); the
@@ -146,9 +147,13 @@ def test_experts_ratios(experts_setup):
     medians = {kind: statistics.median(t[1:]) for kind, t in times.items()}
     ratios = {kind: statistics.median(a / b for a, b in zip(times[kind][1:], times["grouped"][1:]))
               for kind in modules}
-    print(f"\nexperts fwd+bwd medians (ms): " + ", ".join(
-        f"{k} {1e3 * v:.1f}" for k, v in medians.items()) + " | time / grouped: " + ", ".join(
-        f"{k} {v:.2f}" for k, v in ratios.items()))
+    line = (f"experts fwd+bwd, {EXPERTS} experts, {sum(sizes)} rows, h {HIDDEN}, F {FFN}, "
+            f"2 threads, {ROUNDS} interleaved rounds — medians (ms): " + ", ".join(
+                f"{k} {1e3 * v:.1f}" for k, v in medians.items()) + " | time / grouped: " +
+            ", ".join(f"{k} {v:.2f}" for k, v in ratios.items()))
+    print("\n" + line)
+    with open(RESULTS, "a") as handle:
+        handle.write(f"\n### {datetime.datetime.utcnow():%Y-%m-%d %H:%M} UTC — {line}\n")
 
 
 # ----------------------------------------------------------------------------- the layer at ep = 1, 2, 4
