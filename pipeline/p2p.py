@@ -8,7 +8,10 @@ pp rank, sender's position). Both ends of every message compute the same key, so
 
 1. **No swapped tensors.** Each rank issues its p2p operations strictly in that order: before
    sending message X it posts (non-blocking) receives for every earlier message addressed to it;
-   before waiting for message Y it posts receives up to Y. So on each pair of ranks the k-th send
+   before waiting for message Y it posts receives up to Y; and after each operation it posts at
+   once the receives that follow it in the order up to the next send (as Megatron pairs a send
+   with the next receive), so a peer's message can arrive while this rank computes — the order
+   itself is unchanged. So on each pair of ranks the k-th send
    of one side and the k-th receive of the other are the same message, which is what an
    order-matched transport needs (NCCL p2p; gloo with one tag). Megatron's batched exchange at
    pp = 2 with interleaving, where the previous and next rank are the same peer, goes wrong
@@ -126,13 +129,25 @@ class PipelineP2P:
         self._pending_sends.append((dist.isend(alias, dst=dst, group=self.group), alias))
         self._cursor += 1
         self._drop_completed_sends()
+        self._post_receives_ahead()
 
     def recv_at(self, index: int) -> torch.Tensor:
         """``recv`` of the message at ``index`` of this rank's order."""
         self._post_receives_before(index + 1)
+        self._post_receives_ahead()
         work, buffer = self._pending_recvs.pop(index)
         work.wait()
         return buffer
+
+    def _post_receives_ahead(self) -> None:
+        """Post the receives that come next in the order, up to the next send: the same
+        operations in the same order, issued early, so a peer's message can land while this
+        rank computes (buffers for at most the receives before one send)."""
+        end = self._cursor
+        while end < len(self._order) and \
+                self._rank_of(self._order[end].dst_stage) == self.pp_rank:
+            end += 1
+        self._post_receives_before(end)
 
     def _drop_completed_sends(self) -> None:
         """Release the aliases of finished sends (oldest first: sends complete in order)."""

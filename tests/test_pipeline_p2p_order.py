@@ -63,11 +63,13 @@ def _drive(recorder, schedule, m, v):
             if action.kind == "F":
                 if stage > 0:
                     comm.recv(Message("act", mb, stage - 1, stage))
+                recorder.log.setdefault(rank, []).append(("compute", None, action))
                 if stage < last:
                     comm.send(Message("act", mb, stage, stage + 1), torch.zeros(SHAPE))
             else:
                 if stage < last:
                     comm.recv(Message("grad", mb, stage + 1, stage))
+                recorder.log.setdefault(rank, []).append(("compute", None, action))
                 if stage > 0:
                     comm.send(Message("grad", mb, stage, stage - 1), torch.zeros(SHAPE))
         comm.finish()
@@ -96,6 +98,25 @@ def test_both_ends_of_every_link_issue_the_same_sequence(monkeypatch, only_forwa
             b_side = [(op, msg) for op, peer, msg in recorder.log.get(b, []) if peer == a]
             flipped = [("recv" if op == "send" else "send", msg) for op, msg in b_side]
             assert a_side == flipped, (p, m, v, g, a, b)
+        checked += 1
+    assert checked > 90
+
+
+def test_receives_are_posted_before_the_compute_they_can_overlap(monkeypatch):
+    """A receive is issued as soon as the operation before it in the order is (Megatron's
+    send_forward_recv_backward, generalised): never is an action computed between a receive's
+    predecessor and the receive's posting, so the peer's message can land during that compute
+    (a receive posted only when its consumer asks for it fails this check)."""
+    checked = 0
+    for p, m, v, g in _configs():
+        recorder = _Recorder()
+        monkeypatch.setattr(p2p_module, "dist", recorder)
+        _drive(recorder, build_schedule(p, m, v, g), m, v)
+        for rank, log in recorder.log.items():
+            ops = [i for i, (op, _, _) in enumerate(log) if op != "compute"]
+            for before, after in zip(ops, ops[1:]):
+                computed = [log[i][2] for i in range(before + 1, after)]
+                assert log[after][0] == "send" or not computed, (p, m, v, g, rank, log[after])
         checked += 1
     assert checked > 90
 
