@@ -117,7 +117,10 @@ def _forward_step(data_iterator, model):
     return model(ids, labels=labels), _loss_func
 
 
-def _zb_vs_1f1b_body(tp, pp, sp):
+MOE = dict(num_moe_experts=4, moe_router_topk=2, moe_aux_loss_coeff=0.01)
+
+
+def _zb_vs_1f1b_body(tp, pp, sp, extra):
     from tpfuse.models import TransformerConfig, build_model, make_gpt_model_provider
     from tpfuse.parallel.state import ParallelState
     from tpfuse.pipeline.executor import (forward_backward_pipelining_without_interleaving,
@@ -125,7 +128,7 @@ def _zb_vs_1f1b_body(tp, pp, sp):
 
     state = ParallelState.initialize(tp=tp, pp=pp)
     try:
-        config = TransformerConfig(**BASE, tensor_model_parallel_size=tp,
+        config = TransformerConfig(**BASE, **extra, tensor_model_parallel_size=tp,
                                    pipeline_model_parallel_size=pp, sequence_parallel=sp)
         chunk, = build_model(make_gpt_model_provider(config), config, state=state)
         runs = {}
@@ -140,15 +143,17 @@ def _zb_vs_1f1b_body(tp, pp, sp):
         state.destroy()
 
 
-@pytest.mark.parametrize("tp, pp, sp", [(2, 2, True), (1, 4, False)])
-def test_zb_h1_losses_and_grads_equal_1f1b(run_distributed, tp, pp, sp):
-    results = run_distributed(tp * pp, _zb_vs_1f1b_body, tp, pp, sp)
+@pytest.mark.parametrize("tp, pp, sp, extra", [(2, 2, True, {}), (1, 4, False, {}),
+                                               (1, 2, False, MOE)])   # MoE: experts in I
+def test_zb_h1_losses_and_grads_equal_1f1b(run_distributed, tp, pp, sp, extra):
+    results = run_distributed(tp * pp, _zb_vs_1f1b_body, tp, pp, sp, extra)
     for runs in results:
         reference_losses, reference_grads = runs["1f1b"]
         losses, grads = runs["zb-h1"]
         assert len(losses) == (M if losses else 0)
         assert all(torch.equal(a, b) for a, b in zip(losses, reference_losses))
         assert grads.keys() == reference_grads.keys()
+        assert not extra or any("experts" in name for name in grads)      # MoE layers built
         for name, grad in grads.items():
             assert torch.equal(grad, reference_grads[name]), name
     assert sum(len(runs["zb-h1"][0]) > 0 for runs in results) == tp   # last stage's TP ranks
