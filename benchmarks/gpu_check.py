@@ -18,6 +18,8 @@ every gradient; metric max|ours − torch| / max|torch| ≤ 2e-2 (bf16 keeps 8 b
 Speed: median of interleaved samples (triton.testing.do_bench per sample, L2 flushed), ratio
 ours / torch of TFLOP/s or GB/s; goals: matmul ≥ 0.90× cuBLAS, attention fwd+bwd ≥ 0.80× SDPA's
 flash backend (fwd ≥ 1.0×), norms and cross-entropy ≥ 75 % of HBM bandwidth.
+Variants: the norm backward at each row-loop pipelining depth (kernel only, interleaved, the fastest
+marked) and the autotuner's choice for the cross-entropy kernels, for the launchers' defaults.
 Registers / spills / shared memory of every compiled kernel variant used are printed at the end.
 Exit status: 0 when every check passes (or there is no GPU), 1 otherwise.
 """
@@ -33,7 +35,7 @@ import traceback
 import torch
 import triton.runtime.errors
 
-from gpu_check_cases import SHAPES, all_cases
+from gpu_check_cases import SHAPES, all_cases, autotuner_choices, norm_backward_variants
 
 TOLERANCE = 2e-2
 TIME_BUDGET_S = 270.0  # stop starting new cases past this, to stay inside 5 minutes
@@ -138,6 +140,25 @@ def run_cases(rep, dev, shapes, timer):
             torch.cuda.empty_cache()
 
 
+def run_variants(rep, dev, shapes, timer):
+    """Time each group's variants interleaved (a, b, c, a, b, c, ...); the fastest is marked."""
+    for group, variants in norm_backward_variants(dev, shapes).items():
+        if rep.elapsed() > TIME_BUDGET_S:
+            rep.add("variants", f"{group}: skipped, time budget spent", status="SKIPPED")
+            continue
+        samples = {label: [] for label, _, _ in variants}
+        for _ in range(SAMPLES):
+            for label, fn, _ in variants:
+                samples[label].append(timer(fn))
+        rates = {label: amount / (statistics.median(samples[label]) * 1e-3) / 1e9 for label, _, amount in variants}
+        best = max(rates.values())
+        for label, rate in rates.items():
+            rep.add("variants", f"{group} {label}", f"{rate:.4g} GB/s", "", f"{rate / best:.2f}x of best",
+                    "fastest" if rate == best else "")
+    for kernel, choice in autotuner_choices():
+        rep.add("autotuner", kernel, choice, "", "", "chosen")
+
+
 def compiled_kernels():
     """(kernel, num_warps, num_stages, registers, spill bytes, shared bytes) of every Triton
     kernel variant compiled in this process (the configs the launchers and autotuners chose)."""
@@ -198,6 +219,7 @@ def main(argv=None):
     torch.manual_seed(0)
     rep = Report()
     run_cases(rep, dev, SHAPES[mode], make_timer(dev))
+    run_variants(rep, dev, SHAPES[mode], make_timer(dev))
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU (interpreter dry run)"
     header = (f"tpfuse gpu_check ({mode}) on {name}, torch {torch.__version__}, "
               f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {rep.elapsed():.0f} s; correctness metric "

@@ -218,3 +218,40 @@ def all_cases(dev, shapes):
     """Built lazily, family by family, so one family's tensors are freed before the next's."""
     for family in (matmul_cases, attention_cases, row_cases, cross_entropy_cases):
         yield from family(dev, shapes)
+
+
+# ----------------------------------------------------------------------------- variants
+
+def norm_backward_variants(dev, shapes):
+    """{group: [(label, fn, bytes)]}: the norm backward (kernel + dw/db partial sums, no autograd)
+    at each row-loop pipelining depth, to see on the GPU which depth the launchers should pick.
+    Bytes: read x and dy, write dx (the partial sums are not counted)."""
+    import importlib
+    ln, rms = (importlib.import_module(f"tpfuse.kernels.{name}") for name in ("layer_norm", "rms_norm"))
+    rows, width = shapes["rows"]
+    x = _randn(rows, width, device=dev, scale=2.0)
+    dy = _randn(rows, width, device=dev)
+    w, b = _randn(width, device=dev), _randn(width, device=dev)
+    _, mean, rstd = ln.layer_norm_fwd_triton(x, w, b, 1e-5)
+    _, rms_rstd = rms.rms_norm_fwd_triton(x, w, 1e-5)
+    nbytes = 3 * x.numel() * x.element_size()
+    groups = {}
+    for name, run in (("layer_norm bwd", lambda s: ln.layer_norm_bwd_triton(dy, x, w, mean, rstd, stages=s)),
+                      ("rms_norm bwd", lambda s: rms.rms_norm_bwd_triton(dy, x, w, rms_rstd, stages=s))):
+        groups[f"{name} {rows}x{width}"] = [
+            (f"row stages={s}" + (" (default)" if s == ln.BWD_STAGES else ""), lambda s=s, run=run: run(s), nbytes)
+            for s in (2, 3, 4)]
+    return groups
+
+
+def autotuner_choices():
+    """(kernel, chosen config) of the autotuned row-wise kernels after the cases ran them."""
+    import importlib
+    ce = importlib.import_module("tpfuse.kernels.cross_entropy")
+    out = []
+    for kernel in (ce._shard_stats_kernel, ce._shard_grad_kernel):
+        for key, config in getattr(kernel, "cache", {}).items():
+            chosen = ", ".join(f"{k}={v}" for k, v in config.kwargs.items())
+            out.append((f"cross_entropy.{kernel.fn.__name__} (V={key[0]})",
+                        f"{chosen}, warps={config.num_warps}"))
+    return out

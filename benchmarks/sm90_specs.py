@@ -85,7 +85,7 @@ def norm_cases():
         bwd = ln.row_launch_params(width, 2, is_cuda=True, backward=True)
         one_fwd, one_bwd = fwd["BLOCK_N"] >= width, bwd["BLOCK_N"] >= width
         meta_f = {"BLOCK_N": fwd["BLOCK_N"], "ONE_BLOCK": one_fwd}
-        meta_b = {"BLOCK_N": bwd["BLOCK_N"]}
+        meta_b = {"BLOCK_N": bwd["BLOCK_N"], "NUM_STAGES": bwd["NUM_STAGES"]}
         tag = f"width {width}"
         for name, module, prefix, has_bias in (("layer_norm", ln, "_layer_norm", {"HAS_BIAS": True}),
                                                ("rms_norm", rms, "_rms_norm", {})):
@@ -97,17 +97,18 @@ def norm_cases():
             for kernel in kernels:
                 out.append(_case(f"{name} {kernel.replace(prefix + '_', '').replace('_kernel', '')}",
                                  getattr(module, kernel), meta_b, bwd["num_warps"], 3,
-                                 label=f"{tag}: BLOCK_N={meta_b['BLOCK_N']}, warps={bwd['num_warps']}"))
+                                 label=f"{tag}: BLOCK_N={meta_b['BLOCK_N']}, warps={bwd['num_warps']}, "
+                                       f"row stages={meta_b['NUM_STAGES']}"))
     return out
 
 
 def elementwise_cases():
     out = []
     ce = _module("cross_entropy")
-    for kernel in (ce._shard_stats_kernel, ce._shard_grad_kernel):
+    for kernel, extra in ((ce._shard_stats_kernel, {"WRITE_LOSS": True}), (ce._shard_grad_kernel, None)):
         for config in kernel.configs:
             out.append(_case(f"cross_entropy {kernel.fn.__name__}", kernel, config.kwargs, config.num_warps,
-                             config.num_stages))
+                             config.num_stages, extra))
     bda = _module("bias_dropout_add")
     tile = bda.tile_params(4096, is_cuda=True)
     meta = {"BLOCK_R": tile["BLOCK_R"], "BLOCK_Q": tile["BLOCK_Q"]}

@@ -42,43 +42,59 @@ _CPU_BLOCK_V = 64  # interpreter block: small, and < 203 so tests cross several 
 
 # ----------------------------------------------------------------------------- Triton kernels
 
+# (BLOCK_V, warps, stages of the vocab loop): the autotuner times each on the GPU (key: V and dtype)
+STATS_CONFIGS = ((2048, 4, 3), (4096, 8, 2), (4096, 8, 3), (8192, 16, 3))
+GRAD_CONFIGS = ((2048, 4), (4096, 8), (8192, 16))
+LOG2E = tl.constexpr(1.4426950408889634)  # exp(x) = 2^(x·log2 e)
+
+
 @triton.autotune(
-    configs=[triton.Config({"BLOCK_V": bv}, num_warps=w) for bv, w in ((1024, 4), (2048, 8), (4096, 8))],
+    configs=[triton.Config({"BLOCK_V": bv, "NUM_STAGES": st}, num_warps=w) for bv, w, st in STATS_CONFIGS],
     key=["V"],
 )
 @triton.jit
-def _shard_stats_kernel(logits_ptr, target_ptr, row_max_ptr, sum_exp_ptr, target_logit_ptr,
-                        V, stride_row, vocab_start, BLOCK_V: tl.constexpr):
-    """One program per row: online max / sum-exp over vocab blocks, plus the in-shard target logit."""
+def _shard_stats_kernel(logits_ptr, target_ptr, row_max_ptr, sum_exp_ptr, target_logit_ptr, loss_ptr,
+                        bad_target_ptr, V, stride_row, vocab_start, ignore_index,
+                        WRITE_LOSS: tl.constexpr, BLOCK_V: tl.constexpr, NUM_STAGES: tl.constexpr):
+    """One program per row, one read of it: online max / sum-exp over vocab blocks (cp.async
+    pipelined), plus the in-shard target logit. ``WRITE_LOSS`` (one shard = the whole vocabulary):
+    also the row's loss, and a 1 in ``bad_target_ptr`` for a target outside [0, V) that is not
+    ``ignore_index`` (checked on the device, so no host synchronisation)."""
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * stride_row
     cols = tl.arange(0, BLOCK_V)
     m = -float("inf")
     s = 0.0
-    for start in tl.range(0, V, BLOCK_V, num_stages=2):
+    for start in tl.range(0, V, BLOCK_V, num_stages=NUM_STAGES):
         x = tl.load(row_ptr + start + cols, mask=start + cols < V, other=-float("inf")).to(tl.float32)
         m_new = tl.maximum(m, tl.max(x, axis=0))
         # −inf guard: while every column so far is −inf (masked vocabulary padding), exponentiate
-        # against 0 instead of m_new, so exp(−inf − (−inf)) never makes a NaN; the sum stays 0
-        m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)
-        s = s * tl.exp(m - m_safe) + tl.sum(tl.exp(x - m_safe), axis=0)
+        # against 0 instead of m_new, so exp(−inf − (−inf)) never makes a NaN; the sum stays 0.
+        # exp(x − m) = 2^(x·log2e − m·log2e): one FMA and one ex2 per element
+        m_scaled = tl.where(m_new == -float("inf"), 0.0, m_new) * LOG2E
+        s = s * tl.exp2(m * LOG2E - m_scaled) + tl.sum(tl.exp2(x * LOG2E - m_scaled), axis=0)
         m = m_new
-    local = tl.load(target_ptr + row) - vocab_start
+    target = tl.load(target_ptr + row)
+    local = target - vocab_start
     in_shard = (local >= 0) & (local < V)
     x_t = tl.load(row_ptr + tl.where(in_shard, local, 0), mask=in_shard, other=0.0).to(tl.float32)
+    x_t = tl.where(in_shard, x_t, 0.0)
     tl.store(row_max_ptr + row, m)
     tl.store(sum_exp_ptr + row, s)
-    tl.store(target_logit_ptr + row, tl.where(in_shard, x_t, 0.0))
+    tl.store(target_logit_ptr + row, x_t)
+    if WRITE_LOSS:
+        ignored = target == ignore_index
+        tl.store(loss_ptr + row, tl.where(ignored, 0.0, tl.log(s) + m - x_t))
+        bad = (target != ignore_index) & ((local < 0) | (local >= V))
+        tl.atomic_max(bad_target_ptr, 1, mask=bad)  # rare: no traffic otherwise
 
 
-@triton.autotune(
-    configs=[triton.Config({"BLOCK_V": bv}, num_warps=w) for bv, w in ((1024, 4), (2048, 8), (4096, 8))],
-    key=["V"],
-)
+@triton.autotune(configs=[triton.Config({"BLOCK_V": bv}, num_warps=w) for bv, w in GRAD_CONFIGS], key=["V"])
 @triton.jit
 def _shard_grad_kernel(logits_ptr, target_ptr, global_max_ptr, global_sum_ptr, grad_loss_ptr, dlogits_ptr,
                        V, stride_row, stride_grad_row, vocab_start, ignore_index, BLOCK_V: tl.constexpr):
-    """Program (row, vocab block): g · keep · (exp(x − M) / S − onehot(target − vocab_start))."""
+    """Program (row, vocab block): g · keep · (exp(x − lse) − onehot(target − vocab_start)),
+    lse = M + log S per row (no division per element: one FMA and one ex2)."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
     in_row = cols < V
@@ -87,10 +103,13 @@ def _shard_grad_kernel(logits_ptr, target_ptr, global_max_ptr, global_sum_ptr, g
     g = tl.where(target == ignore_index, 0.0, g)
     x = tl.load(logits_ptr + row * stride_row + cols, mask=in_row, other=0.0).to(tl.float32)
     row_max = tl.load(global_max_ptr + row)
-    row_max = tl.where(row_max == -float("inf"), 0.0, row_max)  # all −inf row: p = 0, not NaN
-    p = tl.exp(x - row_max) / tl.load(global_sum_ptr + row)
-    p = tl.where(cols == target - vocab_start, p - 1.0, p)
-    dx = g * p
+    row_sum = tl.load(global_sum_ptr + row)
+    row_max = tl.where(row_max == -float("inf"), 0.0, row_max)
+    # all −inf row (S = 0): lse = +inf makes p = 0, not NaN
+    has_mass = row_sum > 0
+    lse_scaled = tl.where(has_mass, (row_max + tl.log(tl.where(has_mass, row_sum, 1.0))) * LOG2E, float("inf"))
+    p = tl.exp2(x * LOG2E - lse_scaled)
+    dx = g * tl.where(cols == target - vocab_start, p - 1.0, p)
     tl.store(dlogits_ptr + row * stride_grad_row + cols, dx.to(dlogits_ptr.dtype.element_ty), mask=in_row)
 
 
@@ -111,14 +130,21 @@ def _as_rows(logits: torch.Tensor, target: torch.Tensor):
     return rows, target.reshape(-1).long()
 
 
-def _stats_triton(rows, target, vocab_start):
+def _stats_triton(rows, target, vocab_start, ignore_index=None):
+    """→ (row_max, sum_exp, target_logit), plus (loss, bad_target flag (1,) int32) when
+    ``ignore_index`` is given (the whole vocabulary in one shard)."""
     n, v = rows.shape
+    write_loss = ignore_index is not None
     row_max, sum_exp, target_logit = (torch.empty((n,), device=rows.device, dtype=torch.float32)
                                       for _ in range(3))
+    loss = torch.empty((n,), device=rows.device, dtype=torch.float32) if write_loss else row_max
+    bad_target = torch.zeros((1,), device=rows.device, dtype=torch.int32) if write_loss else row_max
     if n:
-        _backend.launch(_shard_stats_kernel, (n,), rows, target, row_max, sum_exp, target_logit,
-                        v, rows.stride(0), vocab_start, cpu_meta={"BLOCK_V": _CPU_BLOCK_V})
-    return row_max, sum_exp, target_logit
+        _backend.launch(_shard_stats_kernel, (n,), rows, target, row_max, sum_exp, target_logit, loss,
+                        bad_target, v, rows.stride(0), vocab_start, ignore_index if write_loss else 0,
+                        WRITE_LOSS=write_loss, cpu_meta={"BLOCK_V": _CPU_BLOCK_V, "NUM_STAGES": 2})
+    stats = (row_max, sum_exp, target_logit)
+    return stats + (loss, bad_target) if write_loss else stats
 
 
 def _grad_triton(rows, target, vocab_start, global_max, global_sum_exp, grad_loss, ignore_index):
@@ -147,7 +173,9 @@ def _stats_torch(rows, target, vocab_start):
 
 
 def _grad_torch(rows, target, vocab_start, global_max, global_sum_exp, grad_loss, ignore_index):
-    global_lse = global_max.float() + torch.log(global_sum_exp.float())       # (N,)
+    finite_max = torch.where(global_max == float("-inf"), 0.0, global_max.float())
+    sums = global_sum_exp.float()
+    global_lse = torch.where(sums > 0, finite_max + torch.log(sums), float("inf"))  # (N,); S = 0: p = 0
     probs = torch.exp(rows.float() - global_lse[:, None])                     # (N, V) fresh buffer
     local = target - vocab_start
     hit = torch.nonzero((local >= 0) & (local < rows.shape[-1])).squeeze(1)  # rows whose target is here
@@ -204,22 +232,25 @@ def cross_entropy_shard_grad(logits_shard, target, vocab_start, global_max, glob
 
 
 class _CrossEntropy(torch.autograd.Function):
-    """Single-device cross-entropy: one shard (vocab_start = 0), no communication."""
+    """Single-device Triton cross-entropy: one shard (vocab_start = 0), no communication; the
+    forward is one kernel (statistics, loss and the target-range flag in one read of the logits)."""
 
     @staticmethod
-    def forward(ctx, logits, target, ignore_index, backend):
-        row_max, sum_exp, target_logit = cross_entropy_shard_stats(logits, target, 0, backend=backend)
-        loss = cross_entropy_loss_from_stats(row_max, sum_exp, target_logit, target, ignore_index)
+    def forward(ctx, logits, target, ignore_index):
+        rows, flat_target = _as_rows(logits, target)                               # (N, V), (N,)
+        row_max, sum_exp, _, loss, bad_target = _stats_triton(rows, flat_target, 0, ignore_index)
+        if rows.is_cuda:  # device-side check, no host synchronisation (as torch's CUDA loss)
+            torch._assert_async(bad_target[0] == 0, _out_of_range_message(logits.shape[-1], ignore_index))
         ctx.save_for_backward(logits, target, row_max, sum_exp)
-        ctx.ignore_index, ctx.backend = ignore_index, backend
-        return loss
+        ctx.ignore_index = ignore_index
+        return loss.reshape(target.shape)
 
     @staticmethod
     def backward(ctx, grad_loss):
         logits, target, row_max, sum_exp = ctx.saved_tensors
         dlogits = cross_entropy_shard_grad(logits, target, 0, row_max, sum_exp, grad_loss, ctx.ignore_index,
-                                           backend=ctx.backend)
-        return dlogits, None, None, None
+                                           backend="triton")
+        return dlogits, None, None
 
 
 class TargetOutOfRangeError(IndexError, ValueError):
@@ -227,29 +258,40 @@ class TargetOutOfRangeError(IndexError, ValueError):
     tpfuse's bad-input errors are ValueErrors: this is both)."""
 
 
+def _out_of_range_message(vocab_size, ignore_index, value="id", op="cross_entropy"):
+    return (f"{op}: target {value} is out of bounds for a vocabulary of {vocab_size} (valid ids "
+            f"0..{vocab_size - 1}, or ignore_index={ignore_index})")
+
+
 def check_targets_in_range(target, vocab_size, ignore_index, op="cross_entropy"):
-    """Raise ``TargetOutOfRangeError`` naming the first offending id (one device→host read)."""
+    """Raise ``TargetOutOfRangeError`` naming the first offending id (one device→host read). On a
+    CUDA tensor the check is a device-side assertion instead (no host synchronisation: a bad id
+    stops the job at the next synchronising call, as torch's own CUDA cross-entropy does)."""
     bad = (target != ignore_index) & ((target < 0) | (target >= vocab_size))
-    if bool(bad.any()):
+    if target.is_cuda:
+        torch._assert_async(~bad.any(), _out_of_range_message(vocab_size, ignore_index, op=op))
+    elif bool(bad.any()):
         value = int(target[bad].flatten()[0])
-        raise TargetOutOfRangeError(f"{op}: target {value} is out of bounds for a vocabulary of "
-                                    f"{vocab_size} (valid ids 0..{vocab_size - 1}, or "
-                                    f"ignore_index={ignore_index})")
+        raise TargetOutOfRangeError(_out_of_range_message(vocab_size, ignore_index, value, op))
 
 
 def cross_entropy(logits, target, ignore_index=-100, *, backend=None):
     """Per-row loss ``(N,)`` fp32 (target's shape), 0 where ``target == ignore_index``.
 
     ``logits (..., V)`` fp32/bf16/fp16, ``target (...)`` integer in ``[0, V)`` or ``ignore_index``
-    (anything else raises ``TargetOutOfRangeError``, an IndexError and ValueError, on both paths).
-    Differentiable w.r.t. logits.
+    (anything else raises ``TargetOutOfRangeError``, an IndexError and ValueError, on both paths;
+    on CUDA tensors it is a device-side assertion instead, checked inside the Triton kernel, so
+    the loss never synchronises with the host). Differentiable w.r.t. logits.
     The torch path is ``F.cross_entropy(reduction="none")`` on fp32 logits (fastest on CPU); the
-    Triton path is the shard pieces above with ``vocab_start = 0``.
+    Triton path is the shard pieces above with ``vocab_start = 0``, the loss fused into the
+    statistics kernel.
     """
     _as_rows(logits, target)  # validate shapes / dtypes before choosing a path
-    check_targets_in_range(target, logits.shape[-1], ignore_index)
-    if _pick(backend, logits) == "torch":
+    use_torch = _pick(backend, logits) == "torch"
+    if use_torch or not logits.is_cuda:
+        check_targets_in_range(target, logits.shape[-1], ignore_index)
+    if use_torch:
         loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), target.reshape(-1).long(),
                                ignore_index=ignore_index, reduction="none")
         return loss.reshape(target.shape)
-    return _CrossEntropy.apply(logits, target, int(ignore_index), "triton")
+    return _CrossEntropy.apply(logits, target, int(ignore_index))

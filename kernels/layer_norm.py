@@ -27,7 +27,8 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Rows up to CHUNK_N wide live in registers (one load per element); wider rows loop over column
 # chunks of BLOCK_N (forward: three passes over the row, which stays in L1/L2; backward: a per-row
 # statistics kernel, then a (row block, column chunk) kernel). The backward row loops are software
-# pipelined (``tl.range(..., num_stages=2)``: the next row's x and dy load while this one computes).
+# pipelined (``tl.range(..., num_stages=NUM_STAGES)``: the next rows' x and dy load by cp.async
+# into shared memory while this one computes) over a persistent grid (``backward_programs``).
 
 @triton.jit
 def _layer_norm_fwd_kernel(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr,
@@ -70,10 +71,16 @@ def _layer_norm_fwd_kernel(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr,
 
 
 @triton.jit
+def _add_pair(a0, a1, b0, b1):
+    return a0 + b0, a1 + b1
+
+
+@triton.jit
 def _layer_norm_bwd_kernel(x_ptr, w_ptr, dy_ptr, dx_ptr, mean_ptr, rstd_ptr, dw_part_ptr, db_part_ptr,
                            stride_x, stride_dy, stride_dx, M, N, rows_per_program,
-                           BLOCK_N: tl.constexpr):
-    """Rows [pid·rows_per_program, ...) of a width ≤ BLOCK_N: dx, and this block's dw/db sums."""
+                           BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr):
+    """Rows [pid·rows_per_program, ...) of a width ≤ BLOCK_N: dx, and this block's dw/db sums.
+    The two row means come out of one two-operand reduction (one round of barriers per row)."""
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
     mask = cols < N
@@ -82,7 +89,7 @@ def _layer_norm_bwd_kernel(x_ptr, w_ptr, dy_ptr, dx_ptr, mean_ptr, rstd_ptr, dw_
     db_acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     row_start = pid * rows_per_program
     row_end = tl.minimum(row_start + rows_per_program, M)
-    for row in tl.range(row_start, row_end, num_stages=2):
+    for row in tl.range(row_start, row_end, num_stages=NUM_STAGES):
         row64 = tl.cast(row, tl.int64)  # the interpreter hands loop variables over as Python ints
         x = tl.load(x_ptr + row64 * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
         dy = tl.load(dy_ptr + row64 * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
@@ -90,9 +97,8 @@ def _layer_norm_bwd_kernel(x_ptr, w_ptr, dy_ptr, dx_ptr, mean_ptr, rstd_ptr, dw_
         rstd = tl.load(rstd_ptr + row)
         x_hat = tl.where(mask, (x - mean) * rstd, 0.0)
         w_dy = w * dy
-        mean_xhat_wdy = tl.sum(x_hat * w_dy, axis=0) / N
-        mean_wdy = tl.sum(w_dy, axis=0) / N
-        dx = (w_dy - (x_hat * mean_xhat_wdy + mean_wdy)) * rstd
+        sum_xhat_wdy, sum_wdy = tl.reduce((x_hat * w_dy, w_dy), 0, _add_pair)
+        dx = (w_dy - (x_hat * (sum_xhat_wdy / N) + sum_wdy / N)) * rstd
         tl.store(dx_ptr + row64 * stride_dx + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
         dw_acc += dy * x_hat
         db_acc += dy
@@ -102,7 +108,8 @@ def _layer_norm_bwd_kernel(x_ptr, w_ptr, dy_ptr, dx_ptr, mean_ptr, rstd_ptr, dw_
 
 @triton.jit
 def _layer_norm_bwd_row_sums_kernel(x_ptr, w_ptr, dy_ptr, mean_ptr, rstd_ptr, c1_ptr, c2_ptr,
-                                    stride_x, stride_dy, N, BLOCK_N: tl.constexpr):
+                                    stride_x, stride_dy, N, BLOCK_N: tl.constexpr,
+                                    NUM_STAGES: tl.constexpr):
     """Wide rows, step 1: c1 = mean(x̂⊙w⊙dy), c2 = mean(w⊙dy) of one row, over column chunks."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_N)
@@ -110,21 +117,22 @@ def _layer_norm_bwd_row_sums_kernel(x_ptr, w_ptr, dy_ptr, mean_ptr, rstd_ptr, c1
     rstd = tl.load(rstd_ptr + row)
     sum_xhat_wdy = tl.zeros((BLOCK_N,), dtype=tl.float32)
     sum_wdy = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for start in tl.range(0, N, BLOCK_N, num_stages=2):
+    for start in tl.range(0, N, BLOCK_N, num_stages=NUM_STAGES):
         mask = start + cols < N
         x = tl.load(x_ptr + row * stride_x + start + cols, mask=mask, other=0.0).to(tl.float32)
         dy = tl.load(dy_ptr + row * stride_dy + start + cols, mask=mask, other=0.0).to(tl.float32)
         w_dy = tl.load(w_ptr + start + cols, mask=mask, other=0.0).to(tl.float32) * dy
         sum_xhat_wdy += tl.where(mask, (x - mean) * rstd, 0.0) * w_dy
         sum_wdy += w_dy
-    tl.store(c1_ptr + row, tl.sum(sum_xhat_wdy, axis=0) / N)
-    tl.store(c2_ptr + row, tl.sum(sum_wdy, axis=0) / N)
+    total_xhat_wdy, total_wdy = tl.reduce((sum_xhat_wdy, sum_wdy), 0, _add_pair)
+    tl.store(c1_ptr + row, total_xhat_wdy / N)
+    tl.store(c2_ptr + row, total_wdy / N)
 
 
 @triton.jit
 def _layer_norm_bwd_chunk_kernel(x_ptr, w_ptr, dy_ptr, dx_ptr, mean_ptr, rstd_ptr, c1_ptr, c2_ptr,
                                  dw_part_ptr, db_part_ptr, stride_x, stride_dy, stride_dx, M, N,
-                                 rows_per_program, BLOCK_N: tl.constexpr):
+                                 rows_per_program, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr):
     """Wide rows, step 2: program (row block, column chunk) writes dx of its chunk,
     dx = rstd·(w⊙dy − x̂·c1 − c2), and the block's dw/db sums of those columns."""
     pid = tl.program_id(0)
@@ -135,7 +143,7 @@ def _layer_norm_bwd_chunk_kernel(x_ptr, w_ptr, dy_ptr, dx_ptr, mean_ptr, rstd_pt
     db_acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     row_start = pid * rows_per_program
     row_end = tl.minimum(row_start + rows_per_program, M)
-    for row in tl.range(row_start, row_end, num_stages=2):
+    for row in tl.range(row_start, row_end, num_stages=NUM_STAGES):
         row64 = tl.cast(row, tl.int64)
         x = tl.load(x_ptr + row64 * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
         dy = tl.load(dy_ptr + row64 * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
@@ -153,28 +161,38 @@ def _layer_norm_bwd_chunk_kernel(x_ptr, w_ptr, dy_ptr, dx_ptr, mean_ptr, rstd_pt
 
 CHUNK_N = 16384        # widest row held in registers at once; wider rows loop over chunks
 CPU_CHUNK_N = 256      # the interpreter's chunk, small so the tests' rows cross several chunks
+BWD_STAGES = 3         # backward row loops: x and dy of the next two rows in flight (cp.async)
+BWD_COLUMNS_PER_SM = 8192  # backward state (w, dw, db, x, dy, x̂ in fp32: ~7 registers a column)
+                           # of this many columns fills an SM's 64K registers
 
 
 def row_launch_params(n_cols: int, element_size: int, is_cuda: bool, backward: bool = False) -> dict:
-    """Block width and, on GPU, warps. The block is the next power of two ≥ n_cols up to the chunk
-    width (CHUNK_N; the backward holds x, dy, w, x̂ and two accumulators per column and keeps two
-    pipelined copies of x and dy in shared memory, so its chunk holds 16 KB of one operand's row);
-    ``ONE_BLOCK`` tells whether a row fits in one. Warps give each thread 8 (forward) to 16 (backward, more live vectors) columns at most
-    up to 16 warps: enough loads in flight without spilling the per-thread vectors."""
+    """Block width and, on GPU, warps (and the backward's pipelining depth). The block is the next
+    power of two ≥ n_cols up to the chunk width (CHUNK_N; the backward holds x, dy, w, x̂ and two
+    accumulators per column and keeps pipelined copies of x and dy in shared memory, so its chunk
+    holds 16 KB of one operand's row); ``ONE_BLOCK`` tells whether a row fits in one. Warps give
+    each thread 8 (forward) to 16 (backward, more live vectors) columns at most up to 16 warps:
+    enough loads in flight without spilling the per-thread vectors."""
     chunk = CHUNK_N if is_cuda else CPU_CHUNK_N
     if is_cuda and backward:  # 16 KB of a row per operand: 8K bf16 / 4K fp32 columns (ptxas: no spills)
         chunk = min(chunk, 16384 // element_size)
     block = min(triton.next_power_of_2(n_cols), chunk)
     params = {"BLOCK_N": block}
+    if backward:
+        params["NUM_STAGES"] = BWD_STAGES
     if is_cuda:
         params["num_warps"] = min(max(block // 256, 1), 16)
     return params
 
 
-def backward_programs(n_rows: int, device: torch.device) -> int:
-    """How many programs share the rows in backward: a few per SM on GPU, a handful interpreted."""
+def backward_programs(n_rows: int, device: torch.device, block_n: int) -> int:
+    """How many programs share the rows in backward. GPU: a persistent grid, as many programs as
+    fit on the GPU at once (SMs × BWD_COLUMNS_PER_SM // block_n: one 8K-wide program per SM, eight
+    1K-wide ones), so every program streams its rows in one pipelined loop and there are few
+    partial dw/db rows to add up; a handful interpreted."""
     if device.type == "cuda":
-        return max(1, min(n_rows, 4 * torch.cuda.get_device_properties(device).multi_processor_count))
+        per_sm = max(1, BWD_COLUMNS_PER_SM // block_n)
+        return max(1, min(n_rows, per_sm * torch.cuda.get_device_properties(device).multi_processor_count))
     return max(1, min(n_rows, 4))
 
 
@@ -192,15 +210,17 @@ def layer_norm_fwd_triton(x2d, weight, bias, eps):
     return y, mean, rstd
 
 
-def layer_norm_bwd_triton(dy2d, x2d, weight, mean, rstd):
-    """→ dx (M, N) in x's dtype, dw and db (N,) fp32."""
+def layer_norm_bwd_triton(dy2d, x2d, weight, mean, rstd, stages=None):
+    """→ dx (M, N) in x's dtype, dw and db (N,) fp32. ``stages``: the row loops' pipelining depth
+    (default BWD_STAGES; benchmarks/gpu_check.py times the alternatives)."""
     M, N = x2d.shape
     dx = torch.empty((M, N), device=x2d.device, dtype=x2d.dtype)
-    programs = backward_programs(M, x2d.device)
+    params = row_launch_params(N, x2d.element_size(), x2d.is_cuda, backward=True)
+    params["NUM_STAGES"] = stages or params["NUM_STAGES"]
+    programs = backward_programs(M, x2d.device, params["BLOCK_N"])
     rows_per_program = triton.cdiv(M, programs) if M else 1
     dw_part = torch.empty((programs, N), device=x2d.device, dtype=torch.float32)
     db_part = torch.empty((programs, N), device=x2d.device, dtype=torch.float32)
-    params = row_launch_params(N, x2d.element_size(), x2d.is_cuda, backward=True)
     if not M:
         dw_part.zero_(), db_part.zero_()
     elif params["BLOCK_N"] >= N:

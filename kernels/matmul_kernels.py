@@ -226,7 +226,20 @@ tma_kernel_autotuned = triton.autotune(
     configs=[triton.Config(c.kwargs, num_stages=c.num_stages, num_warps=c.num_warps,
                            pre_hook=_tma_block_shapes) for c in make_configs(TMA_SHAPES)],
     key=TUNING_KEY)(_per_config(_matmul_tma_kernel, EPILOGUE_SPLIT=_split))
-matmul_kernel_autotuned = triton.autotune(configs=make_configs(POINTER_SHAPES), key=TUNING_KEY)(
+SHARED_LIMIT = 232448  # bytes of shared memory one block may use on sm_90
+
+
+def fits_shared_memory(configs, named_args, **_):
+    """early_config_prune of the autotuned pointer kernel: the configs whose pipelined operand tiles,
+    stages × (BLOCK_M·BLOCK_K + BLOCK_K·BLOCK_N) × element size (Triton's figure for wgmma tiles, an
+    upper bound for the others), fit in a block's shared memory (fp32 operands drop 128×256×64 at 3 stages: 294,912 B, and 128×128×64 at 4: 262,144 B)."""
+    size = named_args["a_ptr"].element_size()
+    return [c for c in configs if c.num_stages * size * c.kwargs["BLOCK_K"] *
+            (c.kwargs["BLOCK_M"] + c.kwargs["BLOCK_N"]) <= SHARED_LIMIT]
+
+
+matmul_kernel_autotuned = triton.autotune(configs=make_configs(POINTER_SHAPES), key=TUNING_KEY,
+                                          prune_configs_by={"early_config_prune": fits_shared_memory})(
     _per_config(_matmul_kernel, EPILOGUE_SPLIT=_split,
                 EVEN_M=lambda meta: meta["M"] % meta["BLOCK_M"] == 0,
                 EVEN_N=lambda meta: meta["N"] % meta["BLOCK_N"] == 0))

@@ -21,7 +21,7 @@ from .layer_norm import backward_programs, row_launch_params, rows_view, validat
 
 # ----------------------------------------------------------------------------- Triton kernels
 # As in layer_norm.py: rows up to CHUNK_N in registers, wider ones in column chunks; backward row
-# loops software pipelined.
+# loops software pipelined over a persistent grid.
 
 @triton.jit
 def _rms_norm_fwd_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, stride_x, stride_y, N, eps,
@@ -52,7 +52,7 @@ def _rms_norm_fwd_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, stride_x, stride_y, N, e
 @triton.jit
 def _rms_norm_bwd_kernel(x_ptr, w_ptr, dy_ptr, dx_ptr, rstd_ptr, dw_part_ptr,
                          stride_x, stride_dy, stride_dx, M, N, rows_per_program,
-                         BLOCK_N: tl.constexpr):
+                         BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr):
     """Rows [pid·rows_per_program, ...) of a width ≤ BLOCK_N: dx, and this block's dw sums."""
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
@@ -61,7 +61,7 @@ def _rms_norm_bwd_kernel(x_ptr, w_ptr, dy_ptr, dx_ptr, rstd_ptr, dw_part_ptr,
     dw_acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     row_start = pid * rows_per_program
     row_end = tl.minimum(row_start + rows_per_program, M)
-    for row in tl.range(row_start, row_end, num_stages=2):
+    for row in tl.range(row_start, row_end, num_stages=NUM_STAGES):
         row64 = tl.cast(row, tl.int64)  # the interpreter hands loop variables over as Python ints
         x = tl.load(x_ptr + row64 * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
         dy = tl.load(dy_ptr + row64 * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
@@ -76,13 +76,13 @@ def _rms_norm_bwd_kernel(x_ptr, w_ptr, dy_ptr, dx_ptr, rstd_ptr, dw_part_ptr,
 
 @triton.jit
 def _rms_norm_bwd_row_sums_kernel(x_ptr, w_ptr, dy_ptr, rstd_ptr, c1_ptr, stride_x, stride_dy, N,
-                                  BLOCK_N: tl.constexpr):
+                                  BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr):
     """Wide rows, step 1: c1 = mean(x̂⊙w⊙dy) of one row, over column chunks."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_N)
     rstd = tl.load(rstd_ptr + row)
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for start in tl.range(0, N, BLOCK_N, num_stages=2):
+    for start in tl.range(0, N, BLOCK_N, num_stages=NUM_STAGES):
         mask = start + cols < N
         x = tl.load(x_ptr + row * stride_x + start + cols, mask=mask, other=0.0).to(tl.float32)
         dy = tl.load(dy_ptr + row * stride_dy + start + cols, mask=mask, other=0.0).to(tl.float32)
@@ -93,7 +93,7 @@ def _rms_norm_bwd_row_sums_kernel(x_ptr, w_ptr, dy_ptr, rstd_ptr, c1_ptr, stride
 @triton.jit
 def _rms_norm_bwd_chunk_kernel(x_ptr, w_ptr, dy_ptr, dx_ptr, rstd_ptr, c1_ptr, dw_part_ptr,
                                stride_x, stride_dy, stride_dx, M, N, rows_per_program,
-                               BLOCK_N: tl.constexpr):
+                               BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr):
     """Wide rows, step 2: program (row block, column chunk): dx = rstd·(w⊙dy − x̂·c1), dw sums."""
     pid = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -102,7 +102,7 @@ def _rms_norm_bwd_chunk_kernel(x_ptr, w_ptr, dy_ptr, dx_ptr, rstd_ptr, c1_ptr, d
     dw_acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     row_start = pid * rows_per_program
     row_end = tl.minimum(row_start + rows_per_program, M)
-    for row in tl.range(row_start, row_end, num_stages=2):
+    for row in tl.range(row_start, row_end, num_stages=NUM_STAGES):
         row64 = tl.cast(row, tl.int64)
         x = tl.load(x_ptr + row64 * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
         dy = tl.load(dy_ptr + row64 * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
@@ -128,14 +128,15 @@ def rms_norm_fwd_triton(x2d, weight, eps):
     return y, rstd
 
 
-def rms_norm_bwd_triton(dy2d, x2d, weight, rstd):
-    """→ dx (M, N) in x's dtype, dw (N,) fp32."""
+def rms_norm_bwd_triton(dy2d, x2d, weight, rstd, stages=None):
+    """→ dx (M, N) in x's dtype, dw (N,) fp32; ``stages`` as in ``layer_norm_bwd_triton``."""
     M, N = x2d.shape
     dx = torch.empty((M, N), device=x2d.device, dtype=x2d.dtype)
-    programs = backward_programs(M, x2d.device)
+    params = row_launch_params(N, x2d.element_size(), x2d.is_cuda, backward=True)
+    params["NUM_STAGES"] = stages or params["NUM_STAGES"]
+    programs = backward_programs(M, x2d.device, params["BLOCK_N"])
     rows_per_program = triton.cdiv(M, programs) if M else 1
     dw_part = torch.empty((programs, N), device=x2d.device, dtype=torch.float32)
-    params = row_launch_params(N, x2d.element_size(), x2d.is_cuda, backward=True)
     if not M:
         dw_part.zero_()
     elif params["BLOCK_N"] >= N:

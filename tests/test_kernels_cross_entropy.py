@@ -136,3 +136,35 @@ def test_out_of_range_target_raises_like_torch(path, bad):
     with pytest.raises(TargetOutOfRangeError, match=f"target {bad} is out of bounds"):
         cross_entropy(logits, target, backend=path)
     assert issubclass(TargetOutOfRangeError, ValueError)
+
+
+@pytest.mark.parametrize("bad", [None, V, -1])
+def test_fused_stats_kernel_writes_loss_and_flags_bad_targets(bad, poisoned_outputs):
+    """The single-device kernel's fused outputs (interpreter): the loss equals the reference and the
+    device-side flag (what CUDA asserts on instead of a host read) is 1 exactly when a target that
+    is not ignore_index lies outside [0, V)."""
+    from tpfuse.kernels.cross_entropy import _stats_triton
+    logits, target, _ = _batch(torch.bfloat16, seed=5)
+    if bad is not None:
+        target[7] = bad
+    *_, loss, flag = _stats_triton(logits, target, 0, -100)
+    assert flag.tolist() == [0 if bad is None else 1]
+    keep = torch.arange(N) != 7
+    valid_target = torch.where(keep, target, 0)
+    # fp32 log-sum-exp of the same bf16 logits, different summation order: a few fp32 ulps
+    torch.testing.assert_close(loss[keep], cross_entropy_reference(logits, valid_target)[keep],
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_grad_of_an_all_minus_inf_row_is_zero_not_nan(poisoned_outputs):
+    """A row whose every logit is −inf (S = 0): the kernel's p = exp(x − lse) with lse = +inf is 0,
+    as the torch piece's; no NaN from exp(−inf − (−inf)) or 0/0."""
+    logits, target, grad_loss = _batch(torch.float32, seed=6)
+    logits[2] = float("-inf")
+    row_max, sum_exp, _ = cross_entropy_shard_stats(logits, target, 0, backend="torch")
+    assert sum_exp[2] == 0
+    grads = [cross_entropy_shard_grad(logits, target, 0, row_max, sum_exp, grad_loss, backend=path)
+             for path in ("triton", "torch")]
+    assert torch.isfinite(grads[0]).all()
+    assert torch.all(grads[0][2] == -grad_loss[2] * (torch.arange(V) == target[2]))
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-5, atol=1e-6)

@@ -112,6 +112,27 @@ def test_triton_rows_wider_than_one_chunk(kind, dtype, poisoned_outputs):
     _compare(kind, leaves, dy, "triton")
 
 
+@pytest.mark.parametrize("width", [61, 700])
+@pytest.mark.parametrize("stages", [2, 4])
+def test_backward_pipelining_depths_give_the_default_result(width, stages, poisoned_outputs):
+    """The backward launchers' ``stages`` (the depth benchmarks/gpu_check.py compares on a GPU)
+    changes only how loads overlap, not the arithmetic: dx, dw and db equal the default depth's
+    bit for bit, for rows in one block (61) and in column chunks (700); and the default agrees with
+    the reference (the bounds of ``_compare``)."""
+    from tpfuse.kernels.layer_norm import BWD_STAGES, layer_norm_bwd_triton, layer_norm_fwd_triton
+    from tpfuse.kernels.rms_norm import rms_norm_bwd_triton, rms_norm_fwd_triton
+    (x, w, b), dy = _inputs(torch.bfloat16, shape=(13, width), seed=7)
+    x, w, b = x.detach(), w.detach(), b.detach()
+    _, mean, rstd = layer_norm_fwd_triton(x, w, b, EPS)
+    _, rms_rstd = rms_norm_fwd_triton(x, w, EPS)
+    assert stages != BWD_STAGES
+    for run in (lambda s: layer_norm_bwd_triton(dy, x, w, mean, rstd, stages=s),
+                lambda s: rms_norm_bwd_triton(dy, x, w, rms_rstd, stages=s)):
+        for got, want in zip(run(stages), run(None)):
+            assert torch.equal(got, want)
+    _compare("layer", [t.requires_grad_() for t in (x, w, b)], dy, "triton")
+
+
 def test_triton_layer_norm_without_bias(poisoned_outputs):
     leaves, dy = _inputs(torch.float32, seed=2, with_bias=False)
     _compare("layer", leaves, dy, "triton")

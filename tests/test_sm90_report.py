@@ -67,3 +67,35 @@ def test_hopper_gemms_use_wgmma_and_the_persistent_one_tma(rows):
 def test_json_rows_have_the_documented_fields(rows):
     for row in rows:
         assert {"kernel", "config", "registers", "spill_bytes", "shared_bytes", "tma", "wgmma"} <= set(row)
+
+
+def test_autotuned_pointer_matmul_prunes_configs_over_shared_memory(rows):
+    """The autotuned pointer GEMM's early_config_prune estimates shared memory as stages ×
+    (BLOCK_M·BLOCK_K + BLOCK_K·BLOCK_N) × element size: that estimate equals Triton's figure for
+    every compiled bf16 wgmma pointer config and bounds it for the others (the 2-warp mma.sync
+    pipeline keeps one buffer fewer), and with fp32 operands the prune drops exactly the configs
+    over the limit (128×256×64 at 3 stages would need 294,912 B) and keeps the others."""
+    import re
+
+    import torch
+
+    from tpfuse.kernels import matmul_kernels as mk
+
+    def estimate(bm, bn, bk, stages, size):
+        return stages * size * bk * (bm + bn)
+
+    compiled = [r for r in rows if r["kernel"] == "matmul (pointer)" and " bf16: " in r["config"]]
+    assert compiled
+    for r in compiled:
+        bm, bn, bk, stages = map(int, re.search(r"(\d+)x(\d+)x(\d+), warps=\d+, stages=(\d+)", r["config"]).groups())
+        if r["wgmma"]:
+            assert estimate(bm, bn, bk, stages, 2) == r["shared_bytes"], r
+        assert estimate(bm, bn, bk, stages, 2) >= r["shared_bytes"], r
+    configs = mk.matmul_kernel_autotuned.configs
+    for dtype in (torch.bfloat16, torch.float32):
+        kept = mk.fits_shared_memory(configs, {"a_ptr": torch.empty(1, dtype=dtype)})
+        sizes = {id(c): estimate(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.num_stages,
+                                 dtype.itemsize) for c in configs}
+        assert [id(c) for c in kept] == [id(c) for c in configs if sizes[id(c)] <= sm90_report.SHARED_LIMIT]
+        assert kept
+    assert len(mk.fits_shared_memory(configs, {"a_ptr": torch.empty(1)})) < len(configs)
