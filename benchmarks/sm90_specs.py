@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import importlib
 
-GENERIC_CONSTEXPRS = {"BLOCK_D": 128, "CAUSAL": True, "DOT_F32": False, "DOT_IN_FP32": False,
-                      "INPUT_PRECISION": "tf32", "HAS_BIAS": True, "ACTIVATION": 1}
+GENERIC_CONSTEXPRS = {"DOT_IN_FP32": False, "INPUT_PRECISION": "tf32", "HAS_BIAS": True, "ACTIVATION": 1}
 NUM_SMS = 132  # H100 SXM / H200
 
 
@@ -152,16 +151,48 @@ def generic_cases(covered):
     return out
 
 
+def attention_cases():
+    """flash attention (bf16), every config the kernels' early_config_prune keeps: all kernels through
+    TMA descriptors (Hopper, aligned strides) with the causal mask at d = 128; the forward and the dK/dV
+    kernel (the most registers) with every mask rule on (documents + window) and through pointer loads
+    (unaligned strides) at d = 128, and the dK/dV kernel at d = 64 (where its 64×128 tiles fit)."""
+    import torch
+
+    fwd, bwd = _module("flash_attention_fwd"), _module("flash_attention_bwd")
+    ids = {name: "*i32" for name in ("q_ids_ptr", "k_ids_ptr", "start_ptr", "end_ptr", "exact_ptr")}
+    kernels = (("flash_attention fwd", fwd._attn_fwd_kernel, {}, fwd.FWD_TMA_ROWS),
+               ("flash_attention bwd dK/dV + atomic dQ", bwd._attn_bwd_dkdv_kernel, {"ATOMIC_DQ": True},
+                bwd.BWD_TMA_ROWS),
+               ("flash_attention bwd dK/dV (deterministic)", bwd._attn_bwd_dkdv_kernel, {"ATOMIC_DQ": False},
+                bwd.BWD_TMA_ROWS),
+               ("flash_attention bwd dQ (deterministic)", bwd._attn_bwd_dq_kernel, {}, bwd.BWD_TMA_ROWS))
+    causal = {"CAUSAL": True, "WINDOW": False, "DOCS": False}
+    every_rule = {"CAUSAL": True, "WINDOW": True, "DOCS": True}
+    out = []
+    for label, masks, tma, head_dim, which in (("causal, TMA", causal, True, 128, kernels),
+                                               ("causal, TMA", causal, True, 64, kernels[1:2]),
+                                               ("documents+window, TMA", every_rule, True, 128, kernels[:2]),
+                                               ("causal, pointers", causal, False, 128, kernels[:2])):
+        for name, kernel, extra, tma_rows in which:
+            constexprs = dict(masks, **extra, HEAD_DIM=head_dim, BLOCK_D=head_dim, DOT_PRECISION=0, USE_TMA=tma)
+            example = {"q_ptr": torch.empty(1, dtype=torch.bfloat16)}
+            for config in kernel.early_config_prune(kernel.configs, example, **constexprs):
+                types = dict(ids, dq_ptr="*fp32" if extra.get("ATOMIC_DQ") else "*bf16")
+                if tma:
+                    types.update({arg: f"tensordesc<bf16[1, 1, {config.kwargs[rows]}, {head_dim}]>"
+                                  for arg, rows in tma_rows.items()})
+                tiles = f"BLOCK_M={config.kwargs['BLOCK_M']}, BLOCK_N={config.kwargs['BLOCK_N']}"
+                out.append(_case(name, kernel, config.kwargs, config.num_warps, config.num_stages, constexprs,
+                                 types=types, label=f"{label}, d={head_dim}: {tiles}, warps={config.num_warps}, "
+                                                    f"stages={config.num_stages}"))
+    out.append(_case("flash_attention bwd δ = rowsum(dO ⊙ O)", bwd._attn_bwd_delta_kernel,
+                     {"BLOCK_M": 64, "BLOCK_D": 128, "HEAD_DIM": 128}, 4, 3))
+    return out
+
+
 def special_cases():
     """Kernels launched with fixed meta-parameters by their launchers."""
-    out = []
-    try:
-        fa = _module("flash_attention_bwd")
-    except ImportError:  # pragma: no cover
-        fa = None
-    if fa is not None and hasattr(fa, "_attn_bwd_delta_kernel"):
-        out.append(_case("flash_attention_bwd._attn_bwd_delta_kernel", fa._attn_bwd_delta_kernel,
-                         {"BLOCK_M": 128, "BLOCK_D": 128}, 4, 3))
+    out = attention_cases()
     out.extend(symm_mem_cases())
     out.extend(wgrad_cases())
     out.extend(moe_cases())

@@ -1,41 +1,49 @@
-"""The torch path of flash attention (the CPU default): the mask cut into dense blocks, each one call of
-torch's fused attention op, so masked-out work is skipped rather than computed and thrown away.
+"""The torch path of flash attention (the CPU default): the mask cut into rectangles of visible work, each
+rectangle a row of one call of torch's fused attention op, so masked-out work is skipped rather than
+computed and thrown away.
 
-A *block* is a rectangle (batch rows, query rows, key rows) whose mask is one of: none, causal aligned at
-its top-left corner (the op's ``is_causal``), or an explicit additive 0/−inf bias. The plan:
+A *segment* is (batch row, query rows [qs, qe), key rows [ks, ke)):
 
-- sorted document ids → one block per (batch row, document): keys of other documents are never read,
-  so a packed batch costs Σ Lᵢ² instead of s² (batch rows with equal ids share one block);
-- inside a block, causal and window trim the key and query ranges to what some query can see (a
-  query with nothing visible is left out: out 0, lse −inf), and a window narrower than the rows is cut
+- sorted document ids → one segment per (batch row, document): keys of other documents are never read,
+  so a packed batch costs Σ Lᵢ² instead of s²;
+- inside a segment, causal and window trim the key and query ranges to what some query can see (a
+  query with nothing visible is left out: out 0, lse −inf), and a window narrower than the rows cuts it
   into row chunks of ``max(W, WINDOW_CHUNK)`` so the cost is O(s·W), not O(s²);
-- unsorted document ids → one block with the dense mask (exact, nothing skipped).
+- unsorted document ids → one call with the dense mask (exact, nothing skipped).
 
-On CPU each block is ``aten._scaled_dot_product_flash_attention_for_cpu`` (returns the logsumexp) and its
-backward op; elsewhere (``backend="torch"`` on a GPU) an explicit fp32 softmax of the block. The
-backward takes the caller's out and lse — for ring attention the merged global ones — as the flash
-backward does: P = exp(S − lse), δ = rowsum(dO ⊙ O).
+One segment covering the whole batch runs on views of the inputs (the plain causal case: one call,
+no copy). Otherwise segments of similar size are gathered into a padded batch (lengths rounded up to
+2^k or 1.5·2^k), one call per size: on a CPU each call is a parallel region, so a few large calls beat
+one call per document. A padded batch whose rows start at the same position for queries and keys
+uses the op's top-left causal mask (padding keys come after every real query); any other gets an
+exact additive 0/−inf bias from the positions.
+
+On CPU each call is ``aten._scaled_dot_product_flash_attention_for_cpu`` (returns the logsumexp) and its
+backward op; elsewhere (``backend="torch"`` on a GPU) an explicit fp32 softmax. The backward takes the
+caller's out and lse — for ring attention the merged global ones — as the flash backward does:
+P = exp(S − lse), δ = rowsum(dO ⊙ O).
 """
 from __future__ import annotations
 
+from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
 
-WINDOW_CHUNK = 256  # query rows per block under a sliding window (at least the window itself)
+WINDOW_CHUNK = 256  # query rows per segment under a sliding window (at least the window itself)
 
 
 @dataclass(frozen=True)
-class Block:
-    batch: slice
-    rows: slice                  # query rows
-    cols: slice                  # key rows
-    causal: bool                 # top-left aligned causal mask (row r sees cols ≤ r, block-relative)
-    bias: torch.Tensor | None    # additive 0 / −inf, (rows, cols) or (b, 1, rows, cols)
+class Segment:
+    row: int | None   # batch row; None: every row
+    qs: int
+    qe: int
+    ks: int
+    ke: int
 
 
-def _positional_blocks(mask, batch, qs, qe, ks, ke, dtype, device):
-    """Blocks covering query rows [qs, qe) × key rows [ks, ke) under the causal / window rules."""
+def _trimmed(mask, row, qs, qe, ks, ke) -> list[Segment]:
+    """Segments covering query rows [qs, qe) × key rows [ks, ke) under the causal / window rules."""
     shift, window = mask.shift, mask.window_size
     for _ in range(2):  # trimming keys can empty more queries and the other way round; twice is a fixpoint
         if mask.causal:  # row r sees cols ≤ r + shift
@@ -44,25 +52,11 @@ def _positional_blocks(mask, batch, qs, qe, ks, ke, dtype, device):
             ks, qe = max(ks, qs + shift - window + 1), min(qe, ke - 1 - shift + window)
     if qs >= qe or ks >= ke:
         return []
-    needs_causal = mask.causal and ke - 1 > qs + shift
-    needs_window = window is not None and ks < qe + shift - window
     chunk = max(window or 0, WINDOW_CHUNK)
-    if needs_window and qe - qs > chunk:
-        return [blk for start in range(qs, qe, chunk)
-                for blk in _positional_blocks(mask, batch, start, min(start + chunk, qe), ks, ke, dtype, device)]
-    rows, cols = slice(qs, qe), slice(ks, ke)
-    if not needs_window and (not needs_causal or qs + shift == ks):
-        return [Block(batch, rows, cols, needs_causal, None)]
-    r = torch.arange(qs, qe, device=device)[:, None] + shift
-    c = torch.arange(ks, ke, device=device)[None, :]
-    keep = (c <= r) if mask.causal else torch.ones_like(c <= r)
-    if window is not None:
-        keep &= r - c < window
-    return [Block(batch, rows, cols, False, additive_bias(keep, dtype))]
-
-
-def additive_bias(keep: torch.Tensor, dtype) -> torch.Tensor:
-    return torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill_(~keep, float("-inf"))
+    if window is not None and ks < qe + shift - window and qe - qs > chunk:
+        return [seg for start in range(qs, qe, chunk)
+                for seg in _trimmed(mask, row, start, min(start + chunk, qe), ks, ke)]
+    return [Segment(row, qs, qe, ks, ke)]
 
 
 def _runs(ids: torch.Tensor) -> dict:
@@ -72,76 +66,178 @@ def _runs(ids: torch.Tensor) -> dict:
     return {v: (e - n, e) for v, n, e in zip(values.tolist(), counts.tolist(), ends)}
 
 
-def plan(mask, b, s_q, s_k, dtype, device) -> list[Block]:
-    """The blocks attention under ``mask`` computes (rows not covered are empty: out 0, lse −inf)."""
+def segments(mask, b, s_q, s_k) -> list[Segment] | None:
+    """The segments attention under ``mask`` computes (rows in none are empty); None: unsorted ids."""
     if not mask.has_documents:
-        return _positional_blocks(mask, slice(None), 0, s_q, 0, s_k, dtype, device)
+        return _trimmed(mask, None, 0, s_q, 0, s_k)
     q_ids, k_ids = mask.q_document_ids, mask.k_document_ids
-    ordered = all(bool((ids[:, 1:] >= ids[:, :-1]).all()) for ids in (q_ids, k_ids) if ids.shape[1] > 1)
-    if not ordered:
-        keep = mask.visible(s_q, s_k, device)                                 # (b, 1, s_q, s_k)
-        return [Block(slice(None), slice(0, s_q), slice(0, s_k), False, additive_bias(keep, dtype))]
+    if not all(bool((ids[:, 1:] >= ids[:, :-1]).all()) for ids in (q_ids, k_ids) if ids.shape[1] > 1):
+        return None
     shared = bool((q_ids == q_ids[:1]).all()) and bool((k_ids == k_ids[:1]).all())
-    batches = [slice(None)] if shared else [slice(i, i + 1) for i in range(b)]
-    blocks = []
-    for batch in batches:
-        key_runs = _runs(k_ids[batch.start or 0])
-        for doc, (qs, qe) in _runs(q_ids[batch.start or 0]).items():
+    result = []
+    for row in ([None] if shared else range(b)):
+        key_runs = _runs(k_ids[row or 0])
+        for doc, (qs, qe) in _runs(q_ids[row or 0]).items():
             if doc in key_runs:
-                blocks += _positional_blocks(mask, batch, qs, qe, *key_runs[doc], dtype, device)
-    return blocks
+                result += _trimmed(mask, row, qs, qe, *key_runs[doc])
+    return result
 
 
-def _covers_everything(blocks, s_q, s_k) -> bool:
-    if len(blocks) != 1:
-        return False
-    blk = blocks[0]
-    return blk.batch == slice(None) and (blk.rows.start, blk.rows.stop, blk.cols.start, blk.cols.stop) == (0, s_q, 0, s_k)
+def padded(length: int) -> int:
+    """Bucket length: the next of 16, 24, 32, 48, 64, 96, ... (2^k or 1.5·2^k) at or above ``length``."""
+    size = 16
+    while size < length:
+        size = size * 3 // 2 if size & (size - 1) == 0 else size * 4 // 3
+    return size
 
 
-def _empty_rows(blk) -> torch.Tensor | None:
-    """Rows of a dense-bias block with no visible key (only unsorted document ids leave any)."""
-    return None if blk.bias is None or blk.bias.dim() == 2 else torch.isinf(blk.bias).all(-1)  # (b, 1, rows)
+def additive_bias(keep: torch.Tensor, dtype) -> torch.Tensor:
+    return torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill_(~keep, float("-inf"))
 
 
-# ----------------------------------------------------------------------------- one block
+# ----------------------------------------------------------------------------- calls of the op
 
-def _explicit_scores(q, k, blk, scale):
+@dataclass
+class Call:
+    """One op call: a view of rows [qs, qe) × keys [ks, ke) of every batch row (``view``), or segments
+    gathered into a padded (n, heads, Lq | Lk, d) batch — ``row (n,)``, positions ``q_pos (n, Lq)``,
+    ``k_pos (n, Lk)`` (padding repeats a segment's last row), ``q_valid (n, Lq)`` — and its mask."""
+    causal: bool                  # the op's top-left causal mask
+    bias: torch.Tensor | None     # additive 0 / −inf
+    view: Segment | None = None
+    row: torch.Tensor | None = None
+    q_pos: torch.Tensor | None = None
+    k_pos: torch.Tensor | None = None
+    q_valid: torch.Tensor | None = None
+
+
+def _views_call(mask, seg, dtype, device) -> Call:
+    """One segment over every batch row, run on views."""
+    needs_causal = mask.causal and seg.ke - 1 > seg.qs + mask.shift
+    needs_window = mask.window_size is not None and seg.ks < seg.qe + mask.shift - mask.window_size
+    if not needs_window and (not needs_causal or seg.qs + mask.shift == seg.ks):
+        return Call(needs_causal, None, view=seg)
+    r = torch.arange(seg.qs, seg.qe, device=device)[:, None] + mask.shift
+    c = torch.arange(seg.ks, seg.ke, device=device)[None, :]
+    return Call(False, additive_bias(_rules(mask, r - c), dtype), view=seg)
+
+
+def _rules(mask, rel):
+    """Causal / window visibility of query_pos − key_pos ``rel``."""
+    keep = rel >= 0 if mask.causal else torch.ones_like(rel, dtype=torch.bool)
+    return keep & (rel < mask.window_size) if mask.window_size is not None else keep
+
+
+def _gathered_call(mask, segs, b, dtype, device) -> Call:
+    """Segments of one size bucket as one padded batch (segments over every row expanded per row).
+    Padding keys are masked for every real query: by the causal mask where each segment's queries and
+    keys start at the same position (padding comes after every real query), else by the bias."""
+    segs = [(r, s.qs, s.qe, s.ks, s.ke) for s in segs for r in ([s.row] if s.row is not None else range(b))]
+    spans = torch.tensor(segs, device=device)
+    row, qs, qe, ks, ke = spans.unbind(1)
+    lq, lk = padded(int((qe - qs).max())), padded(int((ke - ks).max()))
+    steps_q, steps_k = torch.arange(lq, device=device), torch.arange(lk, device=device)
+    gather = dict(row=row, q_pos=(qs[:, None] + steps_q).minimum(qe[:, None] - 1),
+                  k_pos=(ks[:, None] + steps_k).minimum(ke[:, None] - 1), q_valid=steps_q < (qe - qs)[:, None])
+    aligned = bool((qs + mask.shift == ks).all()) and bool((ke - ks >= qe - qs).all())
+    if mask.window_size is None and aligned and mask.causal:
+        return Call(True, None, **gather)
+    k_valid = steps_k < (ke - ks)[:, None]                                               # (n, Lk)
+    if mask.window_size is None and not mask.causal:
+        bias = None if bool(k_valid.all()) else additive_bias(k_valid[:, None, None, :], dtype)
+        return Call(False, bias, **gather)
+    rel = (qs + mask.shift - ks)[:, None, None] + steps_q[:, None] - steps_k             # (n, Lq, Lk)
+    keep = _rules(mask, rel) & k_valid[:, None, :]
+    return Call(False, additive_bias(keep[:, None], dtype), **gather)
+
+
+def plan(mask, b, s_q, s_k, dtype, device) -> list[Call]:
+    segs = segments(mask, b, s_q, s_k)
+    if segs is None:  # unsorted document ids: one dense call
+        keep = mask.visible(s_q, s_k, device)                                  # (b, 1, s_q, s_k)
+        return [Call(False, additive_bias(keep, dtype), view=Segment(None, 0, s_q, 0, s_k))]
+    if len(segs) == 1 and segs[0].row is None:
+        return [_views_call(mask, segs[0], dtype, device)]
+    buckets = defaultdict(list)
+    for seg in segs:
+        buckets[padded(seg.qe - seg.qs), padded(seg.ke - seg.ks)].append(seg)
+    return [_gathered_call(mask, group, b, dtype, device) for group in buckets.values()]
+
+
+def _index(t, call, keys):
+    """(batch, head, position) index tensors (n, heads, L) of a gathered call's rows in t."""
+    pos = call.k_pos if keys else call.q_pos
+    heads = torch.arange(t.shape[1], device=t.device)[None, :, None]
+    return call.row[:, None, None].expand_as(pos[:, None, :]), heads, pos[:, None, :]
+
+
+def _take(t, call, keys=False):
+    """The call's query (or key) rows of t (b, heads, s, ...): a view, or one gather into a contiguous
+    (n, heads, L, ...) batch (the op is several times slower on strided input, and one indexing op
+    beats a copy per segment: each is a parallel region)."""
+    if call.view is not None:
+        seg = call.view
+        return t[:, :, seg.ks:seg.ke] if keys else t[:, :, seg.qs:seg.qe]
+    return t[_index(t, call, keys)]
+
+
+def _put(t, call, values, keys=False, accumulate=False):
+    """Write (or add) a call's values (n, heads, L, ...) into its rows of t (b, heads, s, ...). Padding
+    rows repeat a real row: writes keep the real rows only; adds must get zeros from padding rows."""
+    if call.view is not None:
+        seg = call.view
+        rows = (slice(None), slice(None), slice(seg.ks, seg.ke) if keys else slice(seg.qs, seg.qe))
+        if accumulate:
+            t[rows] += values
+        else:
+            t[rows] = values
+        return
+    index = _index(t, call, keys)
+    if not accumulate:
+        real = call.q_valid[:, None, :].expand(-1, t.shape[1], -1)                        # (n, heads, Lq)
+        index, values = tuple(i.expand_as(real)[real] for i in index), values[real]
+    t.index_put_(index, values, accumulate=accumulate)
+
+
+# ----------------------------------------------------------------------------- one call
+
+def _explicit_scores(q, k, call, scale):
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
     group = q.shape[1] // k.shape[1]
     scores = scale * q.to(compute) @ k.to(compute).repeat_interleave(group, 1).transpose(-1, -2)
-    if blk.causal:
+    if call.causal:
         scores = scores.masked_fill(torch.ones_like(scores[0, 0], dtype=torch.bool).triu(1), float("-inf"))
-    return scores if blk.bias is None else scores + blk.bias
+    return scores if call.bias is None else scores + call.bias
 
 
-def _block_forward(q, k, v, blk, scale):
-    """(out, lse) of one block; q (nb, h, rows, d), k/v (nb, h_kv, cols, d)."""
+def _call_forward(q, k, v, call, scale):
+    """(out, lse) of one call; q (n, h, Lq, d), k/v (n, h_kv, Lk, d). Rows with no visible key (dense
+    calls of unsorted ids only): out 0, lse −inf."""
     if q.device.type == "cpu":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, 0.0, blk.causal, attn_mask=blk.bias, scale=scale)
+            q, k, v, 0.0, call.causal, attn_mask=call.bias, scale=scale)
     else:
-        scores = _explicit_scores(q, k, blk, scale)                          # (nb, h, rows, cols)
+        scores = _explicit_scores(q, k, call, scale)                          # (n, h, Lq, Lk)
         lse = torch.logsumexp(scores, dim=-1)
         v_full = v.to(scores.dtype).repeat_interleave(q.shape[1] // k.shape[1], 1)
         out = (torch.exp(scores - lse[..., None]) @ v_full).to(q.dtype)
-    empty = _empty_rows(blk)
-    if empty is not None:
+    if call.bias is not None and call.bias.shape[-2] > 1:
+        empty = torch.isinf(call.bias).all(-1)                                # (n | 1, 1, Lq)
         out, lse = out.masked_fill(empty[..., None], 0.0), lse.masked_fill(empty, float("-inf"))
     return out, lse
 
 
-def _block_backward(dout, q, k, v, out, lse, blk, scale):
-    """(dq, dk, dv) of one block given the (global) out and lse of its query rows."""
+def _call_backward(dout, q, k, v, out, lse, call, scale):
+    """(dq, dk, dv) of one call given the (global) out and lse of its query rows."""
     lse = lse.masked_fill(torch.isinf(lse), 0.0)  # empty rows: P = exp(−inf − 0) = 0, and O = 0 ⇒ δ = 0
     if q.device.type == "cpu":
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout, q, k, v, out, lse.to(q.dtype if q.dtype == torch.float64 else torch.float32),
-            0.0, blk.causal, attn_mask=blk.bias, scale=scale)
-    scores = _explicit_scores(q, k, blk, scale)
+            0.0, call.causal, attn_mask=call.bias, scale=scale)
+    scores = _explicit_scores(q, k, call, scale)
     group, compute = q.shape[1] // k.shape[1], scores.dtype
     dout_c, q_c = dout.to(compute), q.to(compute)
-    p = torch.exp(scores - lse.to(compute)[..., None])                       # (nb, h, rows, cols)
+    p = torch.exp(scores - lse.to(compute)[..., None])                       # (n, h, Lq, Lk)
     dp = dout_c @ v.to(compute).repeat_interleave(group, 1).transpose(-1, -2)
     ds = p * (dp - (dout_c * out.to(compute)).sum(-1, keepdim=True))
     dq = scale * ds @ k.to(compute).repeat_interleave(group, 1)
@@ -151,40 +247,46 @@ def _block_backward(dout, q, k, v, out, lse, blk, scale):
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
-# ----------------------------------------------------------------------------- whole call
+# ----------------------------------------------------------------------------- whole attention
+
+def _covers_everything(calls, s_q, s_k) -> bool:
+    return len(calls) == 1 and calls[0].view == Segment(None, 0, s_q, 0, s_k)
+
 
 def attention_forward_torch(q, k, v, mask, scale):
     """(out (b, h, s_q, d) in q's dtype, lse (b, h, s_q) fp32, float64 for float64 inputs)."""
     b, heads, s_q, head_dim = q.shape
     s_k = k.shape[2]
-    blocks = plan(mask, b, s_q, s_k, q.dtype, q.device)
-    if _covers_everything(blocks, s_q, s_k):
-        out, lse = _block_forward(q, k, v, blocks[0], scale)
-        return out, lse.float() if q.dtype != torch.float64 else lse
-    out = q.new_zeros(b, heads, s_q, head_dim)
     lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    calls = plan(mask, b, s_q, s_k, q.dtype, q.device)
+    if _covers_everything(calls, s_q, s_k):
+        out, lse = _call_forward(q, k, v, calls[0], scale)
+        return out, lse.to(lse_dtype)
+    out = q.new_zeros(b, heads, s_q, head_dim)
     lse = torch.full((b, heads, s_q), float("-inf"), dtype=lse_dtype, device=q.device)
-    for blk in blocks:
-        o, l = _block_forward(q[blk.batch, :, blk.rows], k[blk.batch, :, blk.cols], v[blk.batch, :, blk.cols],
-                              blk, scale)
-        out[blk.batch, :, blk.rows] = o
-        lse[blk.batch, :, blk.rows] = l
+    for c in calls:
+        o, l = _call_forward(_take(q, c), _take(k, c, keys=True), _take(v, c, keys=True), c, scale)
+        _put(out, c, o)
+        _put(lse, c, l.to(lse_dtype))
     return out, lse
 
 
 def attention_backward_torch(dout, q, k, v, out, lse, mask, scale):
-    """(dq, dk, dv) in the dtypes of q, k, v; rows and keys outside every block get 0."""
+    """(dq, dk, dv) in the dtypes of q, k, v; rows and keys outside every segment get 0."""
     b, _, s_q, _ = q.shape
     s_k = k.shape[2]
-    blocks = plan(mask, b, s_q, s_k, q.dtype, q.device)
-    if _covers_everything(blocks, s_q, s_k):
-        return _block_backward(dout, q, k, v, out, lse, blocks[0], scale)
+    calls = plan(mask, b, s_q, s_k, q.dtype, q.device)
+    if _covers_everything(calls, s_q, s_k):
+        return _call_backward(dout, q, k, v, out, lse, calls[0], scale)
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
     dq, dk, dv = (torch.zeros(t.shape, dtype=compute, device=t.device) for t in (q, k, v))
-    for blk in blocks:
-        rows, cols = (blk.batch, slice(None), blk.rows), (blk.batch, slice(None), blk.cols)
-        g_q, g_k, g_v = _block_backward(dout[rows], q[rows], k[cols], v[cols], out[rows], lse[rows], blk, scale)
-        dq[rows] += g_q
-        dk[cols] += g_k      # window chunks share keys: accumulate
-        dv[cols] += g_v
+    for c in calls:
+        g_dout = _take(dout, c)
+        if c.q_valid is not None:  # padding query rows: dO = 0, so they add nothing to dk, dv and get dq = 0
+            g_dout = g_dout.masked_fill(~c.q_valid[:, None, :, None], 0.0)
+        g_q, g_k, g_v = _call_backward(g_dout, _take(q, c), _take(k, c, keys=True), _take(v, c, keys=True),
+                                       _take(out, c), _take(lse, c), c, scale)
+        _put(dq, c, g_q.to(compute), accumulate=True)
+        _put(dk, c, g_k.to(compute), keys=True, accumulate=True)   # window chunks share keys; padding keys
+        _put(dv, c, g_v.to(compute), keys=True, accumulate=True)   # are seen by no real query: zeros
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)

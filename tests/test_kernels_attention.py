@@ -11,7 +11,9 @@ import torch.nn.functional as F
 from _attention_cases import (assert_all_close, make_inputs, mask_case, packed_document_ids, run_with_grads,
                               visible_by_loops)
 
-from tpfuse.kernels.flash_attention import attention_forward, attention_reference, flash_attention
+from tpfuse.kernels import flash_attention_fwd
+from tpfuse.kernels.flash_attention import (attention_backward, attention_forward, attention_reference,
+                                            flash_attention)
 
 B = 2
 # name: (heads, kv_heads, s_q, s_k, mask keywords of mask_case). s = 37 / 67 leave ragged tails for every
@@ -23,6 +25,7 @@ CASES = {
     "window_not_causal": (2, 1, 37, 37, dict(causal=False, window_size=6)),
     "documents": (4, 2, 37, 37, dict(documents=True)),
     "documents_window": (2, 1, 37, 37, dict(documents=True, window_size=4)),
+    "long_documents": (2, 2, 67, 67, dict(causal=False, documents=True, max_doc=40)),
     "chunk_after_keys": (4, 2, 13, 29, dict(documents=True, q_offset=40, k_offset=20)),
     "chunk_before_keys": (2, 1, 30, 29, dict(documents=True, q_offset=0, k_offset=20, max_doc=25)),
     "decode": (4, 1, 1, 37, dict(q_offset=36, window_size=9)),
@@ -94,28 +97,56 @@ def test_torch_path_unsorted_documents():
 def test_torch_path_long_window_is_chunked():
     """A window much narrower than the sequence: row chunks, each reading only its keys."""
     kw = dict(causal=True, window_size=7)
-    qkv, grad_out = make_inputs(1, 2, 1, 600, 600, 16, torch.float32, seed=4)
+    qkv, grad_out = make_inputs(1, 2, 1, 300, 300, 16, torch.float32, seed=4)  # two chunks of 256 rows
     got = run_with_grads(flash_attention, qkv, grad_out, backend="torch", **kw)
     assert_all_close(got, run_with_grads(attention_reference, qkv, grad_out, **kw), torch.float32)
 
 
-# (dtype, case, d, deterministic): GQA, MHA and MQA; d padded (24 → 32, 100 → 128) and exact (16, 64).
+# (dtype, case, d, deterministic): every mask rule in fp32 and a half dtype, the atomic-dq backward
+# (default) and the deterministic one; d padded (24 → 32) and exact (16, 64); inputs seen through a
+# (b, s, h, d) layout at d = 24.
 TRITON_CASES = [
     (torch.float32, "causal", 24, False),
     (torch.float32, "causal", 24, True),
     (torch.float16, "causal", 24, False),
     (torch.bfloat16, "full", 64, False),
+    (torch.float32, "window", 16, False),
+    (torch.bfloat16, "window_not_causal", 16, True),
+    (torch.float32, "documents", 16, False),
+    (torch.float32, "long_documents", 16, True),
+    (torch.bfloat16, "long_documents", 24, False),
+    (torch.float32, "documents_window", 16, True),
+    (torch.float16, "chunk_after_keys", 16, False),
+    (torch.float32, "chunk_before_keys", 24, False),
+    (torch.bfloat16, "decode", 16, False),
 ]
 
 
 @pytest.mark.parametrize("dtype,name,d,deterministic", TRITON_CASES)
 def test_triton_matches_reference(dtype, name, d, deterministic, poisoned_outputs):
     qkv, grad_out, kw = _case(name, dtype, d=d, seq_major=(d == 24))
-    scale = 0.3 if d == 64 else None  # a custom softmax_scale on the d = 64 cases
+    scale = 0.3 if d == 64 else None  # a custom softmax_scale on the d = 64 case
     got = run_with_grads(flash_attention, qkv, grad_out, softmax_scale=scale, backend="triton",
                          deterministic=deterministic, **kw)
     expected = run_with_grads(attention_reference, qkv, grad_out, softmax_scale=scale, **kw)
     assert_all_close(got, expected, dtype)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_triton_unsorted_documents(deterministic, poisoned_outputs):
+    qkv, grad_out, kw = _unsorted_documents()
+    got = run_with_grads(flash_attention, qkv, grad_out, backend="triton", deterministic=deterministic, **kw)
+    assert_all_close(got, run_with_grads(attention_reference, qkv, grad_out, **kw), torch.float32)
+
+
+@pytest.mark.parametrize("name,deterministic", [("documents_window", False), ("chunk_after_keys", True)])
+def test_triton_tma_path(name, deterministic, poisoned_outputs, monkeypatch):
+    """The kernels' TMA-descriptor loads (taken on Hopper GPUs), forced in the interpreter: the boxes'
+    zero fill replaces the masked loads at the sequence and head-dim edges (d = 24 pads to 32)."""
+    monkeypatch.setattr(flash_attention_fwd, "tma_usable", lambda *tensors: True)
+    qkv, grad_out, kw = _case(name, torch.float32, d=24, seq_major=True)
+    got = run_with_grads(flash_attention, qkv, grad_out, backend="triton", deterministic=deterministic, **kw)
+    assert_all_close(got, run_with_grads(attention_reference, qkv, grad_out, **kw), torch.float32)
 
 
 def test_triton_small_sequence_wide_head(poisoned_outputs):
@@ -123,6 +154,31 @@ def test_triton_small_sequence_wide_head(poisoned_outputs):
     qkv, grad_out = make_inputs(B, 2, 1, 5, 5, 100, torch.float32)
     got = run_with_grads(flash_attention, qkv, grad_out, backend="triton")
     assert_all_close(got, run_with_grads(attention_reference, qkv, grad_out), torch.float32)
+
+
+def test_triton_reads_and_writes_the_layers_layout_without_copies(poisoned_outputs, monkeypatch):
+    """q, k, v as ParallelAttention cuts them from the fused QKV output (s, b, groups, heads/group + 2, d):
+    no input is copied, out comes back in the (s, b, h, d) order (the layer's reshape is then a view), and
+    dq, dk, dv in the layouts of q, k, v."""
+    s, b, groups, per_group, d = 37, 2, 2, 2, 16
+    qkv = torch.randn(s, b, groups, per_group + 2, d, generator=torch.Generator().manual_seed(8))
+    q = qkv[:, :, :, :per_group].reshape(s, b, groups * per_group, d).permute(1, 2, 0, 3)
+    k, v = (qkv[:, :, :, i].permute(1, 2, 0, 3) for i in (per_group, per_group + 1))
+    grad_out = torch.randn(b, s, groups * per_group, d).transpose(1, 2)
+    contiguous = torch.Tensor.contiguous
+
+    def no_copy(t, *args, **kwargs):
+        assert t.is_contiguous(*args, **kwargs), f"a copy of a {tuple(t.shape)} tensor"
+        return contiguous(t, *args, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(torch.Tensor, "contiguous", no_copy)
+        out, lse = attention_forward(q, k, v, backend="triton")
+        dq, dk, dv = attention_backward(grad_out, q, k, v, out, lse, backend="triton")
+    assert out.permute(2, 0, 1, 3).is_contiguous()
+    assert all(g.permute(2, 0, 1, 3).is_contiguous() for g in (dq, dk, dv))
+    expected = run_with_grads(attention_reference, [q, k, v], grad_out)
+    assert_all_close([out, dq, dk, dv], expected, torch.float32)
 
 
 def test_triton_forward_saves_the_logsumexp(poisoned_outputs):

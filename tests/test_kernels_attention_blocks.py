@@ -12,7 +12,7 @@ from tpfuse.kernels.flash_attention import (attention_backward, attention_forwar
                                             merge_attention)
 
 B, HEADS, KV_HEADS, D = 2, 4, 2, 16
-BACKENDS = ["torch"]
+BACKENDS = ["torch", "triton"]
 
 
 def _split_keys(kw, k, v, bounds):
@@ -76,6 +76,7 @@ def _poisoned(t, index):
     return t
 
 
+@pytest.mark.filterwarnings("ignore:invalid value encountered")  # the interpreter's numpy meets the NaN poison
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_tiles_of_other_documents_are_never_read(backend):
     """Two documents of 32 tokens (whole interpreter tiles), not causal: a query of document A reads no
@@ -99,9 +100,10 @@ def test_tiles_of_other_documents_are_never_read(backend):
 
 # backend: (s, window, rows checked, keys poisoned): tiles (Triton) or row chunks (torch path) of these
 # rows start after the poisoned keys.
-WINDOW_SKIP = {"torch": (600, 7, slice(256, 600), slice(0, 240)), "triton": (64, 8, slice(32, 64), slice(0, 16))}
+WINDOW_SKIP = {"torch": (300, 7, slice(256, 300), slice(0, 240)), "triton": (64, 8, slice(32, 64), slice(0, 16))}
 
 
+@pytest.mark.filterwarnings("ignore:invalid value encountered")
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_keys_behind_the_window_are_never_read(backend):
     s, window, rows, keys = WINDOW_SKIP[backend]

@@ -40,10 +40,7 @@ FAMILIES = ["matmul", "layer_norm", "rms_norm", "cross_entropy", "bias_dropout_a
             "flash_attention"]
 
 
-@pytest.mark.parametrize("family", FAMILIES[:-1] + [pytest.param("flash_attention", marks=pytest.mark.xfail(
-    strict=True, reason="the flash-attention kernels on main still list 4-warp d=128 configs that spill and "
-                        "128x128x4-stage ones that overflow shared memory; the attention rewrite prunes them "
-                        "(remove this mark when it lands: strict, so it fails once they pass)"))])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_every_config_compiles_without_spills_and_fits(rows, family):
     bad = sm90_report.problems(_where(rows, family))
     assert not bad, "configs that cannot win must be pruned:\n" + _describe(bad)
@@ -62,6 +59,12 @@ def test_hopper_gemms_use_wgmma_and_the_persistent_one_tma(rows):
     pointer = [r for r in _where(rows, "matmul (pointer)") if "64x64x32" not in r["config"]]
     assert all(r["wgmma"] and not r["tma"] for r in pointer)  # (2-warp tiles are below a warp group)
     assert all(r["wgmma"] for r in _where(rows, "grouped_gemm"))   # MoE: fwd, dgrad, wgrad
+
+
+def test_flash_attention_uses_wgmma_and_tma_where_it_claims(rows):
+    tiled = [r for r in _where(rows, "flash_attention") if "δ" not in r["kernel"]]  # (δ: a row reduction)
+    assert all(r["wgmma"] for r in tiled)
+    assert all(r["tma"] == ("TMA" in r["config"]) for r in tiled)
 
 
 def test_json_rows_have_the_documented_fields(rows):

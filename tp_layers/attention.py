@@ -198,7 +198,7 @@ class ParallelAttention(nn.Module):
         if dropout > 0 or not FLASH_HEAD_DIMS[0] <= self.head_dim <= FLASH_HEAD_DIMS[1]:
             return self._explicit_attention(q, k, v, dropout, q_document_ids=document_ids,
                                             k_document_ids=document_ids)
-        return _deps.flash_attention(q.contiguous(), k.contiguous(), v.contiguous(), causal=True,
+        return _deps.flash_attention(q, k, v, causal=True,   # strided views in and out
                                      window_size=self.window_size, q_document_ids=document_ids,
                                      k_document_ids=document_ids)
 
@@ -221,8 +221,7 @@ class ParallelAttention(nn.Module):
         q_ids, k_ids = inference_context.document_ids(offset, q.shape[2])
         if FLASH_HEAD_DIMS[0] <= self.head_dim <= FLASH_HEAD_DIMS[1]:
             try:
-                return _deps.flash_attention(q.contiguous(), keys.contiguous(),
-                                             values.contiguous(), causal=True, q_offset=offset,
+                return _deps.flash_attention(q, keys, values, causal=True, q_offset=offset,
                                              window_size=self.window_size,
                                              q_document_ids=q_ids, k_document_ids=k_ids)
             except NotImplementedError:   # a kernel backend without offsets / document masks
