@@ -7,8 +7,8 @@ parallelism (gloo processes on CPU; the count does not depend on the device).
 Counted with ``torch.autograd.graph.saved_tensors_hooks`` during one forward: each saved tensor's
 storage once, parameters excluded. The paper's count, in activation elements without dropout masks
 (p = 0): 16·sbh/t with SP, 4·sbh + 12·sbh/t without (layer-norm inputs and outputs replicated);
-plus the fp32 norm statistics and attention log-sum-exp, and the attention output's one layout copy
-(see tests/test_activation_memory.py, which asserts the equality at a tiny shape).
+plus the fp32 norm statistics and attention log-sum-exp (see tests/test_activation_memory.py, which
+asserts the equality at a tiny shape; the attention output is already in the projection's layout).
 """
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ def saved_activation_bytes(layer, x) -> int:
     return sum(storages.values())
 
 
-def paper_bytes(s, b, h, heads, tp, sequence_parallel, element_size=4, layout_copies=1):
+def paper_bytes(s, b, h, heads, tp, sequence_parallel, element_size=4, layout_copies=0):
     """Korthikanti et al.'s per-layer count for this layer (see the module docstring)."""
     sbh = s * b * h
     elements = 16 * sbh / tp if sequence_parallel else 4 * sbh + 12 * sbh / tp

@@ -27,11 +27,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 from activation_memory import measure, paper_bytes  # noqa: E402
 
 S, B, H, HEADS = 16, 2, 128, 8      # d = 16 (the flash path), ≥ 2 heads per rank; FFN = 4H as in the paper
-# tp_layers/attention.py turns the attention's [b, h, s, d] output into the projection's (s, b, h·d)
-# input with a reshape copy, so the attention backward and the projection GEMM keep one tensor
-# each instead of sharing one: sbh/t elements above the paper. An attention output written in the
-# projection's layout (no layout copy) makes this 0 — then lower it here.
-ATTENTION_OUTPUT_LAYOUT_COPIES = 1
+# flash_attention gets q, k, v as views of the fused QKV output, (s, b, h, d)-ordered, and writes its
+# [b, h, s, d] output in that order (both backends), so the projection's (s, b, h·d) input is a view
+# of it: the attention backward and the projection GEMM share one tensor, as in the paper. (With
+# rotary embeddings q and k are fresh [b, h, s, d] tensors and the reshape copies: sbh/t more.)
+ATTENTION_OUTPUT_LAYOUT_COPIES = 0
 
 
 def _measure(tp, sequence_parallel):
