@@ -58,16 +58,17 @@ def _check_lengths(config, prompts, max_new_tokens: int) -> None:
 
 
 def left_pad(prompts: list[list[int]], pad_id: int = 0):
-    """tokens (b, s_p) int64 left-padded with ``pad_id``, pad lengths (b,)."""
+    """tokens (b, s_p) int64 left-padded with ``pad_id``, pad lengths (b,); on the host (the
+    caller moves the tokens to the model's device)."""
     length = max(len(p) for p in prompts)
-    pads = torch.tensor([length - len(p) for p in prompts])
-    tokens = torch.tensor([[pad_id] * (length - len(p)) + p for p in prompts])
+    pads = torch.tensor([length - len(p) for p in prompts], device="cpu")
+    tokens = torch.tensor([[pad_id] * (length - len(p)) + p for p in prompts], device="cpu")
     return tokens, pads
 
 
 def positions_for(pads: torch.Tensor, start: int, count: int) -> torch.Tensor:
     """(b, count) positions of columns start .. start+count−1, counted from each first token."""
-    columns = torch.arange(start, start + count)
+    columns = torch.arange(start, start + count, device=pads.device)
     return (columns[None, :] - pads[:, None]).clamp(min=0)
 
 
@@ -179,7 +180,7 @@ def generate(model, prompt_ids, max_new_tokens: int, *, greedy: bool = False,
     decoder = _Decoder(chunks, tokens.to(device), pads, max_new_tokens, use_cache, state)
     generator = torch.Generator(device=device).manual_seed(seed)
     results = [[] for _ in prompts]
-    finished = torch.zeros(len(prompts), dtype=torch.bool)
+    finished = torch.zeros(len(prompts), dtype=torch.bool, device="cpu")   # host bookkeeping
     for _ in range(max_new_tokens):
         logits = decoder.step_logits()
         chosen = None if logits is None else _choose(logits, vocab_size, params, generator, state)

@@ -73,6 +73,14 @@ def inference_config(saved: dict, tp: int = 1, pp: int = 1, vpp: int | None = No
 
 
 def _default_device() -> torch.device:
+    """The ranks' device (the backend's: gloo keeps the model on the CPU even where CUDA exists,
+    as its send/recv take CPU tensors only); without torch.distributed, CUDA when present."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        from tpfuse.training.initialize import device_for_backend
+
+        return device_for_backend()
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")

@@ -207,7 +207,7 @@ def _validate(x, bias, residual, p):
 
 def _draw_seed(seed):
     if seed is None:
-        return int(torch.randint(0, _SEED_LIMIT, (1,)).item())  # default CPU generator
+        return int(torch.randint(0, _SEED_LIMIT, (1,), device="cpu").item())  # default CPU generator
     if not 0 <= int(seed) < _SEED_LIMIT:
         raise ValueError(f"bias_dropout_add: seed must be in [0, {_SEED_LIMIT}), got {seed}")
     return int(seed)

@@ -53,9 +53,9 @@ def check_same_layout_on_every_rank(layout: RankLayout, vpp_size: int | None) ->
     """Collective over the world (one small all-gather): ValueError on every rank when ranks
     were given different sizes, instead of mismatched ``new_group`` calls that would only fail at
     the collective timeout."""
-    mine = torch.tensor(layout_fingerprint(layout, vpp_size), dtype=torch.int64)
-    if "nccl" in str(dist.get_backend()):
-        mine = mine.cuda()
+    device = torch.device("cuda", torch.cuda.current_device()) \
+        if "nccl" in str(dist.get_backend()) else torch.device("cpu")
+    mine = torch.tensor(layout_fingerprint(layout, vpp_size), dtype=torch.int64, device=device)
     everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(everyone, mine)
     fields = ("world_size", "tp", "pp", "cp", "ep", "etp", "vpp", "order")

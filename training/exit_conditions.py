@@ -18,6 +18,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from tpfuse.training.initialize import device_for_backend
+
 
 class ExitConditions:
     """``reason(iteration)`` → None, or why training stops after this iteration (collective)."""
@@ -44,9 +46,8 @@ class ExitConditions:
         if self.needs_agreement:
             time_up = self.duration_s is not None and \
                 time.monotonic() - self.start_time >= self.duration_s
-            flags = torch.tensor([int(self.signal_received), int(time_up)])
-            if dist.get_backend() == "nccl":
-                flags = flags.cuda()
+            flags = torch.tensor([int(self.signal_received), int(time_up)],
+                                 device=device_for_backend())
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
             if flags[0]:
                 return "SIGTERM received (--exit-signal-handler)"

@@ -43,17 +43,18 @@ def router_metrics(model_chunks, config, state, num_microbatches: int, device) -
     if config.num_moe_experts is None:
         return {}
     layers, experts = config.num_layers, config.num_moe_experts
-    losses = torch.zeros(len(LOSS_NAMES), layers, dtype=torch.float64)
-    tokens = torch.zeros(layers, experts, dtype=torch.float64)
+    # gathered on the device, one all-reduce, one device -> host copy
+    losses = torch.zeros(len(LOSS_NAMES), layers, dtype=torch.float64, device=device)
+    tokens = torch.zeros(layers, experts, dtype=torch.float64, device=device)
     for chunk in model_chunks:
         tracker = _tracker(chunk)
         for i, name in enumerate(LOSS_NAMES):
             for layer, value in tracker.values.get(name, {}).items():
-                losses[i, layer] += value.item()
+                losses[i, layer] += value.reshape(()).to(device=device, dtype=torch.float64)
         for layer, counts in tracker.tokens_per_expert.items():
-            tokens[layer] += counts.double().cpu()
+            tokens[layer] += counts.to(device=device, dtype=torch.float64)
         tracker.clear()
-    stats = torch.cat([losses.reshape(-1), tokens.reshape(-1)]).to(device)
+    stats = torch.cat([losses.reshape(-1), tokens.reshape(-1)])
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(stats)
     stats = stats.cpu()

@@ -133,7 +133,8 @@ class MixedPrecisionOptimizer:
         before training, and a checkpoint of a fresh run has every entry."""
         for piece in self.pieces:
             self.adam.state[piece.main] = {
-                "step": torch.tensor(0.0, dtype=torch.float32),
+                # on the host, as torch's AdamW keeps it (not capturable / fused)
+                "step": torch.tensor(0.0, dtype=torch.float32, device="cpu"),
                 "exp_avg": torch.zeros_like(piece.main, memory_format=torch.preserve_format),
                 "exp_avg_sq": torch.zeros_like(piece.main, memory_format=torch.preserve_format)}
 

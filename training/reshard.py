@@ -183,12 +183,13 @@ def _place_piece(flat: dict, entry: dict, name: str, key, piece: dict) -> None:
     """Copy one saved piece ``[start, end)`` into the flat state of (name, shard key)."""
     weight = entry["weights"].get(key, next(iter(entry["weights"].values())))
     numel = weight.numel()
-    state = flat.setdefault((name, key), {"step": piece["step"],
-                                          "covered": torch.zeros(numel, dtype=torch.bool)})
+    covered = torch.zeros(numel, dtype=torch.bool, device="cpu")     # assembled on the host
+    state = flat.setdefault((name, key), {"step": piece["step"], "covered": covered})
     start, end = piece["start"], piece["end"]
     for key in ("exp_avg", "exp_avg_sq", "main_param"):
         if key in piece:
-            target = state.setdefault(key, torch.zeros(numel, dtype=piece[key].dtype))
+            target = state.setdefault(key, torch.zeros(numel, dtype=piece[key].dtype,
+                                                       device="cpu"))
             target[start:end] = piece[key]
     state["covered"][start:end] = True
 

@@ -85,11 +85,12 @@ class _Step:
     """Megatron's forward_step / loss handling around the user's callbacks, for one call."""
 
     def __init__(self, forward_step_func, config, num_microbatches, forward_only,
-                 collect_non_loss_data, cp_size):
+                 collect_non_loss_data, cp_size, device):
         self.forward_step_func, self.config = forward_step_func, config
         self.num_microbatches, self.forward_only = num_microbatches, forward_only
         self.collect_non_loss_data, self.cp_size = collect_non_loss_data, cp_size
-        self.total_num_tokens = torch.zeros([], dtype=torch.int)
+        # on the model's device, as Megatron keeps it: finalize_model_grads_func may all-reduce it
+        self.total_num_tokens = torch.zeros([], dtype=torch.int, device=device)
 
     def __call__(self, data_iterator, chunk):
         autocast = contextlib.nullcontext()
@@ -109,7 +110,8 @@ class _Step:
         outputs = loss_func(output)
         if len(outputs) == 3:
             loss, num_tokens, reduced = outputs
-            self.total_num_tokens += torch.as_tensor(num_tokens).to(torch.int).cpu()
+            self.total_num_tokens += torch.as_tensor(
+                num_tokens, device=self.total_num_tokens.device).to(torch.int)
             if self.config.calculate_per_token_loss:
                 loss = loss * self.num_microbatches            # Megatron divides by nothing
             else:
@@ -123,6 +125,11 @@ class _Step:
         if scale is not None and not self.forward_only:
             loss = scale(loss)
         return loss, reduced
+
+
+def _device_of(chunk) -> torch.device:
+    parameter = next(chunk.parameters(), None)
+    return parameter.device if parameter is not None else torch.device("cpu")
 
 
 def _call_per_chunk(funcs, chunks):
@@ -146,7 +153,8 @@ def _run(native, interleaved, *, forward_step_func, data_iterator, model, num_mi
     config = get_model_config(chunks[0])
     state = resolve_state()                     # None only in a plain single process
     step = _Step(forward_step_func, config, num_microbatches, forward_only,
-                 collect_non_loss_data, state.cp_size if state is not None else 1)
+                 collect_non_loss_data, state.cp_size if state is not None else 1,
+                 _device_of(chunks[0]))
     shape = _tensor_shape(config, state, seq_length, micro_batch_size, decoder_seq_length,
                           adjust_tensor_shapes_fn)
     timers = getattr(config, "timers", None)

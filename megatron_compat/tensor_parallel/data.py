@@ -2,6 +2,8 @@
 group sends its batch to the group's other ranks."""
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 
@@ -35,13 +37,14 @@ def broadcast_data(keys, data, datatype, tp_group=None):
             if tensor.dim() >= _MAX_DATA_DIM:
                 raise ValueError(f"broadcast_data: {key!r} has {tensor.dim()} dims; at most "
                                  f"{_MAX_DATA_DIM - 1} are supported")
-            sizes[i * _MAX_DATA_DIM:i * _MAX_DATA_DIM + tensor.dim()] = torch.tensor(tensor.shape)
+            sizes[i * _MAX_DATA_DIM:i * _MAX_DATA_DIM + tensor.dim()] = torch.tensor(
+                tensor.shape, device=device)
     dist.broadcast(sizes, first, group=group)
     shapes = []
     for i in range(len(keys)):
         dims = sizes[i * _MAX_DATA_DIM:(i + 1) * _MAX_DATA_DIM].tolist()
         shapes.append([d for d in dims if d > 0])
-    numels = [int(torch.tensor(s).prod()) if s else 1 for s in shapes]
+    numels = [math.prod(s) for s in shapes]
     if group_rank(group) == 0:
         flat = torch.cat([data[key].to(device).reshape(-1) for key in keys])
     else:
