@@ -61,10 +61,10 @@ def chunk_row_map(sizes, order, device):
     starts = [0]
     for size in sizes:
         starts.append(starts[-1] + size)
-    dest = torch.empty(starts[-1], dtype=torch.long)
+    dest = torch.empty(starts[-1], dtype=torch.long, device="cpu")     # on the host, copied once
     out = 0
     for c in order:
-        dest[starts[c]:starts[c] + sizes[c]] = torch.arange(out, out + sizes[c])
+        dest[starts[c]:starts[c] + sizes[c]] = torch.arange(out, out + sizes[c], device="cpu")
         out += sizes[c]
     return dest.to(device)[:, None]
 
