@@ -75,3 +75,27 @@ def test_preset_is_the_default_job_and_flags_override_it(tmp_path, monkeypatch):
     assert (args.train_iters, config.tensor_model_parallel_size, config.num_layers) == (17, 1, 8)
     assert config.vocab_size == 257 and args.tokenizer.name == "byte"
     assert args.lr == presets.STDLIB_DEMO.flags["lr"]
+
+
+def test_preset_interleaving_yields_to_a_layout_without_room_for_it(capsys):
+    """stdlib-demo interleaves (2 layers per virtual stage at pp 2); a command line that sets
+    another pipeline layout but not that flag runs without interleaving (with a note) instead of
+    failing on a setting it never gave; given explicitly, the flag is validated as usual."""
+    def vpp(*flags):
+        config, _ = arguments.parse_args(["--preset", "stdlib-demo", "--mock-data", *flags])
+        return config.virtual_pipeline_model_parallel_size
+
+    assert vpp() == 2                                           # 8 layers / pp 2 / 2
+    assert vpp("--num-layers", "12") == 3                       # still fits: kept
+    capsys.readouterr()
+    assert vpp("--pipeline-model-parallel-size", "1", "--num-layers", "12") is None
+    assert vpp("--num-layers", "6") is None                     # 3 layers per stage
+    assert vpp("--num-virtual-stages-per-pipeline-rank", "4") == 4
+    notes = capsys.readouterr().out.splitlines()
+    note = "preset stdlib-demo: its --num-layers-per-virtual-pipeline-stage 2 does not fit"
+    assert len(notes) == 3 and all(n.startswith(note) for n in notes)
+    assert "--pipeline-model-parallel-size 1 with --num-layers 12" in notes[0]
+    with pytest.raises(ValueError, match="virtual_pipeline_model_parallel_size=6 needs "
+                                         "pipeline_model_parallel_size > 1"):
+        vpp("--pipeline-model-parallel-size", "1", "--num-layers", "12",
+            "--num-layers-per-virtual-pipeline-stage", "2")

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import sys
 
 from tpfuse.models.cli import add_config_arguments, config_from_args
 from tpfuse.training import presets
@@ -347,6 +348,9 @@ def parse_args(argv=None, defaults: dict | None = None):
     args = parser.parse_args(argv)
     if preset is not None:
         presets.fill_preset_data(args, preset)
+        note = presets.fit_interleaving(args, preset, sys.argv[1:] if argv is None else argv)
+        if note and _is_rank_zero():
+            print(note, flush=True)
     validate_training_args(args)
     args.tokenizer = build_tokenizer_from_args(args)
     _apply_tokenizer(args, args.tokenizer)

@@ -7,6 +7,10 @@ own values, and flags given on the command line override the preset::
     tpfuse-train --preset stdlib-demo --train-iters 20 --nproc-per-node 2 \\
                  --tensor-model-parallel-size 1 --no-sequence-parallel
 
+A preset's pipeline interleaving yields to a command line whose layout has no room for it (see
+``fit_interleaving``); sequence parallelism at tp = 1 is switched off by the config, as Megatron
+does.
+
 ``stdlib-demo`` (the README's main job): a small GPT (8 layers, hidden 128) trained on the Python
 standard library's own ``*.py`` files with the byte tokenizer, on 8 processes laid out as tp=2
 (sequence parallel) × pp=2 (2 virtual stages each) × dp=2. Its corpus is tokenized once into
@@ -69,6 +73,35 @@ def preset_from_argv(argv) -> Preset | None:
     add_preset_argument(parser)
     known, _ = parser.parse_known_args(argv)
     return None if known.preset is None else PRESETS[known.preset]
+
+
+VPP_FLAG = "--num-layers-per-virtual-pipeline-stage"
+
+
+def fit_interleaving(args, preset: Preset, argv: list[str]) -> str | None:
+    """Drop the preset's pipeline interleaving where the command line's layout leaves no room
+    for it; returns the note saying so (None when nothing changed).
+
+    A preset's ``num_layers_per_virtual_pipeline_stage`` belongs to its own pipeline layout. When
+    the command line does not set it but changes the layout so that it no longer fits
+    (``--pipeline-model-parallel-size 1``, layers per stage not a multiple of it, or its own
+    ``--num-virtual-stages-per-pipeline-rank`` / uneven first-last stages), the job runs without
+    the preset's interleaving instead of failing on a setting the user never gave. Given on the
+    command line, the flag is the user's and is validated as such.
+    """
+    value = preset.flags.get("num_layers_per_virtual_pipeline_stage")
+    if value is None or any(a.split("=", 1)[0] == VPP_FLAG for a in argv):
+        return None
+    pp, layers = args.pipeline_model_parallel_size, args.num_layers
+    own_split = (args.virtual_pipeline_model_parallel_size is not None
+                 or args.decoder_first_pipeline_num_layers is not None
+                 or args.decoder_last_pipeline_num_layers is not None)
+    if pp > 1 and layers % pp == 0 and (layers // pp) % value == 0 and not own_split:
+        return None
+    args.num_layers_per_virtual_pipeline_stage = None
+    return (f"preset {preset.name}: its {VPP_FLAG} {value} does not fit "
+            f"--pipeline-model-parallel-size {pp} with --num-layers {layers}"
+            f"{' and the given virtual/uneven stages' if own_split else ''}; not interleaving")
 
 
 def default_cache_dir(data_cache_path: str | None = None) -> str:
