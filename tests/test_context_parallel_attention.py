@@ -138,3 +138,16 @@ def test_sequence_split_layout():
         check_sequence_split(12, 2, tp_size=2, sequence_parallel=True)
     with pytest.raises(ValueError, match="seq_length=6 .* 2 × context_parallel_size \\(2\\) = 4"):
         check_sequence_split(6, 2)
+
+
+def test_one_device_check_runs_every_rank_share_against_the_full_kernel(capsys):
+    """benchmarks/gpu_context_parallel_check.py --cpu-dry-run: every cp rank's block calls (cp 2,
+    4, 8; each mask) in one process against the full-sequence kernel, fp32 tolerance 1e-4."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+    import gpu_context_parallel_check
+
+    assert gpu_context_parallel_check.main(["--cpu-dry-run"]) == 0
+    assert capsys.readouterr().out.count("| PASS |") == 12

@@ -227,3 +227,28 @@ def merge_into(out: torch.Tensor, lse: torch.Tensor, part_out, part_lse) -> None
     merged_out, merged_lse = _deps.merge_attention(out, lse, part_out, part_lse)
     out.copy_(merged_out)
     lse.copy_(merged_lse)
+
+
+def attend_key_chunks(q, kv, plan: ChunkPlan, key_chunks, out, lse) -> None:
+    """``(out, lse) ←`` merged with this rank's queries ``q (b, h, 2c, d)`` over the key chunks
+    ``key_chunks`` (global ids) that ``kv (2, b, g, len(key_chunks)·c, d)`` holds in that order,
+    the visible pairs only; ``out (b, h, 2c, d)`` / ``lse (b, h, 2c)`` fp32, start at 0 / −inf."""
+    c = plan.chunk_len
+    for qi, ki, mask in plan.pairs(key_chunks):
+        part_out, part_lse = block_forward(chunk(q, qi, c), chunk(kv[0], ki, c),
+                                           chunk(kv[1], ki, c), plan.scale, mask)
+        merge_into(chunk(out, qi, c), lse.narrow(-1, qi * c, c), part_out, part_lse)
+
+
+def attend_key_chunks_backward(dout, q, kv, out, lse, plan: ChunkPlan, key_chunks, dq,
+                               dkv) -> None:
+    """The gradient of ``attend_key_chunks`` given the whole attention's ``out`` and ``lse``:
+    adds into ``dq (b, h, 2c, d)`` and ``dkv (2, b, g, len(key_chunks)·c, d)`` (fp32)."""
+    c = plan.chunk_len
+    for qi, ki, mask in plan.pairs(key_chunks):
+        part_dq, part_dk, part_dv = block_backward(
+            chunk(dout, qi, c), chunk(q, qi, c), chunk(kv[0], ki, c), chunk(kv[1], ki, c),
+            chunk(out, qi, c), lse.narrow(-1, qi * c, c), plan.scale, mask)
+        chunk(dq, qi, c).add_(part_dq)
+        chunk(dkv[0], ki, c).add_(part_dk)
+        chunk(dkv[1], ki, c).add_(part_dv)

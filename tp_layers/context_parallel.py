@@ -34,8 +34,8 @@ from tpfuse.parallel.context_split import (CP_COMM_TYPE_ALIASES, CP_COMM_TYPES, 
                                            natural_to_rank_order, rank_order_to_natural)
 from tpfuse.parallel.mappings import all_gather_first_dim, reduce_scatter_first_dim
 
-from .attention_blocks import (BlockAttention, BlockMask, ChunkPlan, block_backward, block_forward,
-                               chunk, default_scale, merge_into)
+from .attention_blocks import (BlockAttention, BlockMask, ChunkPlan, attend_key_chunks,
+                               attend_key_chunks_backward, default_scale)
 from .ring_attention import ring_attention
 
 # ----------------------------------------------------------------------------- shared pieces
@@ -62,15 +62,12 @@ class AllGatherAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, cp, plan: ChunkPlan):
-        c, chunks = plan.chunk_len, range(2 * cp.size)
+        c = plan.chunk_len
         kv = _gather_kv(k, v, cp)                                      # (2, b, g, s, d)
         b, h, _, d = q.shape
         out = torch.zeros(b, h, 2 * c, d, dtype=torch.float32, device=q.device)
         lse = torch.full((b, h, 2 * c), float("-inf"), dtype=torch.float32, device=q.device)
-        for qi, ki, mask in plan.pairs(chunks):
-            part_out, part_lse = block_forward(chunk(q, qi, c), chunk(kv[0], ki, c),
-                                               chunk(kv[1], ki, c), plan.scale, mask)
-            merge_into(chunk(out, qi, c), lse.narrow(-1, qi * c, c), part_out, part_lse)
+        attend_key_chunks(q, kv, plan, range(2 * cp.size), out, lse)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.settings = (cp, plan)
@@ -80,18 +77,11 @@ class AllGatherAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         cp, plan = ctx.settings
-        c, chunks = plan.chunk_len, range(2 * cp.size)
         kv = _gather_kv(k, v, cp)
-        dout = dout.contiguous()
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)   # (2, b, g, s, d)
-        for qi, ki, mask in plan.pairs(chunks):
-            part_dq, part_dk, part_dv = block_backward(
-                chunk(dout, qi, c), chunk(q, qi, c), chunk(kv[0], ki, c), chunk(kv[1], ki, c),
-                chunk(out, qi, c), lse.narrow(-1, qi * c, c), plan.scale, mask)
-            chunk(dq, qi, c).add_(part_dq)
-            chunk(dkv[0], ki, c).add_(part_dk)
-            chunk(dkv[1], ki, c).add_(part_dv)
+        attend_key_chunks_backward(dout.contiguous(), q, kv, out, lse, plan, range(2 * cp.size),
+                                   dq, dkv)
         rank_order = natural_to_rank_order(dkv, cp.size, 3).movedim(3, 0)
         local = reduce_scatter_first_dim(rank_order, cp.group).movedim(0, 3)  # (2, b, g, 2c, d)
         return dq.to(q.dtype), local[0].to(k.dtype), local[1].to(v.dtype), None, None

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .attention_blocks import ChunkPlan, block_backward, block_forward, chunk, merge_into
+from .attention_blocks import ChunkPlan, attend_key_chunks, attend_key_chunks_backward
 
 KV_TAG, DKV_TAG = 11, 12   # gloo matches messages by tag; NCCL by posting order (the same here)
 
@@ -75,10 +75,7 @@ class RingAttention(torch.autograd.Function):
         for step in range(cp.size):
             owner = (cp.rank - step) % cp.size
             pending = exchange.start(kv) if step + 1 < cp.size else None
-            for qi, ki, mask in plan.pairs(plan.chunks_of(owner)):
-                part_out, part_lse = block_forward(chunk(q, qi, c), chunk(kv[0], ki, c),
-                                                   chunk(kv[1], ki, c), plan.scale, mask)
-                merge_into(chunk(out, qi, c), lse.narrow(-1, qi * c, c), part_out, part_lse)
+            attend_key_chunks(q, kv, plan, plan.chunks_of(owner), out, lse)
             if pending is not None:
                 kv = pending.wait()
         out = out.to(q.dtype)
@@ -90,7 +87,6 @@ class RingAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         cp, plan = ctx.settings
-        c = plan.chunk_len
         dout = dout.contiguous()
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         kv = torch.stack([k, v])
@@ -100,13 +96,8 @@ class RingAttention(torch.autograd.Function):
             owner = (cp.rank - step) % cp.size
             pending_kv = kv_exchange.start(kv) if step + 1 < cp.size else None
             dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)  # (2, b, g, 2c, d)
-            for qi, ki, mask in plan.pairs(plan.chunks_of(owner)):
-                part_dq, part_dk, part_dv = block_backward(
-                    chunk(dout, qi, c), chunk(q, qi, c), chunk(kv[0], ki, c), chunk(kv[1], ki, c),
-                    chunk(out, qi, c), lse.narrow(-1, qi * c, c), plan.scale, mask)
-                chunk(dq, qi, c).add_(part_dq)
-                chunk(dkv[0], ki, c).add_(part_dk)
-                chunk(dkv[1], ki, c).add_(part_dv)
+            attend_key_chunks_backward(dout, q, kv, out, lse, plan, plan.chunks_of(owner), dq,
+                                       dkv)
             if pending_dkv is not None:
                 dkv += pending_dkv.wait()        # what the ranks before added to this block
             pending_dkv = dkv_exchange.start(dkv)
