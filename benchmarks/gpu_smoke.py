@@ -19,9 +19,12 @@ What each item checks (every training item: exit status 0, the metrics file reac
 iteration, every logged loss finite):
 
 - ``bf16``: the preset job in bf16, evaluation at start, the trained model's greedy sample;
-- ``fp16``: dynamic loss scaling (a loss scale is logged every iteration);
-- ``distributed-optimizer``: ``--use-distributed-optimizer`` (one data-parallel rank);
-- ``recompute-full`` / ``recompute-selective``: activation recompute;
+- ``fp16``: dynamic loss scaling from 2^16 (a loss scale logged every iteration, at least one
+  step applied);
+- ``distributed-optimizer``: ``--use-distributed-optimizer`` (one data-parallel rank), with the
+  per-rank timers (``--timing-log-level 2``: CUDA synchronisation and their gather);
+- ``recompute-full`` / ``recompute-selective``: activation recompute (the latter with the
+  SIGTERM / duration exit agreements, a flag all-reduced every iteration);
 - ``save``, ``async-save``, ``resume``: 3 iterations saved at the end; an uninterrupted run of 6
   with ``--async-save`` every 2; a run ``--load``ing the first checkpoint must log iterations
   4..6 only, with losses within 2 % of the uninterrupted run's (bf16 and non-deterministic kernel
@@ -84,13 +87,15 @@ ITEMS = [
                         "--save-interval", "2", "--async-save"], iters=6),
     Item("resume", ["--bf16", "--lr-decay-iters", "6", "--load", "{work}/checkpoint",
                     "--exit-on-missing-checkpoint"], iters=6, kind="resume"),
-    Item("fp16", ["--fp16"]),
-    Item("distributed-optimizer", ["--bf16", "--use-distributed-optimizer"]),
+    Item("fp16", ["--fp16", "--initial-loss-scale", "65536"], iters=6),
+    Item("distributed-optimizer", ["--bf16", "--use-distributed-optimizer",
+                                   "--timing-log-level", "2"]),
     Item("moe", ["--bf16", "--num-experts", "4", "--moe-router-topk", "2",
                  "--moe-aux-loss-coeff", "1e-2"]),
     Item("recompute-full", ["--bf16", "--recompute-granularity", "full", "--recompute-method",
                             "uniform", "--recompute-num-layers", "1"]),
-    Item("recompute-selective", ["--bf16", "--recompute-granularity", "selective"]),
+    Item("recompute-selective", ["--bf16", "--recompute-granularity", "selective",
+                                 "--exit-duration-in-mins", "100", "--exit-signal-handler"]),
     Item("zero-bubble", kind="skip",
          why="--pipeline-schedule zb-h1 needs pipeline_model_parallel_size > 1 (one GPU here)"),
 ]
@@ -171,9 +176,12 @@ def check_training(item: Item, work: str) -> str:
     detail = f"loss {losses[0]:.4f} -> {losses[-1]:.4f}"
     if "--fp16" in item.flags:
         scales = [records[i].get("loss_scale") for i in sorted(records)]
+        skipped = sum(bool(records[i].get("skipped")) for i in records)
         if any(s is None for s in scales):
             raise Failure(f"fp16 without a logged loss scale: {scales}")
-        detail += f", loss scale {scales[0]:g} -> {scales[-1]:g}"
+        if skipped == len(records):
+            raise Failure(f"every fp16 step was skipped (loss scales {scales})")
+        detail += f", loss scale {scales[0]:g} -> {scales[-1]:g}, {skipped} step(s) skipped"
     if "--num-experts" in item.flags:
         balance = [records[i].get("load_balancing_loss") for i in sorted(records)]
         if any(b is None or not math.isfinite(b) for b in balance):
