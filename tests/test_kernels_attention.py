@@ -188,6 +188,39 @@ def test_triton_forward_saves_the_logsumexp(poisoned_outputs):
     torch.testing.assert_close(lse, expected, rtol=1e-5, atol=1e-5)  # fp32 summation order only
 
 
+# Empty rows next to live ones, in every kind of tile: keys at positions 20..48 and causal queries at
+# 0..36, so rows 0..19 see no key (whole query tiles of 16 rows empty, one tile mixed) and the query
+# and key ends are ragged for every block size; documents empty some later rows too, and a window
+# leaves rows whose only keys lie in a padded key tile.
+EMPTY_ROW_CASES = {
+    "keys_after_queries": (37, 29, dict(causal=True, k_offset=20)),
+    "documents_missing_from_keys": (37, 29, dict(causal=True, k_offset=20, documents=True, max_doc=6)),
+    "window_into_padded_keys": (37, 21, dict(causal=True, window_size=3, q_offset=16)),
+}
+
+
+@pytest.mark.parametrize("backend,deterministic", [("torch", False), ("triton", False), ("triton", True)])
+@pytest.mark.parametrize("name", list(EMPTY_ROW_CASES))
+def test_empty_rows_and_padded_tiles_give_zeros_not_nan(name, backend, deterministic, poisoned_outputs):
+    """A query with no visible key: out 0, lse −inf, dq 0 (its dO is nonzero), and no NaN anywhere
+    in out, lse, dq, dk, dv — the backward reads lse = −inf for those rows, and padded tile rows /
+    columns (zero q, k, dO) must add nothing. dk, dv against the reference."""
+    s_q, s_k, spec = EMPTY_ROW_CASES[name]
+    qkv, grad_out = make_inputs(B, 2, 1, s_q, s_k, 16, torch.float32, seed=5)
+    kw = mask_case(B, s_q, s_k, seed=5, **spec)
+    empty = ~visible_by_loops(B, s_q, s_k, kw).any(dim=-1)                        # (b, 1, s_q)
+    assert empty.any() and not empty.all()                                        # the case has both
+    out, lse = attention_forward(*qkv, backend=backend, **kw)
+    grads = attention_backward(grad_out, *qkv, out, lse, backend=backend, deterministic=deterministic, **kw)
+    for label, t in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, *grads)):
+        assert not t.isnan().any(), f"{label} has NaN"
+    empty_heads = empty.expand(B, 2, s_q)
+    assert (lse[empty_heads] == float("-inf")).all() and lse[~empty_heads].isfinite().all()
+    assert (out[empty_heads] == 0).all() and (grads[0][empty_heads] == 0).all()
+    expected = run_with_grads(attention_reference, qkv, grad_out, **kw)
+    assert_all_close([out, *grads], expected, torch.float32)
+
+
 def test_packed_document_ids_are_sorted_runs():
     ids = packed_document_ids(3, 50, seed=0)
     assert ids.shape == (3, 50) and (ids.diff(dim=1) >= 0).all() and (ids.diff(dim=1) <= 1).all()

@@ -214,18 +214,15 @@ class ParallelAttention(nn.Module):
         """Append k/v [b, g_l, s, d] to the KV cache; q [b, h_l, s, d] attends over the cache.
 
         flash_attention with ``q_offset`` = tokens already cached (a decode step: s_q = 1 over
-        s_k = offset + 1 keys) and the context's document ids; the explicit path for head dims
-        the kernel does not take, or a mask the resolved kernel backend does not implement."""
+        s_k = offset + 1 keys) and the context's document ids — the Triton kernel on a GPU, reading
+        the cache's strided views in place; the explicit path for head dims the kernel does not take."""
         offset = inference_context.sequence_len_offset
         keys, values = inference_context.update_kv_cache(self, k, v)   # [b, g_l, offset + s, d]
         q_ids, k_ids = inference_context.document_ids(offset, q.shape[2])
         if FLASH_HEAD_DIMS[0] <= self.head_dim <= FLASH_HEAD_DIMS[1]:
-            try:
-                return _deps.flash_attention(q, keys, values, causal=True, q_offset=offset,
-                                             window_size=self.window_size,
-                                             q_document_ids=q_ids, k_document_ids=k_ids)
-            except NotImplementedError:   # a kernel backend without offsets / document masks
-                pass
+            return _deps.flash_attention(q, keys, values, causal=True, q_offset=offset,
+                                         window_size=self.window_size,
+                                         q_document_ids=q_ids, k_document_ids=k_ids)
         return self._explicit_attention(q, keys, values, 0.0, q_offset=offset,
                                         q_document_ids=q_ids, k_document_ids=k_ids)
 
