@@ -10,7 +10,8 @@ forward and dq, dk, dv; max|ours − ref| / max|ref| ≤ 2e-2 (bf16 keeps 8 bits
 P and dS fit well inside, a wrong mask does not). Speed: milliseconds per call (triton's do_bench median)
 and the ratio to the unmasked causal kernel on the same tensors — a packed batch of documents visits only
 the tiles inside documents, so it should take a fraction of the unmasked time (the FLOP fraction is printed
-beside it). Exit status 1 when a check fails.
+beside it). Decoding: one s_q = 1 step over a KV cache's strided views, against SDPA. Exit status 1 when a
+check fails.
 """
 from __future__ import annotations
 
@@ -112,6 +113,31 @@ def speed(device, shape, rows, timer):
                      f"visible pairs {flops:.2f}x causal's"))
 
 
+def decode_speed(device, shape, rows, timer):
+    """One decode step (s_q = 1 at q_offset = s − 1) over a KV cache of s keys stored as the model's
+    cache is, a (b_max, kv_heads, S, d) buffer sliced to its first s positions, against SDPA on the same
+    views (``enable_gqa``; no mask needed: the one query sees every cached key)."""
+    import torch.nn.functional as F
+
+    from tpfuse.kernels.flash_attention import flash_attention
+    b, h, h_kv, s, d, _, window = shape
+    gen = torch.Generator(device=device).manual_seed(1)
+    cache = torch.randn(2, b, h_kv, s + 64, d, device=device, generator=gen).bfloat16()
+    k, v = cache[0, :, :, :s], cache[1, :, :, :s]                          # strided views of the cache
+    q = torch.randn(b, h, 1, d, device=device, generator=gen).bfloat16()
+    with torch.no_grad():
+        ours = flash_attention(q, k, v, q_offset=s - 1, backend="triton")
+        ref = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+        error = rel_err(ours, ref)
+        t_ours = timer(lambda: flash_attention(q, k, v, q_offset=s - 1, backend="triton"))
+        t_sdpa = timer(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True))
+        t_window = timer(lambda: flash_attention(q, k, v, q_offset=s - 1, window_size=window, backend="triton"))
+    rows.append((f"decode step b{b} h{h}/{h_kv} cache {s}", f"ours {t_ours:.4f} ms, SDPA {t_sdpa:.4f} ms, "
+                 f"window {window}: {t_window:.4f} ms", f"SDPA / ours {t_sdpa / t_ours:.2f}x (rel err {error:.1e})",
+                 "FAIL" if error > TOLERANCE or error != error else "PASS"))
+    return error > TOLERANCE or error != error
+
+
 def make_timer(device):
     if device.type == "cuda":
         import triton.testing
@@ -137,6 +163,7 @@ def main(argv=None):
     rows = []
     failed = check(device, shapes["check"], rows)
     speed(device, shapes["speed"], rows, make_timer(device))
+    failed |= decode_speed(device, shapes["speed"], rows, make_timer(device))
     print(f"flash_attention masks, {torch.cuda.get_device_name() if device.type == 'cuda' else 'CPU interpreter'}, "
           f"check {shapes['check']}, speed {shapes['speed']} (b, h, h_kv, s, d, mean doc, window), bf16")
     for row in rows:
