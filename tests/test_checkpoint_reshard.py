@@ -12,7 +12,7 @@ import types
 import pytest
 import torch
 
-from test_invariance import TINY_MODEL, _losses, _parallel
+from test_invariance import DISTRIBUTED_OPTIMIZER, TINY_MODEL, _losses, _parallel
 from tpfuse.training.checkpoint import _read_payload, iteration_dir
 from tpfuse.training.reshard import (VOCAB_PARAMETERS, assemble_global_state, full_from_shards,
                                      reshard_tensor, shard_for)
@@ -72,6 +72,8 @@ TARGETS = {  # name: (world size, flags) of the layout loading the tp=2 pp=2 vpp
     "tp1-pp2-dp2": (4, _parallel(tp=1, pp=2)),
     "pp2-vpp4": (2, _parallel(pp=2, vpp_layers=1)),
     "single-process": (1, []),
+    # the distributed optimizer cuts every rank's fp32 state into dp shards of its own buckets
+    "tp1-pp2-dp2-distopt": (4, _parallel(tp=1, pp=2) + DISTRIBUTED_OPTIMIZER),
 }
 
 
@@ -86,17 +88,37 @@ def test_resharded_state_is_bit_exact(run_distributed, saved, tmp_path, target):
     world_size, layout = TARGETS[target]
     _losses(run_distributed, world_size,
             SWIGLU + layout + ["--load", root, "--save", again, "--train-iters", "4"])
-    before = assemble_global_state(iteration_dir(root, 4), _read_payload)
-    after = assemble_global_state(iteration_dir(again, 4), _read_payload)
+    _assert_same_global_state(root, again, 4, ["exp_avg", "exp_avg_sq", "param", "step"])
+
+
+def _assert_same_global_state(root: str, again: str, iteration: int, keys: list) -> None:
+    """Every full weight and optimizer tensor of the two checkpoints is equal (torch.equal; the
+    vocabulary parameters' padding rows, which depend on tp, are checked to be zero)."""
+    before = assemble_global_state(iteration_dir(root, iteration), _read_payload)
+    after = assemble_global_state(iteration_dir(again, iteration), _read_payload)
     assert sorted(after) == sorted(before)
     for name, entry in before.items():
-        assert sorted(after[name]) == sorted(entry) == ["exp_avg", "exp_avg_sq", "param", "step"]
+        assert sorted(after[name]) == sorted(entry) == keys, name
         for key, value in entry.items():
             new = after[name][key]
             if name in VOCAB_PARAMETERS and key != "step":  # padding: 256 rows at tp=2, 128 at 1
                 assert not value[VOCAB:].any() and not new[VOCAB:].any(), f"{name} {key} padding"
                 value, new = value[:VOCAB], new[:VOCAB]
             assert torch.equal(new, value), f"{name} {key}"
+
+
+def test_bf16_distributed_optimizer_state_reshards_bit_exact(run_distributed, tmp_path):
+    """bf16 with the distributed optimizer: 2 iterations at tp=2 dp=2 (each rank saves the fp32
+    main copy and Adam moments of its half of its TP shard's buckets), loaded at pp=2 dp=2 (other
+    buckets, other shards) and saved again at once: the reassembled fp32 main parameters, moments
+    and bf16 weights are unchanged, element for element."""
+    root, again = str(tmp_path / "ckpt"), str(tmp_path / "again")
+    flags = ["--bf16", "--train-iters", "2"] + DISTRIBUTED_OPTIMIZER
+    first = _losses(run_distributed, 4, flags + _parallel(tp=2) + ["--save", root])
+    assert len(first) == 2
+    _losses(run_distributed, 4, flags + _parallel(pp=2) + ["--load", root, "--save", again])
+    _assert_same_global_state(root, again, 2,
+                              ["exp_avg", "exp_avg_sq", "main_param", "param", "step"])
 
 
 def _load_error(argv):

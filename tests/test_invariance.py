@@ -108,6 +108,9 @@ MIXED_PRECISION = {
     # name: (world size, flags, unit roundoff u of the 16-bit format)
     "bf16-tp2-sp": (2, ["--bf16"] + _parallel(tp=2, sp=True), 2.0**-8),
     "fp16-pp2": (2, ["--fp16", "--initial-loss-scale", "65536"] + _parallel(pp=2), 2.0**-11),
+    # dynamic loss scaling over the distributed optimizer's shards (unscale, norm, skip per shard)
+    "fp16-dp2-distopt": (2, ["--fp16", "--initial-loss-scale", "65536"] + _parallel()
+                         + DISTRIBUTED_OPTIMIZER, 2.0**-11),
 }
 
 
@@ -129,6 +132,38 @@ def test_mixed_precision_tracks_fp32(run_distributed, reference, name):
     world_size, argv, unit_roundoff = MIXED_PRECISION[name]
     losses = _losses(run_distributed, world_size, argv)
     assert losses == pytest.approx(reference, rel=unit_roundoff / 4)
+
+
+@pytest.fixture(scope="module")
+def bf16_reference(run_distributed):
+    return _losses(run_distributed, 1, ["--bf16"])
+
+
+BF16_LAYOUTS = {
+    # name: (world size, flags besides --bf16, relative tolerance against one bf16 process)
+    # Data parallelism only: every micro-batch runs the same bf16 operations on the same bf16
+    # weights as in the single process; only the order of the fp32 gradient sums (micro-batches,
+    # then ranks) differs, exactly as in the fp32 layouts above, and a bf16 weight differs only
+    # where its fp32 main copy lies within that ~1e-7 of a bf16 rounding midpoint (a few weights,
+    # by one bf16 ulp). So the fp32 invariance bound holds. (Measured: 1.1e-6.)
+    "dp4-distopt": (4, _parallel() + DISTRIBUTED_OPTIMIZER, 1e-5),
+    # Tensor parallelism rounds partial GEMM sums to bf16 in another place: each run's curve is
+    # off the exact one by ≈ 0.13u (test_mixed_precision_tracks_fp32's derivation), independently,
+    # so the two differ by ≈ √2 · 0.13u ≈ 0.18u < u/4. (Measured: 3.9e-5 ≈ u/100.) A shard whose
+    # main copy is not copied back or gathered, or moments on the wrong elements, move the curve by
+    # a share of its 3.4 % decrease, ≥ 30× more.
+    "tp2-dp2-distopt-param-gather": (4, _parallel(tp=2) + DISTRIBUTED_OPTIMIZER
+                                     + ["--overlap-param-gather"], 2.0**-8 / 4),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BF16_LAYOUTS))
+def test_bf16_layout_reproduces_single_process_bf16(run_distributed, bf16_reference, name):
+    """bf16 with the distributed optimizer at dp > 1 against one bf16 process (fp32 main
+    parameters, fp32 gradient buffers reduced over dp, sharded Adam)."""
+    world_size, argv, tolerance = BF16_LAYOUTS[name]
+    losses = _losses(run_distributed, world_size, ["--bf16"] + argv)
+    assert losses == pytest.approx(bf16_reference, rel=tolerance)
 
 
 def test_rampup_batch_sizes_match_single_process(run_distributed):

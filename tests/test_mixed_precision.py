@@ -5,6 +5,7 @@ with an error naming the iteration (or skip with ``--skip-nonfinite``), and no c
 written from the bad step. The loss-curve tolerances of bf16/fp16 runs live in
 test_invariance.py (``test_mixed_precision_tracks_fp32``).
 """
+import json
 import math
 import os
 
@@ -79,12 +80,15 @@ def _run_injected(argv, rank, iterations, value, microbatches):
     return result.skipped, result.loss_scales, result.train_losses
 
 
-def test_fp16_overflow_on_one_rank_is_skipped_by_every_rank_and_backs_off(run_distributed):
+def test_fp16_overflow_on_one_rank_is_skipped_by_every_rank_and_backs_off(run_distributed,
+                                                                         tmp_path):
     """tp2 × pp2; rank 1 (tp 1, pp 0) alone sees inf in iterations 3 and 4. With Megatron's
     default hysteresis 2 the first overflow only spends the hysteresis, the second halves the
-    scale; both steps are skipped on all four ranks alike."""
+    scale; both steps are skipped on all four ranks alike, and the metrics file records the scale
+    and the running count of skipped steps."""
+    metrics = str(tmp_path / "metrics.jsonl")
     argv = ["--fp16", "--initial-loss-scale", "4096", "--train-iters", "6",
-            "--lr-decay-iters", "6"] + _parallel(tp=2, pp=2)
+            "--lr-decay-iters", "6", "--metrics-file", metrics] + _parallel(tp=2, pp=2)
     results = run_distributed(4, _run_injected, argv, 1, {3, 4}, math.inf, 4)
     skipped, scales, _ = results[0]
     assert skipped == [False, False, True, True, False, False]
@@ -92,6 +96,29 @@ def test_fp16_overflow_on_one_rank_is_skipped_by_every_rank_and_backs_off(run_di
     assert all(r[:2] == (skipped, scales) for r in results)
     logged = [r[2] for r in results if r[2]]
     assert len(logged) == 1 and all(math.isfinite(loss) for loss in logged[0])
+    with open(metrics) as handle:
+        steps = [r for r in map(json.loads, handle) if "loss" in r]
+    assert [r["loss_scale"] for r in steps] == scales
+    assert [r["skipped"] for r in steps] == skipped
+    assert [r["skipped_iterations"] for r in steps] == [0, 0, 1, 2, 2, 2]
+
+
+def test_log_line_shows_loss_scale_and_skipped_steps_of_the_interval(capsys):
+    """Megatron's line: the loss scale, and the steps skipped since the previous line (the
+    interval's count, 1 in each of 1-3 and 4-6 when steps 3 and 4 are skipped)."""
+    from tpfuse.training.logging_utils import TrainingLogger
+
+    logger = TrainingLogger(True, 6, 0, None, progress_bar=False)
+    for iteration, (skip, scale) in enumerate(zip([0, 0, 1, 1, 0, 0], [8, 8, 8, 4, 4, 4]), 1):
+        record = {"consumed_samples": 8 * iteration, "ms_per_iter": 1.0, "lr": 1e-3,
+                  "global_batch_size": 8, "loss": 4.0, "loss_scale": float(scale),
+                  "grad_norm": None if skip else 0.5, "skipped": bool(skip),
+                  "skipped_iterations": [0, 0, 1, 2, 2, 2][iteration - 1], "tokens_per_s": 1.0}
+        logger.iteration(iteration, record, log_now=iteration % 3 == 0)
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2
+    assert "loss scale: 8.0 | grad norm: nan | number of skipped iterations:   1 |" in lines[0]
+    assert "loss scale: 4.0 | grad norm: 0.500 | number of skipped iterations:   1 |" in lines[1]
 
 
 def test_bf16_nan_stops_every_rank_naming_the_iteration_and_saves_nothing_of_it(

@@ -15,7 +15,9 @@ import sys
 
 
 def format_log_line(iteration: int, train_iters: int, record: dict,
-                    show_throughput: bool = False) -> str:
+                    show_throughput: bool = False, skipped_in_interval: int = 0) -> str:
+    """Megatron's iteration line; ``skipped_in_interval``: steps skipped (inf/nan) since the last
+    line, Megatron's "number of skipped iterations" (the metrics file has the running total)."""
     parts = [
         f" iteration {iteration:8d}/{train_iters:8d}",
         f"consumed samples: {record['consumed_samples']:12d}",
@@ -31,8 +33,7 @@ def format_log_line(iteration: int, train_iters: int, record: dict,
             parts.append(f"{name}: {record[name]:.6E}")
     grad_norm = record["grad_norm"]
     parts.append(f"grad norm: {grad_norm:.3f}" if grad_norm is not None else "grad norm: nan")
-    if record.get("skipped_iterations"):
-        parts.append(f"number of skipped iterations: {record['skipped_iterations']:3d}")
+    parts.append(f"number of skipped iterations: {skipped_in_interval:3d}")
     if "peak_memory_mib" in record:
         parts.append(f"peak allocated memory (MiB): {record['peak_memory_mib']:.1f}")
     parts.append(f"tokens/s: {record['tokens_per_s']:.0f}")
@@ -74,6 +75,7 @@ class TrainingLogger:
         self.metrics_file = metrics_file if is_logger else None
         self.sinks, self.show_throughput = list(sinks), show_throughput
         self.bar = None
+        self.skipped_in_interval = 0          # skipped steps since the last log line
         if is_logger and progress_bar:
             from tqdm import tqdm
 
@@ -99,9 +101,11 @@ class TrainingLogger:
         if self.bar is not None:
             self.bar.update(1)
             self.bar.set_postfix(loss=f"{record['loss']:.4f}")
+        self.skipped_in_interval += bool(record.get("skipped"))
         if log_now:
             self.print(format_log_line(iteration, self.train_iters, record,
-                                       self.show_throughput))
+                                       self.show_throughput, self.skipped_in_interval))
+            self.skipped_in_interval = 0
         self.write_metrics({"iteration": iteration, **record})
 
     def write_metrics(self, record: dict) -> None:
