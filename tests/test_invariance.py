@@ -108,6 +108,11 @@ MIXED_PRECISION = {
     # name: (world size, flags, unit roundoff u of the 16-bit format)
     "bf16-tp2-sp": (2, ["--bf16"] + _parallel(tp=2, sp=True), 2.0**-8),
     "fp16-pp2": (2, ["--fp16", "--initial-loss-scale", "65536"] + _parallel(pp=2), 2.0**-11),
+    # bf16 gradient buffers, reduced in bf16 over dp, upcast per shard: each accumulated gradient
+    # is rounded (≤ u relative), which moves each Adam update by ~u relative, i.e. the loss by ~u
+    # of the run's 3.4 % decrease, far below the forward's 0.13u (measured 5.6e-5 ≈ u/70)
+    "bf16-dp2-grad-reduce-in-bf16-distopt": (2, ["--bf16", "--grad-reduce-in-bf16"] + _parallel()
+                                             + DISTRIBUTED_OPTIMIZER, 2.0**-8),
     # dynamic loss scaling over the distributed optimizer's shards (unscale, norm, skip per shard)
     "fp16-dp2-distopt": (2, ["--fp16", "--initial-loss-scale", "65536"] + _parallel()
                          + DISTRIBUTED_OPTIMIZER, 2.0**-11),
