@@ -12,7 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tpfuse.kernels.cross_entropy import _CrossEntropy, cross_entropy
+from tpfuse.kernels.cross_entropy import (cross_entropy, cross_entropy_loss_from_stats,
+                                          cross_entropy_shard_grad, cross_entropy_shard_stats)
 from tpfuse.kernels.flash_attention import flash_attention
 
 B, HEADS, KV_HEADS, SEQ, HEAD_DIM = 2, 8, 2, 512, 64   # GQA, causal, fp32
@@ -74,9 +75,23 @@ def test_attention_forward_backward(benchmark, impl):
     benchmark.pedantic(step, rounds=ROUNDS, warmup_rounds=2)
 
 
-def _pieces_cross_entropy(logits, target):
+class _PiecesCrossEntropy(torch.autograd.Function):
     """The shard pieces in torch (what the vocab-parallel loss runs), single shard."""
-    return _CrossEntropy.apply(logits, target, -100, "torch")
+
+    @staticmethod
+    def forward(ctx, logits, target):
+        row_max, sum_exp, target_logit = cross_entropy_shard_stats(logits, target, 0, backend="torch")
+        ctx.save_for_backward(logits, target, row_max, sum_exp)
+        return cross_entropy_loss_from_stats(row_max, sum_exp, target_logit, target)
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        logits, target, row_max, sum_exp = ctx.saved_tensors
+        return cross_entropy_shard_grad(logits, target, 0, row_max, sum_exp, grad_loss, backend="torch"), None
+
+
+def _pieces_cross_entropy(logits, target):
+    return _PiecesCrossEntropy.apply(logits, target)
 
 
 def _composed_cross_entropy(logits, target):
