@@ -296,6 +296,8 @@ MOE_LAYOUTS = {
     "ep2-alltoall-grouped": (2, ["--expert-model-parallel-size", "2",
                                  "--moe-token-dispatcher-type", "alltoall", "--moe-grouped-gemm"]),
     "tp2-ep2-sp": (4, _parallel(tp=2, sp=True) + ["--expert-model-parallel-size", "2"]),
+    # interleaved 1F1B: the router losses' gradient injected wherever the schedule runs backward
+    "pp2-vpp2-ep2": (4, _parallel(pp=2, vpp_layers=2) + ["--expert-model-parallel-size", "2"]),
     # the router losses see the micro-batch's tokens over both context-parallel ranks
     "cp2-ep2": (2, _parallel(cp=2) + ["--expert-model-parallel-size", "2"]),
     # dense state sharded over dp 4, the experts' over their edp 2
