@@ -312,6 +312,21 @@ def test_moe_layout_reproduces_single_process_losses(run_distributed, moe_refere
     assert losses == pytest.approx(moe_reference, rel=1e-5)
 
 
+def test_moe_bf16_tracks_fp32(run_distributed, moe_reference):
+    """bf16 at ep 2 (all-to-all, grouped GEMM) follows the fp32 MoE curve within u/4 relative, the
+    bound test_mixed_precision_tracks_fp32 derives: each of the 4 MoE layers adds about 4 roundings
+    on the logit's path (router logits, dispatched rows, expert output, combine), √(19 + 16) vs √19
+    on the 0.13u estimate there gives ≈ 0.18u; a token whose two best experts' scores lie within a
+    rounding of each other may switch expert, moving its output by about that same gap. (Measured:
+    2.1e-4 ≈ u/19.) It guards the 16-bit path of the MoE layer (bf16 router, permutation and
+    grouped GEMM; expert main_grad and fp32 main parameters); the fp32 layouts above are the exact
+    (1e-5) checks of the parallel algebra."""
+    argv = MOE + ["--bf16", "--expert-model-parallel-size", "2", "--moe-grouped-gemm",
+                  "--moe-token-dispatcher-type", "alltoall"]
+    losses = _losses(run_distributed, 2, argv)
+    assert losses == pytest.approx(moe_reference, rel=2.0**-8 / 4)
+
+
 def test_moe_checkpoint_reshards_across_expert_layouts(run_distributed, moe_reference, tmp_path):
     """4 steps at ep = 2 (experts 0-1 | 2-3 on two ranks, dp 2), resumed at tp 2 + SP with every
     expert split over etp = 2 instead: the experts and their Adam moments are re-cut (whole
