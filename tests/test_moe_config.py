@@ -1,6 +1,6 @@
 """The MoE settings: validation errors naming the values (at config construction, before any
 process group exists), Megatron's flag names and defaults, the layer pattern, the world-size check
-of the trainer, and the GPT model's choice of MoE layers."""
+of the trainer, the GPT model's choice of MoE layers and its generation with the KV cache."""
 import argparse
 import re
 import types
@@ -118,6 +118,22 @@ def test_gpt_model_uses_moe_layers_where_the_pattern_says():
     loss.backward()
     assert set(model.router_losses.values["load_balancing_loss"]) == {1, 2}
     assert all(p.grad is not None for p in experts)
+
+
+def test_generation_with_the_kv_cache_equals_recomputation_in_an_moe_model():
+    """Routing is per token, so decoding one token at a time against the KV cache must give the
+    tokens of re-running the whole sequence each step (the same seeded sampling: equal logits up
+    to fp32 rounding pick the same token)."""
+    from tpfuse.inference.generate import generate
+    from tpfuse.models import GPTModel
+
+    torch.manual_seed(0)
+    model = GPTModel(make(seq_length=24, moe_grouped_gemm=True, moe_router_topk=2,
+                          moe_shared_expert_intermediate_size=32)).eval()
+    prompts = [[1, 2, 3, 4, 5], [7, 8, 9]]
+    cached, recomputed = (generate(model, prompts, 10, temperature=1.0, seed=3, use_cache=use)
+                          for use in (True, False))
+    assert cached == recomputed and len(set(cached[0])) > 1      # not a constant sequence
 
 
 def test_gpt_model_rejects_a_state_with_other_expert_sizes():
