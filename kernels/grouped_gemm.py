@@ -29,6 +29,7 @@ import triton.language as tl
 
 from . import backend as _backend
 from .matmul import _input_precision
+from .matmul_kernels import dot_over_reduction
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Interpreter meta-parameters: small tiles, so test shapes have several tiles per group.
@@ -94,17 +95,8 @@ def _grouped_gemm_kernel(
     x_ptrs = x_ptr + rows[:, None] * stride_xm + offs_k[None, :] * stride_xk          # (BM, BK)
     w_ptrs = (w_ptr + group.to(tl.int64) * stride_wg
               + offs_k[:, None] * stride_wk + cols[None, :] * stride_wn)               # (BK, BN)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, tl.cdiv(K, BLOCK_K)):
-        k_left = K - k * BLOCK_K
-        a = tl.load(x_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
-        b = tl.load(w_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
-        if DOT_IN_FP32:  # interpreter only: its tl.dot multiplies bf16 bit patterns as integers
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
-        x_ptrs += BLOCK_K * stride_xk
-        w_ptrs += BLOCK_K * stride_wk
+    acc = dot_over_reduction(tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), x_ptrs, w_ptrs, K,
+                             stride_xk, stride_wk, BLOCK_K, INPUT_PRECISION, DOT_IN_FP32)
     out = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :] * stride_yn
     mask = (offs_m[:, None] < row_end) & (offs_n[None, :] < N)
     tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=mask)

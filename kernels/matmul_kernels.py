@@ -103,6 +103,26 @@ def _epilogue(acc, pid_m, pid_n, M, N, bias_ptr, y_ptr, z_ptr, stride_ym, stride
 # ----------------------------------------------------------------------------- TMA kernel
 
 @triton.jit
+def dot_over_reduction(acc, a_ptrs, b_ptrs, R, stride_ar, stride_br, BLOCK_R: tl.constexpr,
+                       INPUT_PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr):
+    """acc (BM, BN) += Σ_r a[:, r] · b[r, :] over the reduction length R: the tiles a (BM, BR) and
+    b (BR, BN) start at ``a_ptrs`` / ``b_ptrs`` and step BLOCK_R along their reduction strides;
+    the last step's reduction indices past R load as 0. fp32 accumulation."""
+    offs_r = tl.arange(0, BLOCK_R)
+    for r in range(0, tl.cdiv(R, BLOCK_R)):
+        r_left = R - r * BLOCK_R
+        a = tl.load(a_ptrs, mask=offs_r[None, :] < r_left, other=0.0)      # (BM, BR)
+        b = tl.load(b_ptrs, mask=offs_r[:, None] < r_left, other=0.0)      # (BR, BN)
+        if DOT_IN_FP32:  # interpreter only: its tl.dot multiplies 16-bit bit patterns as integers
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+        a_ptrs += BLOCK_R * stride_ar
+        b_ptrs += BLOCK_R * stride_br
+    return acc
+
+
+@triton.jit
 def _matmul_tma_kernel(
     a_desc, b_desc, bias_ptr, y_ptr, z_ptr,
     M, N, K, stride_ym, stride_yn,
@@ -173,17 +193,8 @@ def _matmul_kernel(
     a_ptrs = a_ptr + rows_a.to(tl.int64)[:, None] * stride_am + offs_k[None, :] * stride_ak  # (BM, BK)
     b_ptrs = b_ptr + offs_k[:, None] * stride_bk + cols_b.to(tl.int64)[None, :] * stride_bn  # (BK, BN)
 
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, tl.cdiv(K, BLOCK_K)):
-        k_left = K - k * BLOCK_K
-        a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
-        b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
-        if DOT_IN_FP32:  # interpreter only: its tl.dot multiplies bf16 bit patterns as integers
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
-        a_ptrs += BLOCK_K * stride_ak
-        b_ptrs += BLOCK_K * stride_bk
+    acc = dot_over_reduction(tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), a_ptrs, b_ptrs, K,
+                             stride_ak, stride_bk, BLOCK_K, INPUT_PRECISION, DOT_IN_FP32)
     _epilogue(acc, pid_m, pid_n, M, N, bias_ptr, y_ptr, z_ptr, stride_ym, stride_yn,
               HAS_BIAS, ACTIVATION, SAVE_PREACT, BLOCK_M, BLOCK_N, EPILOGUE_SPLIT)
 

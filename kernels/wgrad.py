@@ -36,8 +36,9 @@ import triton.language as tl
 
 from . import backend as _backend
 from .comm_gemm_common import validate_linear
-from .matmul import (PATHS, activation_grad_torch, activation_grad_triton, as_matrix,
-                     matmul_torch_forward, matmul_triton_forward)
+from .matmul import (PATHS, _input_precision, activation_grad_torch, activation_grad_triton,
+                     as_matrix, matmul_torch_forward, matmul_triton_forward)
+from .matmul_kernels import dot_over_reduction
 from .wgrad_deferral import defer_weight_grad
 
 CPU_META = {"BLOCK_N": 16, "BLOCK_K": 32, "BLOCK_M": 32}
@@ -77,17 +78,8 @@ def _wgrad_accumulate_kernel(
     cols_x = (offs_k % K).to(tl.int64)
     gt_ptrs = g_ptr + offs_m[None, :].to(tl.int64) * stride_gm + cols_g[:, None] * stride_gn
     x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + cols_x[None, :] * stride_xk
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for m in range(0, tl.cdiv(M, BLOCK_M)):
-        m_left = M - m * BLOCK_M
-        gt = tl.load(gt_ptrs, mask=offs_m[None, :] < m_left, other=0.0)    # (BN, BM)
-        xs = tl.load(x_ptrs, mask=offs_m[:, None] < m_left, other=0.0)     # (BM, BK)
-        if DOT_IN_FP32:  # interpreter only: its tl.dot multiplies 16-bit bit patterns as integers
-            gt = gt.to(tl.float32)
-            xs = xs.to(tl.float32)
-        acc = tl.dot(gt, xs, acc, input_precision=INPUT_PRECISION)
-        gt_ptrs += BLOCK_M * stride_gm
-        x_ptrs += BLOCK_M * stride_xm
+    acc = dot_over_reduction(tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32), gt_ptrs, x_ptrs, M,
+                             stride_gm, stride_xm, BLOCK_M, INPUT_PRECISION, DOT_IN_FP32)  # (BN, BK)
     out_offsets = offs_n.to(tl.int64)[:, None] * stride_on + offs_k[None, :] * stride_ok
     out_mask = (offs_n[:, None] < N) & (offs_k[None, :] < K)
     previous = tl.load(out_ptr + out_offsets, mask=out_mask, other=0.0).to(tl.float32)
@@ -95,12 +87,6 @@ def _wgrad_accumulate_kernel(
 
 
 # ----------------------------------------------------------------------------- launcher
-
-def _input_precision(dtype: torch.dtype) -> str:
-    if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
-        return "ieee"
-    return "tf32"
-
 
 def wgrad_accumulate_triton(out: torch.Tensor, g2d: torch.Tensor, x2d: torch.Tensor) -> None:
     """``out (n, k) += g2dᵀ (n, M) · x2d (M, k)`` with one kernel; strides are passed, nothing
