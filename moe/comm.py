@@ -17,17 +17,9 @@ collectives (NCCL and gloo alike); each is the identity at group size 1.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
-from tpfuse.parallel.mappings import all_gather_first_dim, group_rank, group_size
-from tpfuse.parallel.mappings import reduce_scatter_first_dim
-
-
-def _all_to_all(x, group, out_splits, in_splits):
-    x = x.detach().contiguous()
-    out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
-    dist.all_to_all_single(out, x, list(out_splits), list(in_splits), group=group)
-    return out
+from tpfuse.parallel.mappings import all_gather_first_dim, all_to_all_region, group_rank
+from tpfuse.parallel.mappings import group_size, reduce_scatter_first_dim
 
 
 def _pad_rows(x, rows):
@@ -54,17 +46,6 @@ def _reduce_scatter_v(x, group, sizes):
     return reduce_scatter_first_dim(padded, group)[:sizes[group_rank(group)]]
 
 
-class _AllToAll(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group, out_splits, in_splits):
-        ctx.group, ctx.out_splits, ctx.in_splits = group, out_splits, in_splits
-        return _all_to_all(x, group, out_splits, in_splits)
-
-    @staticmethod
-    def backward(ctx, dy):
-        return _all_to_all(dy, ctx.group, ctx.in_splits, ctx.out_splits), None, None, None
-
-
 class _AllGatherV(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, sizes):
@@ -89,9 +70,7 @@ class _ReduceScatterV(torch.autograd.Function):
 
 def all_to_all(x, group, out_splits, in_splits):
     """``(Σ in_splits, ...)`` → ``(Σ out_splits, ...)`` (see the module docstring)."""
-    if group_size(group) == 1:
-        return x
-    return _AllToAll.apply(x, group, tuple(out_splits), tuple(in_splits))
+    return all_to_all_region(x, group, list(out_splits), list(in_splits))
 
 
 def all_gather_v(x, group, sizes):

@@ -9,8 +9,8 @@ allocates the result, never its value.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
+from tpfuse.moe.comm import all_gather_v, reduce_scatter_v
 from tpfuse.parallel import mappings as _m
 from tpfuse.parallel.mappings import default_tensor_parallel_group as _tp
 
@@ -60,7 +60,7 @@ def gather_from_sequence_parallel_region(input_, tensor_parallel_output_grad=Tru
     if not tensor_parallel_output_grad:
         raise ValueError("output_split_sizes needs tensor_parallel_output_grad=True "
                          "(as in Megatron)")
-    return _UnevenGather.apply(input_, group, list(output_split_sizes))
+    return all_gather_v(input_, group, output_split_sizes)
 
 
 def reduce_scatter_to_sequence_parallel_region(input_, group=None, input_split_sizes=None,
@@ -70,7 +70,7 @@ def reduce_scatter_to_sequence_parallel_region(input_, group=None, input_split_s
     group = _tp(group)
     if input_split_sizes is None:
         return _m.reduce_scatter_to_sequence_parallel_region(input_, group)
-    return _UnevenReduceScatter.apply(input_, group, list(input_split_sizes))
+    return reduce_scatter_v(input_, group, input_split_sizes)
 
 
 def all_gather_last_dim_from_tensor_parallel_region(input_, group=None):
@@ -107,49 +107,3 @@ def all_to_all_hp2sp(input_, group=None):
     flat = input_.reshape(-1, input_.shape[-1])                       # (n, h/tp)
     exchanged = _m.all_to_all_region(flat, group)                    # (tp · n/tp, h/tp)
     return torch.cat(exchanged.chunk(size, dim=0), dim=-1)           # (n/tp, h)
-
-
-# ----------------------------------------------------------------------------- uneven splits
-def _gather_rows(x, group, sizes):
-    """Concatenate each rank's rows (rank r has ``sizes[r]``): pad to the largest, gather, trim."""
-    if _m.group_size(group) == 1:
-        return x
-    longest = max(sizes)
-    padded = x.new_zeros((longest,) + tuple(x.shape[1:]))
-    padded[:x.shape[0]] = x
-    gathered = _m.all_gather_first_dim(padded, group)               # (tp · longest, ...)
-    parts = gathered.split(longest)
-    return torch.cat([part[:n] for part, n in zip(parts, sizes)])
-
-
-def _reduce_scatter_rows(x, group, sizes):
-    """Sum over the ranks, keep this rank's ``sizes[rank]`` rows (offsets from ``sizes``)."""
-    if _m.group_size(group) == 1:
-        return x
-    total = x.detach().contiguous().clone()
-    dist.all_reduce(total, group=group)
-    rank = _m.group_rank(group)
-    start = sum(sizes[:rank])
-    return total[start:start + sizes[rank]].clone()
-
-
-class _UnevenGather(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group, sizes):
-        ctx.group, ctx.sizes = group, sizes
-        return _gather_rows(x, group, sizes)
-
-    @staticmethod
-    def backward(ctx, dy):
-        return _reduce_scatter_rows(dy, ctx.group, ctx.sizes), None, None
-
-
-class _UnevenReduceScatter(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group, sizes):
-        ctx.group, ctx.sizes = group, sizes
-        return _reduce_scatter_rows(x, group, sizes)
-
-    @staticmethod
-    def backward(ctx, dy):
-        return _gather_rows(dy, ctx.group, ctx.sizes), None, None
