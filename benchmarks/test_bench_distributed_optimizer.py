@@ -26,13 +26,14 @@ Targets: optimizer state per rank ≤ 1.1 × (plain / dp); step time with the di
 """
 from __future__ import annotations
 
-import json
 import os
 import tempfile
 
 import pytest
 
 from tpfuse.parallel.launch import WorkerPool
+
+from pretrain_job import pretrain_with_metrics
 
 ITERS = int(os.environ.get("TPFUSE_BENCH_ITERS", "6"))
 SKIP = int(os.environ.get("TPFUSE_BENCH_SKIP", "2"))
@@ -57,20 +58,13 @@ _RESULTS: dict = {}     # name -> {"memory": bytes dict, "ms": [per round], "los
 
 
 def _train_job(argv: list, metrics_file: str):
-    from tpfuse.pretrain_gpt import (forward_step, model_provider,
-                                     train_valid_test_datasets_provider)
-    from tpfuse.training.pretrain import pretrain
-
-    result = pretrain(train_valid_test_datasets_provider, model_provider, forward_step,
-                      argv=argv + ["--metrics-file", metrics_file])
-    if not result.is_logger:
+    logged = pretrain_with_metrics(argv, metrics_file)
+    if logged is None:
         return None
-    with open(metrics_file) as handle:
-        records = [json.loads(line) for line in handle if line.strip()]
+    losses, records = logged
     memory = next(r["memory_bytes"] for r in records if "memory_bytes" in r)
     steps = [r["ms_per_iter"] for r in records if "ms_per_iter" in r]
-    return {"memory": memory, "ms": sum(steps[SKIP:]) / len(steps[SKIP:]),
-            "losses": result.train_losses}
+    return {"memory": memory, "ms": sum(steps[SKIP:]) / len(steps[SKIP:]), "losses": losses}
 
 
 def _run_case(pool, name) -> dict:

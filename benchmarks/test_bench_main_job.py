@@ -28,7 +28,6 @@ DP all-reduce, 8 processes time-slicing 2 cores), not its speed-up on real hardw
 """
 from __future__ import annotations
 
-import json
 import os
 import tempfile
 
@@ -36,6 +35,8 @@ import pytest
 
 from tpfuse.parallel.launch import WorkerPool
 from tpfuse.training.presets import STDLIB_DEMO
+
+from pretrain_job import pretrain_with_metrics
 
 MAIN_JOB = STDLIB_DEMO.flags
 
@@ -75,18 +76,12 @@ def _argv(layout_flags: list, tp: int) -> list:
 
 
 def _train_job(argv: list, metrics_file: str):
-    """On every rank: the main job's pretrain; the logging rank returns losses + metrics."""
-    from tpfuse.pretrain_gpt import (forward_step, model_provider,
-                                     train_valid_test_datasets_provider)
-    from tpfuse.training.pretrain import pretrain
-
-    result = pretrain(train_valid_test_datasets_provider, model_provider, forward_step,
-                      argv=argv + ["--metrics-file", metrics_file])
-    if not result.is_logger:
+    """On every rank: the main job's pretrain; the logging rank returns losses + step records."""
+    logged = pretrain_with_metrics(argv, metrics_file)
+    if logged is None:
         return None
-    with open(metrics_file) as handle:
-        records = [json.loads(line) for line in handle if line.strip()]
-    return {"losses": result.train_losses, "records": [r for r in records if "ms_per_iter" in r]}
+    losses, records = logged
+    return {"losses": losses, "records": [r for r in records if "ms_per_iter" in r]}
 
 
 def _steady_tokens_per_s(records: list) -> float:
