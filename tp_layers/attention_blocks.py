@@ -8,9 +8,7 @@ keywords: causal, ``window_size``, document ids, position offsets), with two add
   ``explicit_backward``, the fp32 masked softmax with the same algebra and the same empty-row
   convention (out 0, lse −inf);
 - a pair whose every key is visible to every query (no window, no documents) is passed as a full,
-  unshifted mask and a diagonal pair as an aligned causal one, so kernels that take only aligned
-  masks run the common ring blocks; a backend that refuses a mask (``NotImplementedError``) falls
-  back to the torch path.
+  unshifted mask and a diagonal pair as an aligned causal one (the kernels' cheapest tile loops).
 
 ``chunk_pairs`` lists which (query chunk, key chunk) pairs of a causal / windowed sequence hold any
 visible key, ``ChunkPlan`` turns them into block calls with their masks; ``BlockAttention`` is the
@@ -124,11 +122,7 @@ def block_forward(q, k, v, scale: float, mask: BlockMask):
     if not kernel_takes(q.shape[-1]):
         return explicit_forward(q, k, v, scale, mask)
     mask = mask.simplified(q.shape[2], k.shape[2])
-    try:
-        return _deps.attention_forward(q, k, v, softmax_scale=scale, **mask.keywords())
-    except NotImplementedError:        # a kernel backend without this mask: the torch path
-        return _deps.attention_forward(q, k, v, softmax_scale=scale, backend="torch",
-                                       **mask.keywords())
+    return _deps.attention_forward(q, k, v, softmax_scale=scale, **mask.keywords())
 
 
 def block_backward(dout, q, k, v, out, lse, scale: float, mask: BlockMask):
@@ -136,12 +130,8 @@ def block_backward(dout, q, k, v, out, lse, scale: float, mask: BlockMask):
     if not kernel_takes(q.shape[-1]):
         return explicit_backward(dout, q, k, v, out, lse, scale, mask)
     mask = mask.simplified(q.shape[2], k.shape[2])
-    try:
-        return _deps.attention_backward(dout, q, k, v, out, lse, softmax_scale=scale,
-                                        **mask.keywords())
-    except NotImplementedError:
-        return _deps.attention_backward(dout, q, k, v, out, lse, softmax_scale=scale,
-                                        backend="torch", **mask.keywords())
+    return _deps.attention_backward(dout, q, k, v, out, lse, softmax_scale=scale,
+                                    **mask.keywords())
 
 
 class BlockAttention(torch.autograd.Function):
