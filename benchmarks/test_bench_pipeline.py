@@ -105,7 +105,7 @@ def _torch_step(schedule, ids, labels):
 
 def _bench_job(impl, pp):
     from tpfuse.models import TransformerConfig
-    from tpfuse.models.gpt import build_model, make_gpt_model_provider
+    from tpfuse.models.build import build_model, make_gpt_model_provider
     from tpfuse.parallel.state import ParallelState
 
     state = ParallelState.initialize(pp=pp, vpp=VPP)

@@ -24,7 +24,8 @@ import os
 import torch
 
 from tpfuse.models.cli import config_from_dict
-from tpfuse.models.gpt import build_model, make_gpt_model_provider, resolve_state
+from tpfuse.models.build import build_model, make_gpt_model_provider
+from tpfuse.models.gpt import resolve_state
 from tpfuse.training import checkpoint as ckpt
 from tpfuse.training import reshard
 

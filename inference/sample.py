@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import torch
 
+from tpfuse.models.build import build_model, make_gpt_model_provider
 from tpfuse.models.cli import config_from_dict, config_to_dict
-from tpfuse.models.gpt import GPTModel, build_model, make_gpt_model_provider
+from tpfuse.models.gpt import GPTModel
 
 from .generate import generate
 from .loading import INFERENCE_SETTINGS, materialize

@@ -9,8 +9,8 @@ _EXPORTS = {
     "add_config_arguments": "cli", "config_from_args": "cli", "config_to_argv": "cli",
     "config_to_dict": "cli", "config_from_dict": "cli",
     "layers_for": "layer_assignment", "stage_layer_counts": "layer_assignment",
-    "GPTModel": "gpt", "gpt_model_provider": "gpt", "make_gpt_model_provider": "gpt",
-    "build_model": "gpt", "allreduce_embedding_grads": "gpt",
-    "set_global_config": "gpt", "get_global_config": "gpt",
+    "GPTModel": "gpt", "allreduce_embedding_grads": "gpt",
+    "gpt_model_provider": "build", "make_gpt_model_provider": "build", "build_model": "build",
+    "set_global_config": "build", "get_global_config": "build",
 }
 __getattr__, __dir__, __all__ = lazy_exports(__name__, _EXPORTS, globals())

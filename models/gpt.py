@@ -39,15 +39,11 @@ the trainer's main loss): the pipeline executor sets its backward scale via
 ``set_aux_loss_scale(1/m)``, a loss scaler via ``set_aux_loss_grad_scale(scale)``; the trainer
 reads and clears the logged losses.
 
-Model providers: ``gpt_model_provider(pre_process, post_process, vp_stage=None)`` has Megatron's
-signature and reads the config registered with ``set_global_config`` (Megatron reads ``get_args()``);
-``make_gpt_model_provider(config)`` returns the same function closed over an explicit config.
-``build_model`` passes ``state=`` to a provider that accepts it.
+Model providers and ``build_model`` (one chunk per virtual stage): ``models/build.py``.
 """
 from __future__ import annotations
 
 import contextlib
-import inspect
 import math
 
 import torch
@@ -342,68 +338,3 @@ def allreduce_embedding_grads(model_chunks, state=None):
             weight.grad = torch.zeros_like(weight)
         grad = weight.grad
     dist.all_reduce(grad, group=state.embedding_group)
-
-
-# -------------------------------------------------------------------- providers and build_model
-_GLOBAL_CONFIG = None
-
-
-def set_global_config(config):
-    """Register the TransformerConfig that ``gpt_model_provider`` builds from."""
-    global _GLOBAL_CONFIG
-    _GLOBAL_CONFIG = config
-
-
-def get_global_config():
-    if _GLOBAL_CONFIG is None:
-        raise RuntimeError("no TransformerConfig registered: call "
-                           "tpfuse.models.set_global_config(config) before gpt_model_provider")
-    return _GLOBAL_CONFIG
-
-
-def gpt_model_provider(pre_process=True, post_process=True, vp_stage=None, state=None):
-    """Megatron's model_provider signature, building from the registered global config."""
-    return GPTModel(get_global_config(), pre_process=pre_process, post_process=post_process,
-                    vp_stage=vp_stage, state=state)
-
-
-def make_gpt_model_provider(config):
-    """A model_provider closed over ``config`` (no global state)."""
-    def provider(pre_process=True, post_process=True, vp_stage=None, state=None):
-        return GPTModel(config, pre_process=pre_process, post_process=post_process,
-                        vp_stage=vp_stage, state=state)
-    return provider
-
-
-def _accepts_state(provider):
-    try:
-        params = inspect.signature(provider).parameters.values()
-    except (TypeError, ValueError):
-        return False
-    return any(p.name == "state" or p.kind is p.VAR_KEYWORD for p in params)
-
-
-def build_model(model_provider, config, state=None):
-    """This rank's model chunks, one per virtual stage (Megatron's build_model).
-
-    Chunk c of pipeline rank r gets ``pre_process = (r == 0 and c == 0)`` and
-    ``post_process = (r == pp-1 and c == vpp-1)``; ``vp_stage = c`` when vpp is configured.
-    """
-    resolved = resolve_state(state)
-    check_layout_matches(config, resolved)
-    pp_rank, pp = (resolved.pp_rank if resolved else 0), config.pipeline_model_parallel_size
-    vpp = config.virtual_pipeline_model_parallel_size
-    chunks = []
-    for c in range(vpp or 1):
-        pre, post = pp_rank == 0 and c == 0, pp_rank == pp - 1 and c == (vpp or 1) - 1
-        kwargs = dict(pre_process=pre, post_process=post, vp_stage=None if vpp is None else c)
-        if state is not None and _accepts_state(model_provider):
-            kwargs["state"] = state
-        if vpp is not None:
-            resolved.vpp_rank = c        # as Megatron, for providers that read the current chunk
-        chunk = model_provider(**kwargs)
-        chunk.pre_process, chunk.post_process = pre, post
-        chunks.append(chunk)
-    if vpp is not None:
-        resolved.vpp_rank = 0
-    return chunks
