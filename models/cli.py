@@ -23,11 +23,12 @@ import sys
 import torch
 
 from .config import (ACTIVATIONS, CATEGORIES, CP_COMM_TYPE_ALIASES, CP_COMM_TYPES, DERIVED, DTYPES,
-                     NORMALIZATIONS, PIPELINE_SCHEDULES, POSITION_EMBEDDINGS,
-                     RECOMPUTE_GRANULARITIES, RECOMPUTE_METHODS, RECOMPUTE_MODULES,
-                     TransformerConfig, _parse_int_pair, config_fields)
+                     NORMALIZATIONS, PIPELINE_SCHEDULES, POSITION_EMBEDDINGS, TransformerConfig,
+                     config_fields)
+from .config_checks import parse_int_pair
 from .moe_config import (MOE_LOAD_BALANCING_TYPES, MOE_ROUTER_DTYPES, MOE_SCORE_FUNCTIONS,
                          MOE_TOKEN_DISPATCHER_TYPES, MOE_TOKEN_DROP_POLICIES, parse_moe_layer_freq)
+from .recompute_config import RECOMPUTE_GRANULARITIES, RECOMPUTE_METHODS, RECOMPUTE_MODULES
 
 CHOICES = {
     "normalization": NORMALIZATIONS, "activation": ACTIVATIONS,
@@ -51,7 +52,7 @@ def _dtype(text):
 def _int_pair(text):
     """Megatron's tuple flags: ``--window-size 128,0``."""
     try:
-        return _parse_int_pair("value", text)
+        return parse_int_pair("value", text)
     except ValueError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
 

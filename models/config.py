@@ -29,17 +29,16 @@ from tpfuse.parallel.context_split import (CP_COMM_TYPE_ALIASES, CP_COMM_TYPES,
                                            check_context_parallel_heads, check_sequence_split)
 
 from .layer_assignment import stage_layer_counts
+from .config_checks import (parse_int_pair, require_choice, require_positive,
+                            require_positive_or_none)
 from .moe_config import parse_moe_layer_freq, validate_moe
+from .recompute_config import validate_recompute
 
 CATEGORIES = ("model", "parallelism", "moe", "precision", "recompute")
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 ACTIVATIONS = ("gelu", "gelu_tanh", "swiglu")
 POSITION_EMBEDDINGS = ("learned_absolute", "rope")
 PIPELINE_SCHEDULES = ("1f1b", "interleaved", "zb-h1")
-RECOMPUTE_GRANULARITIES = ("full", "selective")
-RECOMPUTE_METHODS = ("uniform", "block")
-RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp")
-MEGATRON_ONLY_RECOMPUTE_MODULES = ("moe_act", "mla_up_proj", "moe", "shared_experts")
 DERIVED = ("num_query_groups", "ffn_hidden_size", "max_position_embeddings",
            "virtual_pipeline_model_parallel_size", "params_dtype", "recompute_modules",
            "moe_ffn_hidden_size")
@@ -232,7 +231,7 @@ class TransformerConfig:
         if window is None:
             return
         if isinstance(window, str):
-            window = _parse_int_pair("window_size", window)
+            window = parse_int_pair("window_size", window)
         if isinstance(window, int) and not isinstance(window, bool):
             window = (window, 0)
         if (not isinstance(window, (tuple, list)) or len(window) != 2
@@ -243,7 +242,7 @@ class TransformerConfig:
     def _derive_virtual_pipeline_size(self):
         per_chunk = self.num_layers_per_virtual_pipeline_stage
         if per_chunk is not None:
-            _require_positive(self, "num_layers_per_virtual_pipeline_stage", "num_layers",
+            require_positive(self, "num_layers_per_virtual_pipeline_stage", "num_layers",
                               "pipeline_model_parallel_size")
             if self._has_uneven_split():
                 raise ValueError(
@@ -272,23 +271,23 @@ class TransformerConfig:
     # ---- validation --------------------------------------------------------------------------
     def validate(self):
         """Raise ValueError naming the fields of the first invalid setting found."""
-        _require_positive(self, "num_layers", "hidden_size", "num_attention_heads", "seq_length",
+        require_positive(self, "num_layers", "hidden_size", "num_attention_heads", "seq_length",
                           "num_query_groups", "ffn_hidden_size", "max_position_embeddings",
                           "make_vocab_size_divisible_by", "rotary_base",
                           "tensor_model_parallel_size", "pipeline_model_parallel_size",
                           "context_parallel_size", "expert_model_parallel_size")
-        _require_positive_or_none(self, "vocab_size", "expert_tensor_parallel_size",
+        require_positive_or_none(self, "vocab_size", "expert_tensor_parallel_size",
                                   "microbatch_group_size_per_vp_stage",
                                   "virtual_pipeline_model_parallel_size", "recompute_num_layers")
-        _require_choice(self, "normalization", NORMALIZATIONS)
-        _require_choice(self, "activation", ACTIVATIONS)
-        _require_choice(self, "position_embedding_type", POSITION_EMBEDDINGS)
+        require_choice(self, "normalization", NORMALIZATIONS)
+        require_choice(self, "activation", ACTIVATIONS)
+        require_choice(self, "position_embedding_type", POSITION_EMBEDDINGS)
         self._validate_shape()
         self._validate_tensor_parallel()
         self._validate_context_parallel()
         self._validate_pipeline()
         self._validate_precision()
-        self._validate_recompute()
+        validate_recompute(self)
         validate_moe(self)
 
     def _validate_shape(self):
@@ -325,7 +324,7 @@ class TransformerConfig:
     def _validate_context_parallel(self):
         """Sequence split, comm type, heads for a2a, no attention dropout, the window's form
         (parallel/context_split.py)."""
-        _require_choice(self, "cp_comm_type", CP_COMM_TYPES)
+        require_choice(self, "cp_comm_type", CP_COMM_TYPES)
         cp, tp = self.context_parallel_size, self.tensor_model_parallel_size
         check_sequence_split(self.seq_length, cp, tp, self.sequence_parallel)
         if cp > 1:
@@ -367,7 +366,7 @@ class TransformerConfig:
         schedule = self.pipeline_schedule
         if schedule is None:
             return
-        _require_choice(self, "pipeline_schedule", PIPELINE_SCHEDULES)
+        require_choice(self, "pipeline_schedule", PIPELINE_SCHEDULES)
         if pp == 1:
             raise ValueError(f"pipeline_schedule={schedule!r} needs pipeline_model_parallel_size "
                              "> 1 (got 1)")
@@ -385,87 +384,11 @@ class TransformerConfig:
             if getattr(self, flag) and self.params_dtype != dtype:
                 raise ValueError(f"{flag}=True but params_dtype={self.params_dtype}")
 
-    def _validate_recompute(self):
-        """Megatron's rules (transformer_config / arguments): full needs a method and a layer
-        count; selective takes modules (default core_attn) and no layer count;
-        distribute_saved_activations needs full recompute, tp > 1 and no sequence parallelism."""
-        granularity, method = self.recompute_granularity, self.recompute_method
-        if granularity is None:
-            for name in ("recompute_method", "recompute_num_layers", "recompute_modules"):
-                if getattr(self, name) is not None:
-                    raise ValueError(f"{name}={getattr(self, name)} needs "
-                                     "recompute_granularity='full' or 'selective'")
-        else:
-            _require_choice(self, "recompute_granularity", RECOMPUTE_GRANULARITIES)
-        if granularity == "full":
-            _require_choice(self, "recompute_method", RECOMPUTE_METHODS)
-            if self.recompute_num_layers is None:
-                raise ValueError("recompute_granularity='full' needs recompute_num_layers")
-            if self.recompute_modules is not None:
-                raise ValueError(f"recompute_modules={self.recompute_modules} applies to "
-                                 "recompute_granularity='selective', not 'full'")
-        if granularity == "selective":
-            self._validate_selective_recompute()
-        self._validate_distributed_recompute()
-
-    def _validate_selective_recompute(self):
-        for name in ("recompute_method", "recompute_num_layers"):
-            if getattr(self, name) is not None:
-                raise ValueError(f"{name}={getattr(self, name)} must be None with "
-                                 "recompute_granularity='selective' (it applies to 'full')")
-        for module in self.recompute_modules:
-            if module in MEGATRON_ONLY_RECOMPUTE_MODULES:
-                raise ValueError(f"recompute_modules: {module!r} recomputes MoE / MLA parts, "
-                                 f"which this model does not have; use {RECOMPUTE_MODULES}")
-            if module not in RECOMPUTE_MODULES:
-                raise ValueError(f"recompute_modules: {module!r} must be one of "
-                                 f"{list(RECOMPUTE_MODULES)}")
-
-    def _validate_distributed_recompute(self):
-        if not self.distribute_saved_activations:
-            return
-        if self.tensor_model_parallel_size <= 1:
-            raise ValueError("distribute_saved_activations needs tensor_model_parallel_size > 1 "
-                             "(the activations are split across the TP group)")
-        if self.recompute_granularity != "full":
-            raise ValueError("distribute_saved_activations needs recompute_granularity='full', "
-                             f"got {self.recompute_granularity!r}")
-        if self.sequence_parallel:
-            raise ValueError("distribute_saved_activations must be False with "
-                             "sequence_parallel=True (the input is already split over TP)")
-
-
-def _parse_int_pair(name, text):
-    parts = [p.strip() for p in text.strip("()[] ").split(",")]
-    try:
-        values = tuple(int(p) for p in parts)
-    except ValueError:
-        values = ()
-    if len(values) not in (1, 2):
-        raise ValueError(f"{name}={text!r} must be 'L,R' (two ints) or 'L'")
-    return values if len(values) == 2 else (values[0], 0)
-
 
 def _parse_dtype(name, text):
     if text not in DTYPES:
         raise ValueError(f"{name}={text!r} must be one of {sorted(DTYPES)}")
     return DTYPES[text]
-
-
-def _require_positive(config, *names):
-    for name in names:
-        value = getattr(config, name)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name}={value!r} must be a positive integer")
-
-
-def _require_positive_or_none(config, *names):
-    _require_positive(config, *(n for n in names if getattr(config, n) is not None))
-
-
-def _require_choice(config, name, choices):
-    if getattr(config, name) not in choices:
-        raise ValueError(f"{name}={getattr(config, name)!r} must be one of {list(choices)}")
 
 
 def config_fields():

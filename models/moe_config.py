@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import ast
 
+from .config_checks import require_choice, require_positive
+
 MOE_SCORE_FUNCTIONS = ("softmax", "sigmoid")
 MOE_LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "none")
 MOE_TOKEN_DROP_POLICIES = ("probs", "position")
@@ -55,17 +57,6 @@ def moe_layer_pattern(config) -> tuple[bool, ...]:
     return tuple(bool(x) for x in freq)
 
 
-def _positive_int(config, name):
-    value = getattr(config, name)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name}={value!r} must be a positive integer")
-
-
-def _choice(config, name, choices):
-    if getattr(config, name) not in choices:
-        raise ValueError(f"{name}={getattr(config, name)!r} must be one of {list(choices)}")
-
-
 def validate_moe(config) -> None:
     """ValueError naming the fields of the first invalid MoE setting."""
     experts, ep = config.num_moe_experts, config.expert_model_parallel_size
@@ -75,13 +66,13 @@ def validate_moe(config) -> None:
                              "(--num-experts)")
         return
     for name in ("num_moe_experts", "moe_ffn_hidden_size", "moe_router_topk"):
-        _positive_int(config, name)
+        require_positive(config, name)
     for name, choices in (("moe_router_score_function", MOE_SCORE_FUNCTIONS),
                           ("moe_router_load_balancing_type", MOE_LOAD_BALANCING_TYPES),
                           ("moe_token_drop_policy", MOE_TOKEN_DROP_POLICIES),
                           ("moe_token_dispatcher_type", MOE_TOKEN_DISPATCHER_TYPES),
                           ("moe_router_dtype", MOE_ROUTER_DTYPES + (None,))):
-        _choice(config, name, choices)
+        require_choice(config, name, choices)
     if experts % ep:
         raise ValueError(f"num_moe_experts={experts} is not divisible by "
                          f"expert_model_parallel_size={ep}")
@@ -106,7 +97,7 @@ def _validate_parallel_sizes(config):
                          f"expert_tensor_parallel_size={etp}")
     shared = config.moe_shared_expert_intermediate_size
     if shared is not None:
-        _positive_int(config, "moe_shared_expert_intermediate_size")
+        require_positive(config, "moe_shared_expert_intermediate_size")
         if shared % tp:
             raise ValueError(f"moe_shared_expert_intermediate_size={shared} is not divisible by "
                              f"tensor_model_parallel_size={tp}")
@@ -143,8 +134,8 @@ def _validate_group_routing(config):
     if groups is None or group_topk is None:
         raise ValueError(f"moe_router_num_groups={groups} and moe_router_group_topk={group_topk} "
                          "must be set together")
-    _positive_int(config, "moe_router_num_groups")
-    _positive_int(config, "moe_router_group_topk")
+    require_positive(config, "moe_router_num_groups")
+    require_positive(config, "moe_router_group_topk")
     experts, topk = config.num_moe_experts, config.moe_router_topk
     if experts % groups:
         raise ValueError(f"num_moe_experts={experts} is not divisible by "

@@ -1,0 +1,30 @@
+"""The field checks and parsers TransformerConfig's validation is written with: each raises
+ValueError naming the field and its value."""
+from __future__ import annotations
+
+
+def require_positive(config, *names):
+    for name in names:
+        value = getattr(config, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r} must be a positive integer")
+
+
+def require_positive_or_none(config, *names):
+    require_positive(config, *(n for n in names if getattr(config, n) is not None))
+
+
+def require_choice(config, name, choices):
+    if getattr(config, name) not in choices:
+        raise ValueError(f"{name}={getattr(config, name)!r} must be one of {list(choices)}")
+
+
+def parse_int_pair(name, text):
+    parts = [p.strip() for p in text.strip("()[] ").split(",")]
+    try:
+        values = tuple(int(p) for p in parts)
+    except ValueError:
+        values = ()
+    if len(values) not in (1, 2):
+        raise ValueError(f"{name}={text!r} must be 'L,R' (two ints) or 'L'")
+    return values if len(values) == 2 else (values[0], 0)
