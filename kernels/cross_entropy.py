@@ -43,9 +43,21 @@ _CPU_BLOCK_V = 64  # interpreter block: small, and < 203 so tests cross several 
 # ----------------------------------------------------------------------------- Triton kernels
 
 # (BLOCK_V, warps, stages of the vocab loop): the autotuner times each on the GPU (key: V and dtype)
-STATS_CONFIGS = ((2048, 4, 3), (4096, 8, 2), (4096, 8, 3), (8192, 16, 3))
+STATS_CONFIGS = ((2048, 4, 3), (4096, 4, 3), (4096, 8, 3), (8192, 8, 3), (8192, 16, 3))
 GRAD_CONFIGS = ((2048, 4), (4096, 8), (8192, 16))
 LOG2E = tl.constexpr(1.4426950408889634)  # exp(x) = 2^(x·log2 e)
+
+
+@triton.jit
+def _online_logsumexp(m, s, x):
+    """(max, Σ exp(· − max)) of the columns seen so far, updated with the block x (fp32).
+    −inf guard: while every column so far is −inf (masked vocabulary padding), exponentiate against
+    0 instead of the max, so exp(−inf − (−inf)) never makes a NaN; the sum stays 0.
+    exp(x − m) = 2^(x·log2e − m·log2e): one FMA and one ex2 per element."""
+    m_new = tl.maximum(m, tl.max(x, axis=0))
+    m_scaled = tl.where(m_new == -float("inf"), 0.0, m_new) * LOG2E
+    s = s * tl.exp2(m * LOG2E - m_scaled) + tl.sum(tl.exp2(x * LOG2E - m_scaled), axis=0)
+    return m_new, s
 
 
 @triton.autotune(
@@ -56,24 +68,22 @@ LOG2E = tl.constexpr(1.4426950408889634)  # exp(x) = 2^(x·log2 e)
 def _shard_stats_kernel(logits_ptr, target_ptr, row_max_ptr, sum_exp_ptr, target_logit_ptr, loss_ptr,
                         bad_target_ptr, V, stride_row, vocab_start, ignore_index,
                         WRITE_LOSS: tl.constexpr, BLOCK_V: tl.constexpr, NUM_STAGES: tl.constexpr):
-    """One program per row, one read of it: online max / sum-exp over vocab blocks (cp.async
-    pipelined), plus the in-shard target logit. ``WRITE_LOSS`` (one shard = the whole vocabulary):
-    also the row's loss, and a 1 in ``bad_target_ptr`` for a target outside [0, V) that is not
-    ``ignore_index`` (checked on the device, so no host synchronisation)."""
+    """One program per row, one read of it: online max / sum-exp over the full vocab blocks
+    (unmasked, cp.async pipelined), then the ragged tail block, plus the in-shard target logit.
+    ``WRITE_LOSS`` (one shard = the whole vocabulary): also the row's loss, and a 1 in
+    ``bad_target_ptr`` for a target outside [0, V) that is not ``ignore_index`` (checked on the
+    device, so no host synchronisation)."""
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * stride_row
     cols = tl.arange(0, BLOCK_V)
     m = -float("inf")
     s = 0.0
-    for start in tl.range(0, V, BLOCK_V, num_stages=NUM_STAGES):
-        x = tl.load(row_ptr + start + cols, mask=start + cols < V, other=-float("inf")).to(tl.float32)
-        m_new = tl.maximum(m, tl.max(x, axis=0))
-        # −inf guard: while every column so far is −inf (masked vocabulary padding), exponentiate
-        # against 0 instead of m_new, so exp(−inf − (−inf)) never makes a NaN; the sum stays 0.
-        # exp(x − m) = 2^(x·log2e − m·log2e): one FMA and one ex2 per element
-        m_scaled = tl.where(m_new == -float("inf"), 0.0, m_new) * LOG2E
-        s = s * tl.exp2(m * LOG2E - m_scaled) + tl.sum(tl.exp2(x * LOG2E - m_scaled), axis=0)
-        m = m_new
+    full = V - V % BLOCK_V
+    for start in tl.range(0, full, BLOCK_V, num_stages=NUM_STAGES):
+        m, s = _online_logsumexp(m, s, tl.load(row_ptr + start + cols).to(tl.float32))
+    if full < V:
+        tail = tl.load(row_ptr + full + cols, mask=full + cols < V, other=-float("inf"))
+        m, s = _online_logsumexp(m, s, tail.to(tl.float32))
     target = tl.load(target_ptr + row)
     local = target - vocab_start
     in_shard = (local >= 0) & (local < V)
