@@ -4,13 +4,14 @@ The same small GPT (tpfuse.models.GPTModel, 8 layers, one per virtual stage at p
 the same weights and micro-batches, CPU gloo, pp = 2 and 4, vpp = 2, m = 8; one optimizer step's
 forward + backward (no optimizer). Each job builds the model once, runs warm-up steps, then
 times steps on every rank between two barriers (so a step is the whole pipeline's time); the
-summary prints median step times and torch / tpfuse ratios (> 1: tpfuse faster) from one run.
+summary prints median step times and the tpfuse / torch ratio (< 1: tpfuse faster) from one
+run; the two implementations step alternately in one job, so a change of load hits both alike.
 
     python3 -m pytest benchmarks/test_bench_pipeline.py --benchmark-enable -q -s \
         --benchmark-columns=median,iqr,rounds
 
-pytest-benchmark's own table times whole jobs (model build + warm-up + timed steps; both sides
-pay the same build), the summary's per-step medians are the number to quote. Both schedules must
+pytest-benchmark's own table times the whole job (model build, warm-up, both implementations'
+timed steps); the printed per-step medians are the numbers to quote. Both schedules must
 produce the same per-micro-batch losses and gradient norms (checked), so they do the same work.
 Without --benchmark-enable (pytest.ini disables benchmarks) each case runs once as a smoke test.
 """
@@ -30,7 +31,6 @@ VPP, M, MICRO_BATCH = 2, 8, 2
 BASE = dict(num_layers=8, hidden_size=64, num_attention_heads=4, seq_length=32, vocab_size=256,
             make_vocab_size_divisible_by=128, hidden_dropout=0.0, attention_dropout=0.0, seed=5)
 WARMUP_STEPS, TIMED_STEPS = 2, 10
-_RESULTS: dict = {}   # (pp, impl) -> per-rank job results
 
 
 def _micro_batches():
@@ -103,7 +103,10 @@ def _torch_step(schedule, ids, labels):
 
 # ------------------------------------------------------------------ the job on every rank
 
-def _bench_job(impl, pp):
+def _bench_job(pp):
+    """Both implementations on the same chunks and data, stepped alternately (so a change of
+    machine load hits both alike): per implementation the step times, last losses and the
+    squared gradient norm."""
     from tpfuse.models import TransformerConfig
     from tpfuse.models.build import build_model, make_gpt_model_provider
     from tpfuse.parallel.state import ParallelState
@@ -114,63 +117,43 @@ def _bench_job(impl, pp):
                                    virtual_pipeline_model_parallel_size=VPP)
         chunks = build_model(make_gpt_model_provider(config), config, state=state)
         ids, labels = _micro_batches()
-        if impl == "tpfuse":
-            step = functools.partial(_tpfuse_step, chunks, state, ids, labels)
-        else:
-            step = functools.partial(_torch_step, _torch_schedule(chunks, state), ids, labels)
-        times = []
+        steps = {"tpfuse": functools.partial(_tpfuse_step, chunks, state, ids, labels),
+                 "torch": functools.partial(_torch_step, _torch_schedule(chunks, state), ids,
+                                            labels)}
+        out = {impl: {"times": []} for impl in steps}
         for index in range(WARMUP_STEPS + TIMED_STEPS):
-            for chunk in chunks:
-                chunk.zero_grad(set_to_none=True)
-            dist.barrier(group=state.pp_group)
-            start = time.perf_counter()
-            losses = step()
-            dist.barrier(group=state.pp_group)
-            if index >= WARMUP_STEPS:
-                times.append(time.perf_counter() - start)
-        grad_sq = sum(float((p.grad.double() ** 2).sum())
-                      for chunk in chunks for p in chunk.parameters() if p.grad is not None)
-        return {"times": times, "losses": losses, "grad_sq": grad_sq}
+            for impl, step in steps.items():
+                for chunk in chunks:
+                    chunk.zero_grad(set_to_none=True)
+                dist.barrier(group=state.pp_group)
+                start = time.perf_counter()
+                out[impl]["losses"] = step()
+                dist.barrier(group=state.pp_group)
+                if index >= WARMUP_STEPS:
+                    out[impl]["times"].append(time.perf_counter() - start)
+                out[impl]["grad_sq"] = sum(float((p.grad.double() ** 2).sum()) for chunk in chunks
+                                           for p in chunk.parameters() if p.grad is not None)
+        return out
     finally:
         state.destroy()
 
 
-@pytest.fixture(scope="module")
-def pools():
-    started = {pp: WorkerPool(pp) for pp in (2, 4)}
-    yield started
-    for pool in started.values():
-        pool.close()
-
-
-@pytest.fixture(scope="module", autouse=True)
-def ratio_summary():
-    yield
-    lines = []
-    for pp in (2, 4):
-        if {(pp, "tpfuse"), (pp, "torch")} <= _RESULTS.keys():
-            med = {impl: statistics.median(_RESULTS[(pp, impl)][0]["times"])
-                   for impl in ("tpfuse", "torch")}
-            lines.append(f"  pp={pp} vpp={VPP} m={M}: tpfuse {med['tpfuse'] * 1e3:.1f} ms, "
-                         f"torch ScheduleInterleaved1F1B {med['torch'] * 1e3:.1f} ms, "
-                         f"torch / tpfuse = {med['torch'] / med['tpfuse']:.2f}x")
-    if lines:
-        print(f"\nmedian step time over {TIMED_STEPS} steps (after {WARMUP_STEPS} warm-up), "
-              "one run, CPU gloo, 1 thread per rank:")
-        print("\n".join(lines))
-
-
-@pytest.mark.parametrize("impl", ["tpfuse", "torch"])
 @pytest.mark.parametrize("pp", [2, 4])
-def test_interleaved_step(benchmark, pools, pp, impl):
+def test_interleaved_step(benchmark, pp):
     benchmark.group = f"interleaved GPT step pp={pp}"
-    results = benchmark.pedantic(pools[pp].run, args=(_bench_job, impl, pp), rounds=1,
-                                 iterations=1)
-    _RESULTS[(pp, impl)] = results
-    losses = results[pp - 1]["losses"]   # the last pp rank holds the last virtual stage
-    assert len(losses) == M
-    other = _RESULTS.get((pp, "tpfuse" if impl == "torch" else "torch"))
-    if other is not None:   # same model, same data: same losses and gradients (fp32 rounding)
-        assert losses == pytest.approx(other[pp - 1]["losses"], rel=1e-5)
-        for mine, theirs in zip(results, other):
-            assert mine["grad_sq"] == pytest.approx(theirs["grad_sq"], rel=1e-4)
+    with WorkerPool(pp) as pool:
+        results = benchmark.pedantic(pool.run, args=(_bench_job, pp), rounds=1, iterations=1)
+    ours, theirs = (results[pp - 1][impl] for impl in ("tpfuse", "torch"))
+    # the last pp rank holds the last virtual stage; same model, same data: same losses and
+    # gradients up to fp32 rounding (the two run the same GEMMs, reductions may reorder)
+    assert len(ours["losses"]) == M
+    assert ours["losses"] == pytest.approx(theirs["losses"], rel=1e-5)
+    for rank in results:
+        assert rank["tpfuse"]["grad_sq"] == pytest.approx(rank["torch"]["grad_sq"], rel=1e-4)
+    median = {impl: statistics.median(results[0][impl]["times"]) for impl in ("tpfuse", "torch")}
+    benchmark.extra_info.update({f"{impl}_step_s": t for impl, t in median.items()})
+    print(f"\npp={pp} vpp={VPP} m={M}, median over {TIMED_STEPS} alternating steps (after "
+          f"{WARMUP_STEPS} warm-up), CPU gloo, 1 thread per rank: tpfuse "
+          f"{median['tpfuse'] * 1e3:.1f} ms, torch ScheduleInterleaved1F1B "
+          f"{median['torch'] * 1e3:.1f} ms, tpfuse / torch = "
+          f"{median['tpfuse'] / median['torch']:.3f}")
