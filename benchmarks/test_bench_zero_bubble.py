@@ -8,9 +8,9 @@ linears' weight-gradient GEMMs deferred to W actions), alternately, on 4 gloo pr
 thread each. Per step every rank records (``training.timers.Timers`` at level 2) its compute time
 per action kind (F, B or I, W) and the whole ``forward-backward`` time between two barriers.
 
-- measured bubble = 1 − mean over ranks (compute time / step time): the idle share of
-  pp × step time, the simulator's definition;
-- simulated bubble = ``pipeline.simulate`` of the same schedule with the measured mean cost of
+- measured bubble = 1 − (compute time summed over ranks) / (pp × the step's makespan): the idle
+  share of pp × step time, the simulator's definition; the median over the timed steps;
+- simulated bubble = ``pipeline.simulate`` of the same schedule with the measured median cost of
   each action kind (uniform over ranks, as the simulator assumes), once without p2p latency and
   once with the one-way p2p latency measured in the same job (median half round trip of an
   activation-sized gloo message between neighbouring ranks, under the same load);
@@ -204,26 +204,32 @@ def _one_way_latency_ms(state, rounds=20):
 
 
 def _summarize(per_rank, name):
-    """(median step s, measured bubble, its share spent waiting in receives, mean cost per
-    action kind in ms)."""
+    """(median step s, measured bubble, its share spent waiting in receives, median cost per
+    action kind in ms). A step's bubble is the simulator's: 1 − (compute summed over ranks) /
+    (pp × the step's makespan); medians over the timed steps, so one step stretched by the
+    machine's load does not decide the figure."""
     from tpfuse.pipeline.plan import rank_plan
 
-    step = statistics.median(t for rank in per_rank for t in rank[name]["times"])
-    busy, waiting, costs = [], [], {}
-    for rank, result in enumerate(per_rank):
+    counts = []
+    for rank in range(PP):
         actions = rank_plan(name, PP, M, pp_rank=rank).actions
-        counts = {kind: sum(a.kind == kind for a in actions) for kind in ("F", "B", "I", "W")}
-        for timers, total in zip(result[name]["timers"], result[name]["times"]):
-            compute = {k: timers[KIND_TIMERS[k]] for k in counts if counts[k]}
-            if "I" in compute:      # I and B share the backward-compute timer
-                compute["I"] = timers["backward-compute"]
-            busy.append(sum(compute.values()) / 1000 / total)
-            waits = [timers.get(key, 0.0) for key in ("forward-recv", "backward-recv")]
-            waiting.append(sum(waits) / 1000 / total)
-            for kind, ms in compute.items():
-                costs.setdefault(kind, []).append(ms / counts[kind])
-    return (step, 1 - statistics.mean(busy), statistics.mean(waiting),
-            {k: statistics.mean(v) for k, v in costs.items()})
+        counts.append({kind: n for kind in ("F", "B", "I", "W")
+                       if (n := sum(a.kind == kind for a in actions))})
+    steps, bubbles, waiting, costs = [], [], [], {}
+    for index in range(TIMED):
+        makespan = max(result[name]["times"][index] for result in per_rank)
+        busy = waits = 0.0
+        for result, rank_counts in zip(per_rank, counts):
+            timers = result[name]["timers"][index]
+            for kind, count in rank_counts.items():   # B and I share backward-compute
+                busy += timers[KIND_TIMERS[kind]] / 1000
+                costs.setdefault(kind, []).append(timers[KIND_TIMERS[kind]] / count)
+            waits += sum(timers.get(key, 0.0) for key in ("forward-recv", "backward-recv")) / 1000
+        steps.append(makespan)
+        bubbles.append(1 - busy / (PP * makespan))
+        waiting.append(waits / (PP * makespan))
+    return (statistics.median(steps), statistics.median(bubbles), statistics.median(waiting),
+            {k: statistics.median(v) for k, v in costs.items()})
 
 
 def _simulated(name, costs, latency_ms=0.0):
@@ -267,7 +273,7 @@ def _report(benchmark, per_rank, title):
                      f"{simulated_steps[name]:.1f} ms); bubble measured {measured:.3f} (receive waits "
                      f"{waiting:.3f}; the rest: done before the last rank, posting sends, Python "
                      f"between actions), simulated "
-                     f"{bubble:.3f}, with the p2p latency {bubble_latency:.3f} (mean ms per "
+                     f"{bubble:.3f}, with the p2p latency {bubble_latency:.3f} (median ms per "
                      f"action: {cost_text})")
         benchmark.extra_info[f"{name}_step_s"] = step
         benchmark.extra_info[f"{name}_bubble_measured"] = measured
