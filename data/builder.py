@@ -22,6 +22,8 @@ import math
 import numpy as np
 import torch
 
+from tpfuse.parallel.devices import collective_device
+
 from . import indexed
 from .blended import BlendedDataset
 from .config import SPLIT_NAMES, GPTDatasetConfig, split_ranges
@@ -80,8 +82,7 @@ class BlendedMegatronDatasetBuilder:
 
     @staticmethod
     def _share_failure(error):
-        device = "cuda" if torch.distributed.get_backend() == "nccl" else "cpu"
-        flag = torch.tensor([1.0 if error is not None else 0.0], device=device)
+        flag = torch.tensor([1.0 if error is not None else 0.0], device=collective_device())
         torch.distributed.all_reduce(flag)
         if error is not None:
             raise error

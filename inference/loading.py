@@ -79,9 +79,9 @@ def _default_device() -> torch.device:
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
-        from tpfuse.training.initialize import device_for_backend
+        from tpfuse.parallel.devices import collective_device
 
-        return device_for_backend()
+        return collective_device()
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")

@@ -8,6 +8,7 @@ from tpfuse._lazy import lazy_exports
 _EXPORTS = {
     "RankLayout": "layout",
     "ParallelState": "state", "get_default_state": "state", "set_default_state": "state",
+    "collective_device": "devices",
     "MicrobatchCalculator": "microbatches", "bubble_fraction": "microbatches",
     "WorkerPool": "launch", "WorkerError": "launch", "spawn": "launch",
     "copy_to_region": "mappings", "reduce_from_region": "mappings",

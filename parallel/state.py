@@ -29,6 +29,7 @@ import zlib
 import torch
 import torch.distributed as dist
 
+from .devices import collective_device
 from .layout import DEFAULT_ORDER, GROUP_NAMES, RankLayout, check_vpp
 
 def _default_group_timeout() -> datetime.timedelta | None:
@@ -36,8 +37,7 @@ def _default_group_timeout() -> datetime.timedelta | None:
     (None: let ``new_group`` use torch's default)."""
     try:
         group = dist.distributed_c10d._get_default_group()
-        device = torch.device("cuda" if "nccl" in str(dist.get_backend()) else "cpu")
-        timeout = group._get_backend(device).options._timeout
+        timeout = group._get_backend(collective_device()).options._timeout
     except Exception:  # pragma: no cover - private API; depends on the torch build
         return None
     return timeout if isinstance(timeout, datetime.timedelta) else None
@@ -53,9 +53,8 @@ def check_same_layout_on_every_rank(layout: RankLayout, vpp_size: int | None) ->
     """Collective over the world (one small all-gather): ValueError on every rank when ranks
     were given different sizes, instead of mismatched ``new_group`` calls that would only fail at
     the collective timeout."""
-    device = torch.device("cuda", torch.cuda.current_device()) \
-        if "nccl" in str(dist.get_backend()) else torch.device("cpu")
-    mine = torch.tensor(layout_fingerprint(layout, vpp_size), dtype=torch.int64, device=device)
+    mine = torch.tensor(layout_fingerprint(layout, vpp_size), dtype=torch.int64,
+                        device=collective_device())
     everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(everyone, mine)
     fields = ("world_size", "tp", "pp", "cp", "ep", "etp", "vpp", "order")

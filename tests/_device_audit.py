@@ -62,3 +62,93 @@ def built_on_cpu(model_provider):
         with torch.device("cpu"):
             return model_provider(*args, **kwargs)
     return provider
+
+
+# ---------------------------------------------------------------------------- pretend NCCL
+COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
+               "reduce_scatter_tensor", "broadcast", "reduce", "all_to_all_single", "send",
+               "recv", "isend", "irecv")
+
+
+def _tensors(value):
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for item in value for t in _tensors(item)]
+    return []
+
+
+def _mark(value) -> None:
+    for tensor in _tensors(value):
+        tensor.on_pretend_cuda = True
+
+
+def _names_cuda(value) -> bool:
+    """``value`` is a device (or its name) of type CUDA."""
+    return isinstance(value, (str, torch.device)) and torch.device(value).type == "cuda"
+
+
+class PretendNccl(TorchFunctionMode):
+    """The world runs on gloo, but the project's code sees an NCCL backend
+    (``dist.get_backend()`` → "nccl", current CUDA device 0).
+
+    A tensor the code asks for on CUDA (a factory's ``device=``, ``.to(cuda)``, ``.cuda()``) is
+    made on the CPU and marked as standing for a CUDA tensor; every tensor computed from a marked
+    one is marked too (``*_like``, ``new_*``, ``stack``, in-place ops). The collectives in
+    ``COLLECTIVES`` record, in ``found``, each unmarked tensor handed to them by a project file:
+    under real NCCL that tensor would be on the CPU and the collective would fail.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.found: set[str] = set()
+        self._factories = _device_constructors()
+        self._saved = {}
+
+    def __enter__(self):
+        dist = torch.distributed
+        self._saved = {name: getattr(dist, name) for name in COLLECTIVES}
+        self._saved["get_backend"] = dist.get_backend
+        self._saved["current_device"] = torch.cuda.current_device
+        dist.get_backend = lambda group=None: "nccl"
+        torch.cuda.current_device = lambda: 0
+        for name in COLLECTIVES:
+            setattr(dist, name, self._checked(name, self._saved[name]))
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        for name in COLLECTIVES + ("get_backend",):
+            setattr(torch.distributed, name, self._saved[name])
+        torch.cuda.current_device = self._saved["current_device"]
+        return super().__exit__(*exc)
+
+    def _checked(self, name, collective):
+        def checked(*args, **kwargs):
+            caller = sys._getframe(1)
+            if _is_project_file(caller.f_code.co_filename):
+                where = os.path.relpath(caller.f_code.co_filename, REPO)
+                for tensor in _tensors(list(args) + list(kwargs.values())):
+                    if not getattr(tensor, "on_pretend_cuda", False):
+                        self.found.add(f"{where}:{caller.f_lineno}: dist.{name} got a CPU "
+                                       "tensor on an NCCL group")
+            return collective(*args, **kwargs)
+        return checked
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        to_cuda = False
+        if func in self._factories or func is torch.Tensor.to:
+            to_cuda = any(_names_cuda(a) for a in list(args[1:]) + [kwargs.get("device")]) \
+                if func is torch.Tensor.to else _names_cuda(kwargs.get("device"))
+            if to_cuda:              # the same call, on the CPU
+                args = tuple("cpu" if _names_cuda(a) else a for a in args)
+                kwargs = {k: "cpu" if k == "device" else v for k, v in kwargs.items()}
+                if func is torch.Tensor.to:
+                    kwargs["copy"] = True       # a new tensor, not the (unmarked) source
+        elif func is torch.Tensor.cuda:
+            func, args, kwargs, to_cuda = torch.clone, args[:1], {}, True
+        result = func(*args, **kwargs)
+        if to_cuda or any(getattr(t, "on_pretend_cuda", False)
+                          for t in _tensors(list(args) + list(kwargs.values()))):
+            _mark(result)
+        return result

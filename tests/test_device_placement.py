@@ -9,12 +9,21 @@ parallel paths, timers, evaluation, synchronous / asynchronous / resharded check
 agreements, MoE routing and logging, the trained model's sample and generation from a checkpoint;
 the reference is the empty set. The recorder's own test replays the line that crashed the first
 GPU run (``torch.tensor(float(len(values)))`` stacked with the losses) as project code.
+
+A tensor made with an explicit but wrong device (``device="cpu"``), or by a helper whose device
+parameter defaults to the CPU, escapes that recorder. So the trainer's own collectives (timers'
+gather, checkpoint agreement and async-save poll, exit agreement, dataset-build failure flag,
+layout check, grad-norm statistics) also run under ``PretendNccl``: the project sees an NCCL
+backend, and every tensor handed to a collective must stand for a CUDA tensor. Its replay of the
+timers' old default (a gather row made with ``device=None``) shows the check can fail.
 """
 import os
+import threading
+from types import SimpleNamespace
 
 import torch
 
-from _device_audit import REPO, DefaultDeviceRecorder, built_on_cpu
+from _device_audit import REPO, DefaultDeviceRecorder, PretendNccl, built_on_cpu
 
 TINY = ["--num-layers", "4", "--hidden-size", "16", "--num-attention-heads", "2",
         "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "8",
@@ -85,3 +94,74 @@ def test_recorder_flags_the_first_gpu_crash_and_passes_its_fix():
              "torch.arange(3, device='cpu')")
     assert _replay(fixed, values) == set()
     assert _replay("torch.zeros(2, device=None)", values)      # an explicit None is the default
+
+
+def _trainer_collectives() -> None:
+    """Each collective the trainer issues outside the model, called as the trainer calls it."""
+    from tpfuse.data.builder import BlendedMegatronDatasetBuilder
+    from tpfuse.parallel.devices import collective_device
+    from tpfuse.parallel.layout import RankLayout
+    from tpfuse.parallel.state import check_same_layout_on_every_rank
+    from tpfuse.training import checkpoint as ckpt
+    from tpfuse.training.async_checkpoint import AsyncCheckpointSaver
+    from tpfuse.training.exit_conditions import ExitConditions
+    from tpfuse.training.grad_norm import global_norm_stats
+    from tpfuse.training.timers import Timers
+
+    timers = Timers(log_level=2, log_option="all")
+    timers.gather({"forward-backward": 1.0})                 # no device given: the backend's
+    timers("optimizer", 1).start(barrier=True)
+    timers("optimizer", 1).stop()
+    timers.step_summary()
+    ckpt.agree(None, "a test step")
+    saver = AsyncCheckpointSaver("unused")
+    running = threading.Thread(target=threading.Event().wait, args=(0.5,))
+    running.start()
+    saver.pending = (1, SimpleNamespace(done=False, thread=running), {})
+    assert saver.poll() is None                              # the flag all-reduce, not done
+    running.join()
+    exits = ExitConditions(SimpleNamespace(exit_interval=None, exit_duration_in_mins=1e6,
+                                           exit_signal_handler=False))
+    assert exits.reason(1) is None
+    BlendedMegatronDatasetBuilder._share_failure(None)
+    check_same_layout_on_every_rank(RankLayout(2), None)
+    device = collective_device()
+    global_norm_stats([torch.ones(3, device=device)], [], None, device)
+
+
+def _under_pretend_nccl():
+    from tpfuse.parallel.devices import collective_device
+
+    pretend = PretendNccl()
+    with pretend:
+        assert collective_device() == torch.device("cuda", 0)
+        _trainer_collectives()
+    clean = sorted(pretend.found)
+    # the timers' old gather: a row made on the default device (the CPU) whatever the backend
+    old_gather = compile("local = torch.tensor([1.0, 2.0], dtype=torch.float64, device=None)\n"
+                         "rows = [torch.empty_like(local) for _ in range(2)]\n"
+                         "dist.all_gather(rows, local)",
+                         os.path.join(REPO, "training", "timers.py"), "exec")
+    pretend = PretendNccl()
+    with pretend:
+        exec(old_gather, {"torch": torch, "dist": torch.distributed})
+    return clean, sorted(pretend.found)
+
+
+def test_trainer_collectives_take_the_backends_device(run_distributed):
+    results = run_distributed(2, _under_pretend_nccl)
+    for clean, old_gather in results:
+        assert clean == [], "collectives given CPU tensors under NCCL:\n" + "\n".join(clean)
+        assert old_gather == ["training/timers.py:3: dist.all_gather got a CPU tensor on an "
+                              "NCCL group"]
+
+
+def test_collective_device_follows_the_backend(monkeypatch):
+    from tpfuse.parallel.devices import collective_device
+
+    backends = {None: "gloo", "world-nccl": "nccl", "mixed": "cpu:gloo,cuda:nccl"}
+    monkeypatch.setattr(torch.distributed, "get_backend", lambda group=None: backends[group])
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert collective_device() == torch.device("cpu")
+    assert collective_device("world-nccl") == torch.device("cuda", 3)
+    assert collective_device("mixed") == torch.device("cuda", 3)

@@ -22,6 +22,7 @@ import threading
 import torch
 import torch.distributed as dist
 
+from tpfuse.parallel.devices import collective_device
 from tpfuse.training import checkpoint as ckpt
 
 
@@ -79,8 +80,7 @@ class AsyncCheckpointSaver:
         iteration, write, header = self.pending
         if block:
             write.thread.join()
-        flag = torch.tensor([int(write.done)],
-                            device="cuda" if dist.get_backend() == "nccl" else "cpu")
+        flag = torch.tensor([int(write.done)], device=collective_device())
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
         if not flag.item():
             return None

@@ -37,6 +37,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from tpfuse.parallel.devices import collective_device
 from tpfuse.training import checkpoint_io as io
 from tpfuse.training import reshard
 
@@ -127,13 +128,9 @@ def _set_rng_state(rng: dict) -> None:
 
 
 # ---------------------------------------------------------------------------- agreement
-def _device() -> str:
-    return "cuda" if dist.get_backend() == "nccl" else "cpu"
-
-
 def any_rank_failed(failed: bool) -> bool:
     """Collective over the world: True when ``failed`` on any rank (so all ranks raise)."""
-    flag = torch.tensor([int(failed)], device=_device())
+    flag = torch.tensor([int(failed)], device=collective_device())
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return bool(flag.item())
 

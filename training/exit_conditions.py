@@ -18,7 +18,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from tpfuse.training.initialize import device_for_backend
+from tpfuse.parallel.devices import collective_device
 
 
 class ExitConditions:
@@ -47,7 +47,7 @@ class ExitConditions:
             time_up = self.duration_s is not None and \
                 time.monotonic() - self.start_time >= self.duration_s
             flags = torch.tensor([int(self.signal_received), int(time_up)],
-                                 device=device_for_backend())
+                                 device=collective_device())
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
             if flags[0]:
                 return "SIGTERM received (--exit-signal-handler)"

@@ -69,12 +69,6 @@ def rendezvous_store(timeout: datetime.timedelta):
                          master_listen_fd=listener.detach())
 
 
-def device_for_backend() -> torch.device:
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def check_layout(config) -> None:
     """Sizes that cannot split the world fail here, on every rank, before any group is built."""
     world = dist.get_world_size()

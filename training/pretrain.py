@@ -27,13 +27,13 @@ import torch
 import torch.distributed as dist
 
 from tpfuse.parallel import parallel_state
+from tpfuse.parallel.devices import collective_device
 from tpfuse.parallel.microbatches import MicrobatchCalculator
 from tpfuse.training import checkpoint as ckpt
 from tpfuse.training.arguments import parse_args
 from tpfuse.training.checkpointing import (Checkpointing, describe_exit, prepare_save_dir,
                                            resume_point)
-from tpfuse.training.initialize import (check_layout, device_for_backend,
-                                        initialize_distributed)
+from tpfuse.training.initialize import check_layout, initialize_distributed
 from tpfuse.training.logging_utils import TrainingLogger
 from tpfuse.training.observability import RunMonitor
 from tpfuse.training.memory import memory_record, memory_report
@@ -91,7 +91,7 @@ class _Run:
         self.config, self.args = config, args
         self.forward_step = forward_step
         self.state = parallel_state.get_default_state()
-        self.device = device_for_backend()
+        self.device = collective_device()
         self.model = [chunk.to(self.device) for chunk in build_model(model_provider, config)]
         if args.load and args.finetune and resume_point(args.load, args.exit_on_missing_checkpoint):
             ckpt.load_weights_only(args.load, self.model, self.state)   # before the optimizer
@@ -294,7 +294,7 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step,
     """Parse flags, set up every group, train; returns this rank's TrainingResult."""
     config, args = parse_args(argv, args_defaults)
     initialize_distributed(args.distributed_backend, args.distributed_timeout_minutes)
-    if device_for_backend().type == "cpu":
+    if collective_device().type == "cpu":
         keep_freed_host_memory()         # activations reused step to step, not re-faulted
     check_layout(config)
     parallel_state.initialize_model_parallel(

@@ -39,6 +39,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from tpfuse.parallel.devices import collective_device
+
 TIMING_LOG_OPTIONS = ("max", "minmax", "all")
 # (name, level) in the order they are printed; the p2p timers add up to the "p2p wait"
 TIMER_LEVELS = (
@@ -146,17 +148,19 @@ class Timers:
         return {name: taken.get(name, 0.0) for name in self.names()}
 
     def gather(self, values: dict, device=None) -> dict:
-        """``{name: [ms on rank 0, rank 1, ...]}`` over the world group (every rank calls it)."""
+        """``{name: [ms on rank 0, rank 1, ...]}`` over the world group (every rank calls it);
+        the row lives on ``device``, by default the one the world's backend takes (CUDA under
+        NCCL)."""
         names = self.names()
-        local = torch.tensor([values.get(n, 0.0) for n in names], dtype=torch.float64,
-                             device=device)
+        row = [values.get(n, 0.0) for n in names]
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-            return {n: [float(v)] for n, v in zip(names, local.tolist())}
+            return {n: [float(v)] for n, v in zip(names, row)}
+        local = torch.tensor(row, dtype=torch.float64,
+                             device=collective_device() if device is None else device)
         rows = [torch.empty_like(local) for _ in range(dist.get_world_size())]
         dist.all_gather(rows, local)
         table = torch.stack(rows).cpu()       # (world, names)
         return {n: table[:, i].tolist() for i, n in enumerate(names)}
-
 
     def step_summary(self, device=None) -> dict | None:
         """After a step, on every rank: collect, gather, add to the interval; returns the step's
