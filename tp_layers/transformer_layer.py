@@ -41,7 +41,7 @@ from .mlp import ParallelMLP
 from .norm import Norm
 from .random import partitioned_region_rng
 
-RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp")   # Megatron's names, the dense ones
+from tpfuse.models.recompute_config import RECOMPUTE_MODULES   # one definition, beside the config
 
 
 class TransformerLayer(nn.Module):
