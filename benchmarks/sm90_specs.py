@@ -42,7 +42,11 @@ def matmul_cases():
                                                                         "EVEN_M": False, "EVEN_N": False}),
                                             ("wgrad aᵀ", plain, {"stride_am": 1, "stride_bn": 1, "stride_yn": 1,
                                                                  "A_ROW_MAJOR": False, "B_ROW_MAJOR": True,
-                                                                 "EVEN_M": True, "EVEN_N": True})):
+                                                                 "EVEN_M": True, "EVEN_N": True}),
+                                            ("wgrad aᵀ ragged", plain, {"stride_am": 1, "stride_bn": 1,
+                                                                        "stride_yn": 1, "A_ROW_MAJOR": False,
+                                                                        "B_ROW_MAJOR": True,
+                                                                        "EVEN_M": False, "EVEN_N": False})):
                 if dtype == "fp32" and label.startswith("wgrad"):
                     continue
                 extra = dict(epilogue, **layout, INPUT_PRECISION=precision, DOT_IN_FP32=False,
@@ -199,14 +203,29 @@ def special_cases():
     return out
 
 
+EDGES = (("full tiles", True), ("ragged edges", False))   # EVEN_* of tile_indices: both can run
+
+
+def _even(dims, even):
+    return {f"EVEN_{d}": even for d in dims}
+
+
 def wgrad_cases():
-    """The fp32 weight-gradient accumulation into main_grad (bf16 g and x, fp32 out)."""
+    """The fp32 weight-gradient accumulation into main_grad (bf16 g and x, fp32 out), every config
+    with full and with ragged (n, k) tiles."""
     wg = _module("wgrad")
     kernel = wg._wgrad_accumulate_kernel
     units = {"stride_gn": 1, "stride_xk": 1, "stride_ok": 1}
     return [_case("wgrad accumulate into fp32 main_grad", kernel, config.kwargs, config.num_warps,
-                  config.num_stages, dict(units, INPUT_PRECISION="tf32", DOT_IN_FP32=False),
-                  types={"out_ptr": "*fp32"}) for config in kernel.configs]
+                  config.num_stages, dict(units, INPUT_PRECISION="tf32", DOT_IN_FP32=False,
+                                          **_even("NK", even)),
+                  types={"out_ptr": "*fp32"}, label=f"{edges}: " + config_text_of(config))
+            for config in kernel.configs for edges, even in EDGES]
+
+
+def config_text_of(config):
+    from sm90_report import config_text
+    return config_text(config.kwargs, config.num_warps, config.num_stages)
 
 
 def moe_cases():
@@ -217,19 +236,23 @@ def moe_cases():
     precision = {"INPUT_PRECISION": "tf32", "DOT_IN_FP32": False}
     ints = {"offsets_ptr": "*i32"}
     out = []
+    fwd = {"stride_xk": 1, "stride_wn": 1, "stride_yn": 1}
     for index, config in enumerate(gg._grouped_gemm_kernel.configs):
-        layouts = [("fwd", {"stride_xk": 1, "stride_wn": 1, "stride_yn": 1})]
+        layouts = [(f"fwd, {edges}", fwd, even) for edges, even in EDGES]
         if index == 0:
-            layouts.append(("dgrad wᵀ", {"stride_xk": 1, "stride_wk": 1, "stride_yn": 1}))
-        for label, units in layouts:
+            layouts.append(("dgrad wᵀ", {"stride_xk": 1, "stride_wk": 1, "stride_yn": 1}, True))
+        for label, units, even in layouts:
             out.append(_case("grouped_gemm", gg._grouped_gemm_kernel, config.kwargs,
-                             config.num_warps, config.num_stages, dict(units, **precision),
+                             config.num_warps, config.num_stages,
+                             dict(units, **precision, **_even("N", even)),
                              types=ints, label=f"{label}: " + _tiles(config)))
     for config in gg._grouped_wgrad_kernel.configs:
-        out.append(_case("grouped_gemm wgrad", gg._grouped_wgrad_kernel, config.kwargs,
-                         config.num_warps, config.num_stages,
-                         dict({"stride_xk": 1, "stride_dn": 1, "stride_wn": 1}, **precision),
-                         types=ints))
+        for edges, even in EDGES:
+            out.append(_case("grouped_gemm wgrad", gg._grouped_wgrad_kernel, config.kwargs,
+                             config.num_warps, config.num_stages,
+                             dict({"stride_xk": 1, "stride_dn": 1, "stride_wn": 1}, **precision,
+                                  **_even("NK", even)),
+                             types=ints, label=f"{edges}: " + config_text_of(config)))
     rows = {"map_ptr": "*i64", "probs_ptr": "*fp32", "dprobs_ptr": "*fp32"}
     meta = {"TOPK": 8, "BLOCK_H": mp.GPU_BLOCK_H}
     out.append(_case("moe_permute permute", mp._permute_kernel, meta, 4, 3, types=rows))

@@ -29,7 +29,7 @@ import triton.language as tl
 
 from . import backend as _backend
 from .matmul import _input_precision
-from .matmul_kernels import dot_over_reduction
+from .matmul_kernels import dot_over_reduction, even_tile_rules, even_tiles, tile_indices
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Interpreter meta-parameters: small tiles, so test shapes have several tiles per group.
@@ -58,12 +58,13 @@ def _hopper_wgrad_configs():
 # ----------------------------------------------------------------------------- Triton kernels
 
 @triton.autotune(configs=_hopper_configs(), key=["N", "K"])
+@triton.heuristics(even_tile_rules("N"))
 @triton.jit
 def _grouped_gemm_kernel(
     x_ptr, w_ptr, y_ptr, offsets_ptr,
     G, N, K,
     stride_xm, stride_xk, stride_wg, stride_wk, stride_wn, stride_ym, stride_yn,
-    INPUT_PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr, EVEN_N: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """One (BLOCK_M, BLOCK_N) tile of y[rows_g] = x[rows_g] @ w[g]."""
@@ -91,7 +92,7 @@ def _grouped_gemm_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     # rows past the group's end / columns past N re-read valid memory; their results are not stored
     rows = tl.minimum(offs_m, row_end - 1).to(tl.int64)
-    cols = (offs_n % N).to(tl.int64)
+    cols = tile_indices(offs_n, N, BLOCK_N, EVEN_N).to(tl.int64)   # w's columns: unit stride in fwd
     x_ptrs = x_ptr + rows[:, None] * stride_xm + offs_k[None, :] * stride_xk          # (BM, BK)
     w_ptrs = (w_ptr + group.to(tl.int64) * stride_wg
               + offs_k[:, None] * stride_wk + cols[None, :] * stride_wn)               # (BK, BN)
@@ -103,12 +104,14 @@ def _grouped_gemm_kernel(
 
 
 @triton.autotune(configs=_hopper_wgrad_configs(), key=["N", "K"])
+@triton.heuristics(even_tile_rules("N", "K"))
 @triton.jit
 def _grouped_wgrad_kernel(
     x_ptr, dy_ptr, dw_ptr, offsets_ptr,
     N, K,
     stride_xm, stride_xk, stride_dm, stride_dn, stride_wg, stride_wk, stride_wn,
     INPUT_PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr,
+    EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """One (BLOCK_K, BLOCK_N) tile of dw[g] = x[rows_g]ᵀ @ dy[rows_g], summed over the group."""
@@ -121,8 +124,8 @@ def _grouped_wgrad_kernel(
     end = tl.load(offsets_ptr + g + 1)
     offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    ks = (offs_k % K).to(tl.int64)
-    ns = (offs_n % N).to(tl.int64)
+    ks = tile_indices(offs_k, K, BLOCK_K, EVEN_K).to(tl.int64)   # xᵀ's rows: x's unit-stride columns
+    ns = tile_indices(offs_n, N, BLOCK_N, EVEN_N).to(tl.int64)
     acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
     for m0 in range(start, end, BLOCK_M):
         offs_m = m0 + tl.arange(0, BLOCK_M)
@@ -163,7 +166,8 @@ def grouped_gemm_triton(x, w, sizes, offsets):
         _grouped_gemm_kernel, grid, x, w, y, offsets, G, N, K,
         x.stride(0), x.stride(1), w.stride(0), w.stride(1), w.stride(2), y.stride(0), y.stride(1),
         INPUT_PRECISION=_input_precision(x.dtype),
-        DOT_IN_FP32=not x.is_cuda and x.dtype != torch.float32, cpu_meta=CPU_META)
+        DOT_IN_FP32=not x.is_cuda and x.dtype != torch.float32,
+        cpu_meta=dict(CPU_META, **even_tiles(CPU_META, N=N)))
     return y
 
 
@@ -179,7 +183,8 @@ def grouped_wgrad_triton(x, dy, sizes, offsets):
         x.stride(0), x.stride(1), dy.stride(0), dy.stride(1),
         dw.stride(0), dw.stride(1), dw.stride(2),
         INPUT_PRECISION=_input_precision(x.dtype),
-        DOT_IN_FP32=not x.is_cuda and x.dtype != torch.float32, cpu_meta=CPU_META)
+        DOT_IN_FP32=not x.is_cuda and x.dtype != torch.float32,
+        cpu_meta=dict(CPU_META, **even_tiles(CPU_META, N=N, K=K)))
     return dw
 
 

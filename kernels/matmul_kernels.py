@@ -12,8 +12,8 @@ Two main-loop designs share one epilogue (``y = act(acc + bias)``, optionally al
 - ``_matmul_kernel`` (everything else: fp32, other GPUs, strides TMA cannot describe): the
   grouped-order tile kernel with pointer loads. Full tiles (``EVEN_M`` / ``EVEN_N``, decided per
   config) load without row/column masks and with contiguity hints, so a transposed operand still
-  gets vector loads; ragged ones clamp out-of-range rows to row 0 with ``tl.where`` (never
-  stored).
+  gets vector loads; in ragged ones out-of-range rows wrap around (never stored; ``tile_indices``
+  says why a modulo and not a clamp). The grouped GEMM and the fp32 wgrad kernel index the same way.
 
 Epilogue: tiles 256 wide are processed in two 128-column halves (``EPILOGUE_SPLIT``), so the
 bias + gelu + pre-activation store never holds two full fp32 tiles of temporaries (no spills at
@@ -53,6 +53,23 @@ def _apply_activation(z, ACTIVATION: tl.constexpr):
     elif ACTIVATION == 3:  # relu
         z = tl.maximum(z, 0.0)
     return z
+
+
+@triton.jit
+def tile_indices(offs, size, BLOCK: tl.constexpr, EVEN: tl.constexpr):
+    """The indices one tile reads along a dim of ``size`` (``offs``: the tile's aranged indices).
+    Full tile (``EVEN``: size is a multiple of BLOCK, decided per config): ``offs`` with contiguity
+    hints over the whole tile, no index arithmetic. Ragged tile: indices past the edge wrap around
+    (their results are never stored). The wrap is a modulo, not a ``tl.where`` clamp to 0: the
+    compiler keeps a modulo's contiguity (gcd(BLOCK, 16) for a size that is a multiple of 16), so an
+    operand with unit stride along this dim (a transposed one included) still gets 16-byte cp.async
+    loads, while a clamp has contiguity 1 — scalar loads, no cp.async pipeline, and spills
+    (benchmarks/RESULTS.md, "Hopper compile report"). For a size that is not a multiple of 16 the
+    rows themselves are not 16-byte aligned, so nothing vectorises that dim."""
+    if EVEN:
+        return tl.max_contiguous(tl.multiple_of(offs, BLOCK), BLOCK)
+    else:
+        return offs % size
 
 
 @triton.jit
@@ -179,16 +196,8 @@ def _matmul_kernel(
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
-    # rows / columns past the edge read row / column 0 (their results are never stored); full
-    # tiles keep the arange's contiguity, so a transposed operand is read with vector loads
-    if EVEN_M:
-        rows_a = tl.max_contiguous(tl.multiple_of(offs_m, BLOCK_M), BLOCK_M)
-    else:
-        rows_a = tl.where(offs_m < M, offs_m, 0)
-    if EVEN_N:
-        cols_b = tl.max_contiguous(tl.multiple_of(offs_n, BLOCK_N), BLOCK_N)
-    else:
-        cols_b = tl.where(offs_n < N, offs_n, 0)
+    rows_a = tile_indices(offs_m, M, BLOCK_M, EVEN_M)   # past the edge: wrapped, never stored
+    cols_b = tile_indices(offs_n, N, BLOCK_N, EVEN_N)
     # int64 so huge operands (e.g. vocab GEMMs) cannot overflow the offsets
     a_ptrs = a_ptr + rows_a.to(tl.int64)[:, None] * stride_am + offs_k[None, :] * stride_ak  # (BM, BK)
     b_ptrs = b_ptr + offs_k[:, None] * stride_bk + cols_b.to(tl.int64)[None, :] * stride_bn  # (BK, BN)
@@ -231,6 +240,18 @@ def _per_config(kernel, **rules):
     return triton.heuristics({name: rule for name, rule in rules.items()})(kernel)
 
 
+def even_tile_rules(*dims):
+    """``triton.heuristics`` rules EVEN_<d> = (<d> % BLOCK_<d> == 0) for ``tile_indices``, decided
+    per autotune config (e.g. ``even_tile_rules("N", "K")``)."""
+    return {f"EVEN_{d}": (lambda meta, d=d: meta[d] % meta[f"BLOCK_{d}"] == 0) for d in dims}
+
+
+def even_tiles(meta, **sizes):
+    """The same flags for a launch with fixed blocks (pinned configs, the interpreter):
+    ``even_tiles(CPU_META, N=n)`` → {"EVEN_N": n % CPU_META["BLOCK_N"] == 0}."""
+    return {f"EVEN_{d}": size % meta[f"BLOCK_{d}"] == 0 for d, size in sizes.items()}
+
+
 # the autotuned wrappers (``MatmulOptions(autotune=True)``); pinned launches call the JIT functions
 _split = lambda meta: meta["BLOCK_N"] >= 256  # noqa: E731
 tma_kernel_autotuned = triton.autotune(
@@ -251,6 +272,4 @@ def fits_shared_memory(configs, named_args, **_):
 
 matmul_kernel_autotuned = triton.autotune(configs=make_configs(POINTER_SHAPES), key=TUNING_KEY,
                                           prune_configs_by={"early_config_prune": fits_shared_memory})(
-    _per_config(_matmul_kernel, EPILOGUE_SPLIT=_split,
-                EVEN_M=lambda meta: meta["M"] % meta["BLOCK_M"] == 0,
-                EVEN_N=lambda meta: meta["N"] % meta["BLOCK_N"] == 0))
+    _per_config(_matmul_kernel, EPILOGUE_SPLIT=_split, **even_tile_rules("M", "N")))

@@ -38,7 +38,7 @@ from . import backend as _backend
 from .comm_gemm_common import validate_linear
 from .matmul import (PATHS, _input_precision, activation_grad_torch, activation_grad_triton,
                      as_matrix, matmul_torch_forward, matmul_triton_forward)
-from .matmul_kernels import dot_over_reduction
+from .matmul_kernels import dot_over_reduction, even_tile_rules, even_tiles, tile_indices
 from .wgrad_deferral import defer_weight_grad
 
 CPU_META = {"BLOCK_N": 16, "BLOCK_K": 32, "BLOCK_M": 32}
@@ -59,12 +59,14 @@ def _hopper_configs():
 # restore_value: autotuning runs every config on the real arguments; the accumulator must not
 # collect those trial sums
 @triton.autotune(configs=_hopper_configs(), key=["N", "K", "M"], restore_value=["out_ptr"])
+@triton.heuristics(even_tile_rules("N", "K"))
 @triton.jit
 def _wgrad_accumulate_kernel(
     g_ptr, x_ptr, out_ptr,
     N, K, M,
     stride_gm, stride_gn, stride_xm, stride_xk, stride_on, stride_ok,
     INPUT_PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr,
+    EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
     """One (BLOCK_N, BLOCK_K) tile of out += gᵀ · x: gᵀ is read through g's strides (no copy),
@@ -74,8 +76,8 @@ def _wgrad_accumulate_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
     offs_m = tl.arange(0, BLOCK_M)
-    cols_g = (offs_n % N).to(tl.int64)           # rows/cols past the edge wrap; never stored
-    cols_x = (offs_k % K).to(tl.int64)
+    cols_g = tile_indices(offs_n, N, BLOCK_N, EVEN_N).to(tl.int64)   # past the edge: wrapped, never stored
+    cols_x = tile_indices(offs_k, K, BLOCK_K, EVEN_K).to(tl.int64)
     gt_ptrs = g_ptr + offs_m[None, :].to(tl.int64) * stride_gm + cols_g[:, None] * stride_gn
     x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + cols_x[None, :] * stride_xk
     acc = dot_over_reduction(tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32), gt_ptrs, x_ptrs, M,
@@ -100,7 +102,7 @@ def wgrad_accumulate_triton(out: torch.Tensor, g2d: torch.Tensor, x2d: torch.Ten
         g2d.stride(0), g2d.stride(1), x2d.stride(0), x2d.stride(1), out.stride(0), out.stride(1),
         INPUT_PRECISION=_input_precision(g2d.dtype),
         DOT_IN_FP32=not g2d.is_cuda and g2d.dtype != torch.float32,
-        cpu_meta=CPU_META)
+        cpu_meta=dict(CPU_META, **even_tiles(CPU_META, N=N, K=K)))
 
 
 # ----------------------------------------------------------------------------- torch paths

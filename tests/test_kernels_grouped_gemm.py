@@ -14,6 +14,9 @@ from tpfuse.kernels.grouped_gemm import grouped_gemm, grouped_gemm_reference
 
 SIZES = (5, 0, 21, 3)          # an empty group, groups shorter and longer than BLOCK_M = 16
 K, N = 19, 37                  # not multiples of the interpreter's tiles (BLOCK_K 32, BLOCK_N 32)
+# (K, N): ragged tiles everywhere; whole tiles everywhere (the contiguity-hinted loads); whole K,
+# ragged N (forward ragged, dgrad and wgrad's K side whole)
+SHAPES = [(K, N), (32, 64), (32, N)]
 U = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
 
 
@@ -30,12 +33,12 @@ def _assert_within(actual, expected, bound, what):
     assert excess <= 0, f"{what}: error exceeds the bound by {excess:.3g}"
 
 
-def _inputs(dtype, seed=0):
+def _inputs(dtype, k=K, n=N, seed=0):
     gen = torch.Generator().manual_seed(seed)
     m = sum(SIZES)
-    x = torch.randn(m, K, generator=gen).to(dtype).requires_grad_()
-    w = torch.randn(len(SIZES), K, N, generator=gen).to(dtype).requires_grad_()
-    dy = torch.randn(m, N, generator=gen).to(dtype)
+    x = torch.randn(m, k, generator=gen).to(dtype).requires_grad_()
+    w = torch.randn(len(SIZES), k, n, generator=gen).to(dtype).requires_grad_()
+    dy = torch.randn(m, n, generator=gen).to(dtype)
     return x, w, dy
 
 
@@ -53,8 +56,9 @@ def _per_group_abs_products(x, w, dy):
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_grouped_gemm_and_gradients_match_a_loop_of_matmuls(backend, dtype, poisoned_outputs):
-    x, w, dy = _inputs(dtype)
+@pytest.mark.parametrize("k, n", SHAPES)
+def test_grouped_gemm_and_gradients_match_a_loop_of_matmuls(backend, dtype, k, n, poisoned_outputs):
+    x, w, dy = _inputs(dtype, k, n)
     y = grouped_gemm(x, w, SIZES, backend=backend)
     dx, dw = torch.autograd.grad(y, [x, w], dy)
 
@@ -62,8 +66,8 @@ def test_grouped_gemm_and_gradients_match_a_loop_of_matmuls(backend, dtype, pois
     y_ref = grouped_gemm_reference(x64, w64, SIZES)
     dx_ref, dw_ref = torch.autograd.grad(y_ref, [x64, w64], dy.double())
     y_abs, dx_abs, dw_abs = _per_group_abs_products(x, w, dy)
-    _assert_within(y, y_ref, _bound(y_abs, None, K, dtype, y_ref), "forward")
-    _assert_within(dx, dx_ref, _bound(dx_abs, None, N, dtype, dx_ref), "dgrad")
+    _assert_within(y, y_ref, _bound(y_abs, None, k, dtype, y_ref), "forward")
+    _assert_within(dx, dx_ref, _bound(dx_abs, None, n, dtype, dx_ref), "dgrad")
     _assert_within(dw, dw_ref, _bound(dw_abs, None, max(SIZES), dtype, dw_ref), "wgrad")
     assert (dw[SIZES.index(0)] == 0).all(), "an empty group's weight gradient is zero"
 

@@ -52,6 +52,26 @@ def test_accumulate_wgrad_reads_transposed_operands_through_strides():
         torch.testing.assert_close(out.double(), wgrad_reference(g, x), rtol=0, atol=1e-4)
 
 
+@pytest.mark.parametrize("n, k", [(32, 64), (32, 29), (37, 64)])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_accumulate_wgrad_whole_and_ragged_tiles(n, k, transposed):
+    """The kernel's (n, k) tiles whole (indices with contiguity hints) or ragged (clamped) in each
+    dim, interpreter tiles BLOCK_N 16, BLOCK_K 32; operands row-major or read through transposes."""
+    gen = torch.Generator().manual_seed(3)
+    rows = 40
+    if transposed:
+        g = torch.randn(n, rows, generator=gen).bfloat16().t()      # (rows, n), unit stride along rows
+        x = torch.randn(k, rows, generator=gen).bfloat16().t()
+    else:
+        g = torch.randn(rows, n, generator=gen).bfloat16()
+        x = torch.randn(rows, k, generator=gen).bfloat16()
+    out = torch.randn(n, k, generator=gen)
+    expected = out.double() + wgrad_reference(g, x)
+    accumulate_wgrad(out, g, x, backend="triton")
+    err = (out.double() - expected).abs()
+    assert (err <= _bound(g, x, torch.float32, expected)).all(), err.max()
+
+
 def test_accumulate_wgrad_rejects_mismatched_shapes():
     with pytest.raises(ValueError, match="accumulate_wgrad"):
         accumulate_wgrad(torch.zeros(5, 4), torch.zeros(3, 5), torch.zeros(3, 7))
@@ -162,7 +182,7 @@ def test_wgrad_kernel_compiles_for_sm90():
     from tpfuse.kernels import wgrad
     config = wgrad._hopper_configs()[0]
     constexprs = dict(stride_gn=1, stride_xk=1, stride_ok=1, INPUT_PRECISION="tf32",
-                      DOT_IN_FP32=False, **config.kwargs)
+                      DOT_IN_FP32=False, EVEN_N=False, EVEN_K=False, **config.kwargs)
     ptx, _ = compile_sm90(wgrad._wgrad_accumulate_kernel, constexprs, config.num_warps,
                           config.num_stages, types={"out_ptr": "*fp32"})
     assert triton is not None and "wgmma.mma_async" in ptx and "ld.global" in ptx
