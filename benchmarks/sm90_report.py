@@ -41,7 +41,8 @@ FP32_POINTERS = ("lse", "delta", "mean", "rstd", "row_max", "sum_exp", "target_l
                  "global_sum", "loss", "dw_part", "db_part", "c1_", "c2_", "main_grad", "acc_")
 INT_POINTERS = {"target_ptr": "*i64", "flags_ptr": "*i32", "bad_target_ptr": "*i32", "a_ptrs": "*i64", "flag_ptrs": "*i64"}
 FLOAT_SCALARS = ("eps", "scale", "p", "softmax_scale", "qk_scale", "sm_scale")
-RAGGED_INTS = ("seed", "epoch", "rank", "tp", "vocab_start", "ignore_index", "rows_per_program", "p")
+RAGGED_INTS = ("seed", "epoch", "rank", "tp", "vocab_start", "ignore_index", "rows_per_program", "p",
+               "first_key", "last_key")
 
 
 # ----------------------------------------------------------------------------- compiling

@@ -19,7 +19,10 @@ over B needs only the merged out and lse (ring attention calls ``attention_forwa
     dgrad     δ = rowsum(dO ⊙ O);  dS = P ⊙ (dO Vᵀ − δ);  dQ = scale · dS K
     wgrad     dV = Σ_group Pᵀ dO;  dK = scale · Σ_group dSᵀ Q   (Σ over the query heads of a kv head)
 
-File shape: Triton kernels and launchers (kernels/flash_attention_fwd.py, _bwd.py) → the torch path
+One query row per head (a decode step) runs the flash-decoding forward (kernels/flash_attention_decode.py:
+keys split over programs, partial (out, lse) merged), any other s_q the tiled forward.
+
+File shape: Triton kernels and launchers (kernels/flash_attention_fwd.py, _decode.py, _bwd.py) → the torch path
 (kernels/flash_attention_torch.py, the CPU default) → the plain-torch reference here → autograd Function →
 public ops. ``attention_reference`` is the explicit masked softmax every path is tested against.
 """
@@ -29,6 +32,7 @@ import torch
 
 from . import backend as _backend
 from .flash_attention_bwd import attention_backward_triton
+from .flash_attention_decode import attention_decode_triton
 from .flash_attention_fwd import attention_forward_triton
 from .flash_attention_mask import build_mask, check_softmax_scale
 from .flash_attention_torch import attention_backward_torch, attention_forward_torch
@@ -115,6 +119,8 @@ def merge_attention(out_a, lse_a, out_b, lse_b):
 def _forward(q, k, v, mask, scale, backend):
     if _backend.resolve(backend, q, k, v) == "torch":
         return attention_forward_torch(q, k, v, mask, scale)
+    if q.shape[2] == 1:  # a decode step: the keys split over programs (flash-decoding)
+        return attention_decode_triton(q, k, v, mask, scale)
     return attention_forward_triton(q, k, v, mask, scale)
 
 

@@ -30,14 +30,16 @@ def _model(**overrides):
 
 @pytest.fixture
 def triton_calls(monkeypatch):
-    """Counts the Triton forward launches (the decode steps must not fall back to the torch path)."""
+    """Counts the Triton forward launches, tiled or split-key decode (the decode steps must not fall
+    back to the torch path)."""
     calls = []
-    real = flash_module.attention_forward_triton
+    for name in ("attention_forward_triton", "attention_decode_triton"):
+        real = getattr(flash_module, name)
 
-    def counted(q, *args):
-        calls.append(q.shape[2])
-        return real(q, *args)
-    monkeypatch.setattr(flash_module, "attention_forward_triton", counted)
+        def counted(q, *args, real=real):
+            calls.append(q.shape[2])
+            return real(q, *args)
+        monkeypatch.setattr(flash_module, name, counted)
     return calls
 
 
