@@ -1,4 +1,4 @@
-"""A short greedy sample from a model right after training (the trainer's ``--sample-prompt``).
+"""A short sample from a model right after training (the trainer's ``--sample-prompt``).
 
 The trained chunks may use sequence parallelism, dropout or recompute, none of which a decode
 step can take, so the sample runs on inference copies: the same layout and layer split with
@@ -35,12 +35,14 @@ def inference_copies(model_chunks, state):
     return copies
 
 
-def training_sample(model_chunks, tokenizer, prompt: str, max_new_tokens: int,
-                    state) -> str | None:
-    """``prompt`` + its greedy continuation (text) on the dp-rank-0 replica, None elsewhere.
+def training_sample(model_chunks, tokenizer, prompt: str, max_new_tokens: int, state,
+                    **decoding) -> str | None:
+    """``prompt`` + its continuation (text) on the dp-rank-0 replica, None elsewhere.
 
-    The continuation stops at the tokenizer's end-of-document id and is cut to the positions a
-    learned-position model has left after the prompt."""
+    ``decoding``: ``generate``'s keywords (``greedy=True``, or ``temperature`` / ``top_k`` /
+    ``top_p`` / ``seed``; default greedy). The continuation stops at the tokenizer's
+    end-of-document id and is cut to the positions a learned-position model has left after the
+    prompt."""
     if not all(isinstance(chunk, GPTModel) for chunk in model_chunks):
         raise ValueError("a training sample needs GPTModel chunks (the model provider built "
                          f"{type(model_chunks[0]).__name__})")
@@ -51,7 +53,7 @@ def training_sample(model_chunks, tokenizer, prompt: str, max_new_tokens: int,
     if config.position_embedding_type == "learned_absolute":
         max_new_tokens = min(max_new_tokens, config.max_position_embeddings - len(prompt_ids))
     copies = inference_copies(model_chunks, state)
-    (tokens,) = generate(copies, [prompt_ids], max(max_new_tokens, 0), greedy=True,
+    (tokens,) = generate(copies, [prompt_ids], max(max_new_tokens, 0),
                          eos_id=tokenizer.eod if tokenizer.eod < config.vocab_size else None,
-                         state=state)
+                         state=state, **(decoding or {"greedy": True}))
     return prompt + tokenizer.detokenize(tokens)

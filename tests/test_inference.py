@@ -32,6 +32,7 @@ TRAIN = [  # a GQA / rope / RMSNorm / SwiGLU / untied model, trained 3 steps at 
     "--no-progress-bar", "--no-layout-table", "--tensor-model-parallel-size", "2",
     "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
     "--sequence-parallel", "--sample-prompt", "def ", "--sample-max-new-tokens", "6",
+    "--sample-temperature", "0.8", "--sample-top-k", "5", "--sample-seed", "7",
 ]
 
 
@@ -199,21 +200,25 @@ def test_kv_cache_generation_equals_recomputation(run_distributed, trained, sing
 
 
 # -------------------------------------------------------------------- the trainer's sample, the CLI
-def _greedy_text(root, prompt, steps):
+def _greedy_text(root, prompt, steps, **decoding):
     from tpfuse.data.tokenizer import ByteTokenizer
 
     tokenizer = ByteTokenizer()
     (model,) = load_model(root)
-    (tokens,) = generate(model, [tokenizer.tokenize(prompt)], steps, greedy=True,
-                         eos_id=tokenizer.eod)
+    (tokens,) = generate(model, [tokenizer.tokenize(prompt)], steps, eos_id=tokenizer.eod,
+                         **(decoding or {"greedy": True}))
     return tokens, tokenizer.detokenize(tokens)
 
 
 def test_training_ends_with_a_sample_of_the_trained_model(trained_run):
-    """--sample-prompt: the greedy continuation the trainer printed is the saved model's."""
+    """--sample-prompt with --sample-temperature / -top-k / -seed: the continuation the trainer
+    printed is the saved model's, sampled with the same settings and seed."""
     root, samples = trained_run
-    _, text = _greedy_text(root, "def ", 6)
+    _, text = _greedy_text(root, "def ", 6, temperature=0.8, top_k=5, seed=7)
     assert samples == ["def " + text] * 4          # every rank of the dp-0 replica returns it
+    _, other_seed = _greedy_text(root, "def ", 6, temperature=0.8, top_k=5, seed=8)
+    _, greedy = _greedy_text(root, "def ", 6)
+    assert len({text, other_seed, greedy}) > 1     # the settings reach the decoder
 
 
 def test_generate_cli_in_process_and_on_two_ranks(trained, monkeypatch, capsys):

@@ -129,3 +129,28 @@ def test_first_megatron_command_runs_as_written(tmp_path):
     # Megatron's schedule defaults: no warm-up, linear decay to min-lr 0 over --train-iters
     assert [r["lr"] for r in records] == pytest.approx([3e-5 * (1 - n / 6) for n in range(6)])
     assert all(math.isfinite(r["loss"]) for r in records)
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("--sample-temperature", "0", "--sample-temperature must be > 0, got 0.0"),
+    ("--sample-top-k", "-1", "--sample-top-k must be >= 0"),
+    ("--sample-top-p", "1.5", r"--sample-top-p must be in \(0, 1\], got 1.5"),
+    ("--sample-top-p", "0", r"--sample-top-p must be in \(0, 1\], got 0.0"),
+])
+def test_sample_settings_are_validated(flag, value, message):
+    with pytest.raises(ValueError, match=message):
+        arguments.parse_args(TINY + ["--mock-data", "--vocab-size", "128", "--sample-prompt",
+                                     "1 2", flag, value])
+
+
+def test_sample_decoding_follows_the_flags():
+    from tpfuse.training.sample_args import describe_sampling, sampling_kwargs
+
+    base = TINY + ["--mock-data", "--vocab-size", "128", "--sample-prompt", "1 2"]
+    _, args = arguments.parse_args(base)
+    assert sampling_kwargs(args) == {"greedy": True} and describe_sampling(args) == "greedy"
+    _, args = arguments.parse_args(base + ["--sample-top-k", "40", "--sample-seed", "5"])
+    assert sampling_kwargs(args) == {"temperature": 1.0, "top_k": 40, "top_p": 1.0, "seed": 5}
+    _, args = arguments.parse_args(base + ["--sample-temperature", "0.7", "--sample-top-p", "0.9"])
+    assert sampling_kwargs(args) == {"temperature": 0.7, "top_k": 0, "top_p": 0.9, "seed": 1234}
+    assert describe_sampling(args) == "temperature 0.7, top-k 0, top-p 0.9, seed 1234"

@@ -6,10 +6,11 @@ names by dash ↔ underscore, with Megatron's names (``--micro-batch-size`` ↔ 
 
 Every flag defaults to Megatron-LM's default (``megatron/training/arguments.py``), so a Megatron
 command line means the same here; Megatron's required settings (``--micro-batch-size``,
-``--train-iters``, ``--lr``, the model shape) are required. Precedence, lowest first: those
-defaults, the caller's ``defaults`` (Megatron's ``args_defaults``), a ``--preset``
-(``training/presets.py``), the command line. Deliberate differences: ``--distributed-backend``
-defaults to nccl only where CUDA is available (gloo otherwise), and the trainer's own additions
+``--train-iters`` or ``--train-samples``, ``--lr``, the model shape) are required. Precedence,
+lowest first: those defaults, the caller's ``defaults`` (Megatron's ``args_defaults``), a
+``--preset`` (``training/presets.py``), the command line. Deliberate differences:
+``--distributed-backend`` defaults to nccl only where CUDA is available (gloo otherwise), and the
+trainer's own additions
 (``--preset``, ``--metrics-file``, ``--keep-last-checkpoints``, ``--peak-tflops``, ...) are listed
 by ``tpfuse-train --help-trainer``.
 
@@ -27,7 +28,9 @@ import sys
 
 from tpfuse.models.cli import add_config_arguments, config_from_args
 from tpfuse.training import presets
+from tpfuse.training.sample_args import add_sample_arguments, check_sample_arguments
 from tpfuse.training.timers import add_timing_arguments
+from tpfuse.training.train_samples import add_sample_based_arguments, check_iterations_or_samples
 from tpfuse.training.precision_args import (add_precision_and_ddp_arguments,
                                             validate_precision_and_ddp_args)
 
@@ -45,13 +48,15 @@ def _add_batch_arguments(parser) -> None:
 
 def _add_optimizer_arguments(parser) -> None:
     opt = parser.add_argument_group("optimizer and schedule")
-    opt.add_argument("--train-iters", type=int, default=None, help="optimizer steps (required)")
+    opt.add_argument("--train-iters", type=int, default=None,
+                     help="optimizer steps (this or --train-samples is required)")
     opt.add_argument("--lr", type=float, default=None, help="peak learning rate (required)")
     opt.add_argument("--min-lr", type=float, default=0.0, help="floor of the decayed lr")
     opt.add_argument("--lr-warmup-iters", type=int, default=0, help="linear warm-up steps")
     opt.add_argument("--lr-decay-iters", type=int, default=None,
                      help="steps over which the lr decays (default: --train-iters)")
     opt.add_argument("--lr-decay-style", default="linear", choices=["cosine", "linear", "constant"])
+    add_sample_based_arguments(opt)
     opt.add_argument("--weight-decay", type=float, default=0.01)
     opt.add_argument("--clip-grad", type=float, default=1.0,
                      help="clip the global gradient norm to this (0 disables)")
@@ -165,20 +170,11 @@ def _add_distributed_arguments(parser) -> None:
     add_precision_and_ddp_arguments(parser)
 
 
-def _add_sample_arguments(parser) -> None:
-    sample = parser.add_argument_group("sample at the end of training")
-    sample.add_argument("--sample-prompt", default=None,
-                        help="print this prompt's greedy continuation by the trained model "
-                             "(text for --tokenizer-type; default: no sample)")
-    sample.add_argument("--sample-max-new-tokens", type=int, default=64,
-                        help="length of that continuation in tokens")
-
-
 def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     presets.add_preset_argument(parser)
     for add in (_add_batch_arguments, _add_optimizer_arguments, _add_data_arguments,
                 _add_run_arguments, _add_checkpoint_arguments, _add_observability_arguments,
-                _add_distributed_arguments, _add_sample_arguments):
+                _add_distributed_arguments, add_sample_arguments):
         add(parser)
 
 
@@ -232,7 +228,7 @@ def _apply_tokenizer(args, tokenizer) -> None:
 
 
 # ---------------------------------------------------------------------------- validation
-REQUIRED = ("micro_batch_size", "train_iters", "lr")
+REQUIRED = ("micro_batch_size", "lr")       # and --train-iters or --train-samples
 POSITIVE_INTS = ("micro_batch_size", "train_iters", "log_interval", "eval_interval",
                  "global_batch_size", "save_interval", "exit_interval", "keep_last_checkpoints",
                  "tensorboard_log_interval")
@@ -281,10 +277,7 @@ def _check_numbers(args) -> None:
 
 
 def _check_schedule_and_exit(args) -> None:
-    decay_iters = args.lr_decay_iters or args.train_iters
-    if args.lr_warmup_iters > decay_iters:
-        raise ValueError(f"--lr-warmup-iters ({args.lr_warmup_iters}) must not exceed the decay "
-                         f"span --lr-decay-iters / --train-iters ({decay_iters})")
+    check_iterations_or_samples(args)
     if args.save_interval is not None and not args.save:
         raise ValueError("--save-interval needs --save DIR")
     if args.async_save and not args.save:
@@ -323,19 +316,6 @@ def validate_training_args(args) -> None:
     validate_precision_and_ddp_args(args)
 
 
-def _check_sample_prompt(args) -> None:
-    """--sample-prompt must be text the tokenizer takes (checked before any training)."""
-    if not args.sample_prompt:
-        return
-    try:
-        ids = args.tokenizer.tokenize(args.sample_prompt)
-    except ValueError:
-        ids = []
-    if not ids:
-        raise ValueError(f"--sample-prompt {args.sample_prompt!r} gives no tokens with "
-                         f"{args.tokenizer!r} (NullTokenizer takes ids: \"1 2 3\")")
-
-
 def parse_args(argv=None, defaults: dict | None = None):
     """``(config, args)``; ``args.tokenizer`` holds the built tokenizer (None: the preset's or
     the caller's datasets provider needs none)."""
@@ -348,12 +328,14 @@ def parse_args(argv=None, defaults: dict | None = None):
     args = parser.parse_args(argv)
     if preset is not None:
         presets.fill_preset_data(args, preset)
-        note = presets.fit_interleaving(args, preset, sys.argv[1:] if argv is None else argv)
-        if note and _is_rank_zero():
-            print(note, flush=True)
+        given = sys.argv[1:] if argv is None else argv
+        for note in (presets.fit_interleaving(args, preset, given),
+                     presets.fit_run_length(args, preset, given)):
+            if note and _is_rank_zero():
+                print(note, flush=True)
     validate_training_args(args)
     args.tokenizer = build_tokenizer_from_args(args)
     _apply_tokenizer(args, args.tokenizer)
-    _check_sample_prompt(args)
+    check_sample_arguments(args)
     config = config_from_args(args)
     return config, args

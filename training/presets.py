@@ -104,6 +104,30 @@ def fit_interleaving(args, preset: Preset, argv: list[str]) -> str | None:
             f"{' and the given virtual/uneven stages' if own_split else ''}; not interleaving")
 
 
+SAMPLE_FORM_FLAGS = ("--train-samples", "--lr-warmup-samples", "--lr-decay-samples")
+ITERATION_FORM_DEFAULTS = {"train_iters": None, "lr_warmup_iters": 0, "lr_decay_iters": None}
+
+
+def fit_run_length(args, preset: Preset, argv: list[str]) -> str | None:
+    """A command line that makes the run sample-based (``--train-samples`` ...) replaces the
+    preset's iteration-based length and schedule (``train_iters``, ``lr_warmup_iters``,
+    ``lr_decay_iters`` return to Megatron's defaults) instead of clashing with them; returns the
+    note saying so (None when nothing changed). Iteration flags given on the command line stay
+    (and clash, as the user's own)."""
+    given = {a.split("=", 1)[0] for a in argv}
+    if not given & set(SAMPLE_FORM_FLAGS):
+        return None
+    dropped = [name for name, default in ITERATION_FORM_DEFAULTS.items()
+               if preset.flags.get(name, default) != default
+               and "--" + name.replace("_", "-") not in given]
+    for name in dropped:
+        setattr(args, name, ITERATION_FORM_DEFAULTS[name])
+    if not dropped:
+        return None
+    return (f"preset {preset.name}: sample-based run, so its "
+            f"{', '.join('--' + n.replace('_', '-') for n in dropped)} are not used")
+
+
 def default_cache_dir(data_cache_path: str | None = None) -> str:
     return (data_cache_path or os.environ.get("TPFUSE_CACHE")
             or os.path.join(os.path.expanduser("~"), ".cache", "tpfuse"))

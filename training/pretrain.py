@@ -38,9 +38,11 @@ from tpfuse.training.logging_utils import TrainingLogger
 from tpfuse.training.observability import RunMonitor
 from tpfuse.training.memory import memory_record, memory_report
 from tpfuse.training.moe_logging import router_metrics
+from tpfuse.training.sample_args import describe_sampling, sampling_kwargs
 from tpfuse.training.scheduler import LRScheduler
 from tpfuse.training.host_memory import keep_freed_host_memory
 from tpfuse.training.timers import Timers
+from tpfuse.training.train_samples import iterations_for_samples, lr_schedule
 from tpfuse.training.train_step import (NonFinitePolicy, build_buffers_and_optimizer,
                                         loss_nonfinite, loss_scaled)
 
@@ -100,9 +102,9 @@ class _Run:
                                                                self.state)
         self.nonfinite = NonFinitePolicy(self.optimizer.grad_scaler is not None,
                                          args.skip_nonfinite)
-        self.scheduler = LRScheduler(self.optimizer, args.lr, args.min_lr, args.lr_warmup_iters,
-                                     args.lr_decay_iters or args.train_iters,
-                                     args.lr_decay_style)
+        warmup, decay, in_samples = lr_schedule(args)
+        self.scheduler = LRScheduler(self.optimizer, args.lr, args.min_lr, warmup, decay,
+                                     args.lr_decay_style, "samples" if in_samples else "iterations")
         self.forward_backward = get_forward_backward_func(self.state, config.pipeline_schedule)
         self.timers = Timers(args.timing_log_level, args.timing_log_option, self.device)
         self.calculator = MicrobatchCalculator(
@@ -125,7 +127,7 @@ class _Run:
         # so successive validation losses are comparable
         evaluates = args.eval_at_start or args.eval_interval <= args.train_iters
         eval_samples = args.eval_iters * args.global_batch_size if evaluates else 0
-        train_samples = args.train_iters * args.global_batch_size
+        train_samples = args.train_samples or args.train_iters * args.global_batch_size
         train, valid, _ = datasets_provider([train_samples, eval_samples, 0])
         return train, valid
 
@@ -173,8 +175,9 @@ class _Run:
             allreduce_embedding_grads(self.model, self.state)
         with timers("optimizer", 1):
             result = self.optimizer.step(loss_nonfinite(loss_dicts, self.device))
-        if result.success:
-            self.scheduler.step()
+        if result.success:       # samples: this step's global batch (Megatron's increment)
+            self.scheduler.step(self.calculator.current_global_batch_size
+                                if self.scheduler.unit == "samples" else 1)
         return self._mean_loss(loss_dicts), result
 
     @torch.no_grad()
@@ -285,8 +288,16 @@ def tokenizer_spec(tokenizer) -> str:
 
 
 def _fill_batch_defaults(args, dp_size: int) -> None:
+    """The global batch (default micro × dp) and, for a sample-based run, its iterations."""
     if args.global_batch_size is None:
         args.global_batch_size = args.micro_batch_size * dp_size
+    if args.train_samples is not None:
+        calculator = MicrobatchCalculator(args.global_batch_size, args.micro_batch_size, dp_size,
+                                          rampup_batch_size=args.rampup_batch_size)
+        args.train_iters = iterations_for_samples(args.train_samples, calculator)
+        if args.train_iters == 0:
+            raise ValueError(f"--train-samples {args.train_samples} holds no complete global "
+                             f"batch ({calculator.current_global_batch_size} samples)")
 
 
 def pretrain(train_valid_test_datasets_provider, model_provider, forward_step,
@@ -331,15 +342,16 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step,
 
 
 def print_sample(run) -> str | None:
-    """The trained model's greedy continuation of ``--sample-prompt`` (printed by rank 0)."""
+    """The trained model's continuation of ``--sample-prompt`` (printed by rank 0)."""
     from tpfuse.inference.sample import training_sample
 
     run.ddp.finish_param_sync()
     text = training_sample(run.model, run.args.tokenizer, run.args.sample_prompt,
-                           run.args.sample_max_new_tokens, run.state)
+                           run.args.sample_max_new_tokens, run.state,
+                           **sampling_kwargs(run.args))
     if dist.get_rank() == 0:
-        print(f"> sample after {run.iteration} iterations (greedy, --sample-prompt "
-              f"{run.args.sample_prompt!r}):\n{text}", flush=True)
+        print(f"> sample after {run.iteration} iterations ({describe_sampling(run.args)}, "
+              f"--sample-prompt {run.args.sample_prompt!r}):\n{text}", flush=True)
     return text
 
 

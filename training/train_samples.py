@@ -1,0 +1,104 @@
+"""Megatron's sample-based training: ``--train-samples`` in place of ``--train-iters``, with the
+learning-rate schedule in samples (``--lr-warmup-samples``, ``--lr-decay-samples``).
+
+A run is either iteration-based (``--train-iters``, ``--lr-warmup-iters``, ``--lr-decay-iters``) or
+sample-based (``--train-samples``, ``--lr-warmup-samples``, ``--lr-decay-samples``); mixing the two
+forms, or giving neither length, is a ValueError naming the flags, raised while parsing (before
+any process group exists).
+
+Iterations. With a constant global batch B, ``train_iters = train_samples // B`` (a partial last
+batch is dropped). With ``--rampup-batch-size start increment ramp_samples`` the steps follow the
+ramp's batch sizes while the consumed samples are ≤ ramp_samples, then full batches of B
+(Megatron's ``update_train_iters``)::
+
+    consumed = iterations = 0
+    while consumed ≤ ramp_samples:  consumed += batch(consumed);  iterations += 1
+    train_iters = iterations + (train_samples − consumed) // B
+
+Where ``train_samples`` ends inside the ramp (Megatron's formula would subtract), the count is the
+ramp steps whose batches fit in ``train_samples`` — the same rule, applied to the ramp.
+
+Schedule. The scheduler then counts consumed samples, as Megatron's does: warm-up over
+``lr_warmup_samples``, decay until ``lr_decay_samples`` (default ``train_samples``), advanced by
+each applied step's global batch (a skipped step advances nothing).
+"""
+from __future__ import annotations
+
+ITERATION_FORM = ("train_iters", "lr_warmup_iters", "lr_decay_iters")
+SAMPLE_FORM = ("train_samples", "lr_warmup_samples", "lr_decay_samples")
+_UNSET = {"lr_warmup_iters": 0, "lr_warmup_samples": 0}       # the others: None
+
+
+def add_sample_based_arguments(group) -> None:
+    group.add_argument("--train-samples", type=int, default=None,
+                       help="train on this many samples (exclusive with --train-iters; the "
+                            "iteration count follows from the global batch and its ramp-up)")
+    group.add_argument("--lr-warmup-samples", type=int, default=0,
+                       help="with --train-samples: linear warm-up over this many samples")
+    group.add_argument("--lr-decay-samples", type=int, default=None,
+                       help="with --train-samples: samples over which the lr decays (default: "
+                            "--train-samples)")
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _given(args, name: str) -> bool:
+    return getattr(args, name) != _UNSET.get(name)
+
+
+def is_sample_based(args) -> bool:
+    return args.train_samples is not None
+
+
+def check_iterations_or_samples(args) -> None:
+    """Exactly one of --train-iters / --train-samples, and schedule flags of the same form."""
+    if args.train_iters is None and args.train_samples is None:
+        raise ValueError("--train-iters is required (or --train-samples for sample-based "
+                         "training; Megatron has no default for either)")
+    if args.train_iters is not None and args.train_samples is not None:
+        raise ValueError(f"--train-iters ({args.train_iters}) and --train-samples "
+                         f"({args.train_samples}) are exclusive: give one")
+    mine, other = (SAMPLE_FORM, ITERATION_FORM) if is_sample_based(args) else \
+        (ITERATION_FORM, SAMPLE_FORM)
+    for name in other[1:]:
+        if _given(args, name):
+            counterpart = mine[other.index(name)]
+            raise ValueError(f"{_flag(name)} ({getattr(args, name)}) does not go with "
+                             f"{_flag(mine[0])}: use {_flag(counterpart)}")
+    for name in SAMPLE_FORM:
+        value = getattr(args, name)
+        if value is not None and value < (1 if name == "train_samples" else 0):
+            raise ValueError(f"{_flag(name)} must be >= {1 if name == 'train_samples' else 0}, "
+                             f"got {value}")
+    train, warmup, decay = mine
+    span = getattr(args, decay) or getattr(args, train)
+    if getattr(args, warmup) > span:
+        raise ValueError(f"{_flag(warmup)} ({getattr(args, warmup)}) must not exceed the decay "
+                         f"span {_flag(decay)} / {_flag(train)} ({span})")
+
+
+def iterations_for_samples(train_samples: int, calculator) -> int:
+    """Optimizer steps of a ``train_samples`` run under ``calculator``'s batch schedule (see the
+    module docstring); ``calculator`` (a MicrobatchCalculator) is left at consumed = 0."""
+    ramp_end = calculator.rampup_batch_size[2] if calculator.rampup_batch_size else -1
+    iterations = consumed = 0
+    try:
+        while consumed <= ramp_end:
+            calculator.update(consumed, consistency_check=False)
+            batch = calculator.current_global_batch_size
+            if consumed + batch > train_samples:
+                return iterations
+            consumed, iterations = consumed + batch, iterations + 1
+    finally:
+        calculator.update(0, consistency_check=False)
+    return iterations + (train_samples - consumed) // calculator.global_batch_size
+
+
+def lr_schedule(args) -> tuple[int, int, bool]:
+    """``(warm-up, decay end, counted in samples?)`` for the LRScheduler: iterations for an
+    iteration-based run, samples for a sample-based one."""
+    if is_sample_based(args):
+        return args.lr_warmup_samples, args.lr_decay_samples or args.train_samples, True
+    return args.lr_warmup_iters, args.lr_decay_iters or args.train_iters, False
