@@ -196,8 +196,8 @@ def attention_cases():
 
 def decode_cases():
     """Flash-decoding (bf16, pointer loads, the launcher's GPU tile): the split kernel at d = 64 and 128
-    with the causal mask and with every rule, 16-row tiles (up to 16 query heads per kv head); the
-    merge kernel at its largest split count."""
+    with the causal mask and with every rule, with the smallest and the largest head tile (16 and
+    MAX_BLOCK_H rows); the merge kernel at its largest split count."""
     dec = _module("flash_attention_decode")
     meta = {k: v for k, v in dec.GPU_META.items() if k.startswith("BLOCK")}
     warps, stages = dec.GPU_META["num_warps"], dec.GPU_META["num_stages"]
@@ -206,11 +206,12 @@ def decode_cases():
     for label, masks in (("causal", {"CAUSAL": True, "WINDOW": False, "DOCS": False}),
                          ("documents+window", {"CAUSAL": True, "WINDOW": True, "DOCS": True})):
         for head_dim in (64, 128):
-            constexprs = dict(masks, HEAD_DIM=head_dim, BLOCK_D=head_dim, BLOCK_H=16, DOT_PRECISION=0)
-            out.append(_case("flash_attention decode split", dec._attn_decode_split_kernel, meta, warps, stages,
-                             constexprs, types=dict(ids, o_part_ptr="*fp32"),
-                             label=f"{label}, d={head_dim}: BLOCK_H=16, BLOCK_N={meta['BLOCK_N']}, "
-                                   f"warps={warps}, stages={stages}"))
+            for block_h in (16, dec.MAX_BLOCK_H):
+                constexprs = dict(masks, HEAD_DIM=head_dim, BLOCK_D=head_dim, BLOCK_H=block_h, DOT_PRECISION=0)
+                out.append(_case("flash_attention decode split", dec._attn_decode_split_kernel, meta, warps,
+                                 stages, constexprs, types=dict(ids, o_part_ptr="*fp32"),
+                                 label=f"{label}, d={head_dim}: BLOCK_H={block_h}, BLOCK_N={meta['BLOCK_N']}, "
+                                       f"warps={warps}, stages={stages}"))
     merge = {"HEAD_DIM": 128, "BLOCK_S": dec.MAX_SPLITS, "BLOCK_D": 128}
     out.append(_case("flash_attention decode merge", dec._attn_decode_merge_kernel, merge, 4, 3,
                      types={"o_part_ptr": "*fp32"}))

@@ -5,7 +5,7 @@ key: b·h programs for a whole GPU, each reading its kv head's keys once per que
 Here instead:
 
 - the ``group`` query heads of one kv head are the rows of one tile (K and V are read once per kv head;
-  the tile is padded to 16 rows, tl.dot's minimum);
+  the tile is padded to 16 rows, tl.dot's minimum; groups of more than MAX_BLOCK_H heads take several);
 - the visible keys are split over programs, ``keys_per_split`` each, so b · h_kv · splits programs share
   the work; program (split, batch·kv head) writes its split's normalised partial out_s and lse_s (fp32,
   base 2) with the forward's online softmax;
@@ -36,6 +36,8 @@ GPU_META = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
 CPU_META = {"BLOCK_N": 16}       # interpreter: small key tiles
 MIN_KEYS_PER_SPLIT = 256         # GPU: at least four 64-key tiles per program
 MAX_SPLITS = 64                  # the merge kernel holds (splits, d) fp32 partials in registers
+MAX_BLOCK_H = 64                 # query heads per tile (128 at d = 128 spills: 164-180 bytes)
+CPU_MAX_BLOCK_H = 16             # interpreter: a group of 20 heads takes two tiles
 CPU_KEYS_PER_SPLIT = 32          # interpreter: several splits at test sizes
 
 
@@ -47,14 +49,15 @@ def _attn_decode_split_kernel(q_ptr, k_ptr, v_ptr, o_part_ptr, lse_part_ptr, q_i
                               HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
                               BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, DOCS: tl.constexpr,
                               DOT_PRECISION: tl.constexpr):
-    """Program (split, batch·kv head): partial out (b, h, splits, d) and lse (b, h, splits), fp32, over the
-    keys [first_key + split·keys_per_split, + keys_per_split) below last_key, within the query's document."""
+    """Program (split, batch·kv head, block of BLOCK_H of the group's heads): partial out (b, h, splits, d)
+    and lse (b, h, splits), fp32, over the keys [first_key + split·keys_per_split, + keys_per_split) below
+    last_key, within the query's document."""
     split = tl.program_id(0)
     n_splits = tl.num_programs(0)
     bkv = tl.program_id(1)
     b = (bkv // n_kv_heads).to(tl.int64)
     kv_h = (bkv % n_kv_heads).to(tl.int64)
-    offs_g = tl.arange(0, BLOCK_H)                                      # query head kv_h · group + offs_g
+    offs_g = tl.program_id(2) * BLOCK_H + tl.arange(0, BLOCK_H)         # query head kv_h · group + offs_g
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     head_ok = offs_g < group
@@ -164,11 +167,13 @@ def attention_decode_triton(q, k, v, mask, softmax_scale: float):
     lse_part = torch.empty((b, n_heads, splits), device=q.device, dtype=torch.float32)
     q_ids, k_ids, start, end, _ = mask_arguments(mask, q, k)
     constexprs = mask_constexprs(mask, q)
-    _backend.launch(_attn_decode_split_kernel, (splits, b * n_kv_heads), q, k, v, o_part, lse_part, q_ids, k_ids,
+    block_h = min(max(16, triton.next_power_of_2(group)), MAX_BLOCK_H if q.is_cuda else CPU_MAX_BLOCK_H)
+    grid = (splits, b * n_kv_heads, triton.cdiv(group, block_h))
+    _backend.launch(_attn_decode_split_kernel, grid, q, k, v, o_part, lse_part, q_ids, k_ids,
                     start, end, q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
                     v.stride(0), v.stride(1), v.stride(2), n_kv_heads, group, s_k, first, last, per_split,
                     mask.shift, mask.window_size or 0, softmax_scale * LOG2E,
-                    BLOCK_H=max(16, triton.next_power_of_2(group)), **constexprs, **meta)
+                    BLOCK_H=block_h, **constexprs, **meta)
     out = empty_in_layout_of(q)
     lse = torch.empty((b, n_heads, 1), device=q.device, dtype=torch.float32)
     _backend.launch(_attn_decode_merge_kernel, (b * n_heads,), o_part, lse_part, out, lse, n_heads, splits,

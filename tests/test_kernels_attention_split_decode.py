@@ -33,7 +33,7 @@ def _check(q, k, v, **kw):
     return out, lse
 
 
-@pytest.mark.parametrize("heads, kv_heads", [(6, 2), (4, 4), (3, 1)])
+@pytest.mark.parametrize("heads, kv_heads", [(6, 2), (4, 4), (3, 1), (20, 1)])  # (20, 1): two 16-head tiles
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_step_matches_the_reference(heads, kv_heads, dtype):
     (q, k, v), _ = make_inputs(2, heads, kv_heads, 1, S_K, 24, dtype, seed=heads)
