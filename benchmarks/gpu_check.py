@@ -8,7 +8,8 @@ peer with the two interleaved (ours, torch, ours, torch, ...), all in bf16.
                                                    # exercises this script without a GPU
 
 Cases are the layouts training runs: the linear layer's forward ``x @ wᵀ + bias`` with the gelu
-epilogue, its dgrad ``g @ w`` and its wgrad ``gᵀ @ x`` (transposed operands), a plain square GEMM;
+epilogue, its dgrad ``g @ w`` and its wgrad ``gᵀ @ x`` (transposed operands), the pointer kernel's
+ragged tiles on that wgrad layout (the fallback where TMA cannot run), a plain square GEMM;
 flash attention causal and non-causal, MHA and GQA, forward and forward+backward; layer_norm /
 rms_norm / cross_entropy / bias_dropout_add forward and forward+backward.
 Correctness: ours (backend="triton") against torch in fp32 on the same bf16 inputs, forward and
