@@ -5,8 +5,8 @@ the ops of ``tpfuse.kernels`` (no copies of either live in tp_layers).
 """
 from tpfuse.kernels.ag_matmul import all_gather_matmul
 from tpfuse.kernels.bias_dropout_add import bias_dropout_add
-from tpfuse.kernels.cross_entropy import (cross_entropy_loss_from_stats, cross_entropy_shard_grad,
-                                          cross_entropy_shard_stats)
+from tpfuse.kernels.cross_entropy import (cross_entropy, cross_entropy_loss_from_stats,
+                                          cross_entropy_shard_grad, cross_entropy_shard_stats)
 from tpfuse.kernels.flash_attention import (MAX_HEAD_DIM, MIN_HEAD_DIM, attention_backward,
                                            attention_forward, flash_attention, merge_attention)
 from tpfuse.kernels.layer_norm import layer_norm
@@ -21,7 +21,7 @@ from tpfuse.parallel.mappings import (copy_to_region, gather_from_region,
 
 __all__ = [
     "all_gather_matmul", "attention_backward", "attention_forward", "bias_dropout_add",
-    "cross_entropy_loss_from_stats", "cross_entropy_shard_grad",
+    "cross_entropy", "cross_entropy_loss_from_stats", "cross_entropy_shard_grad",
     "cross_entropy_shard_stats", "MAX_HEAD_DIM", "MIN_HEAD_DIM", "flash_attention", "layer_norm",
     "merge_attention",
     "linear_with_grad_accumulation", "matmul", "matmul_reduce_scatter", "rms_norm", "copy_to_region", "gather_from_region",

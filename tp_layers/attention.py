@@ -10,13 +10,18 @@ independent. Dataflow on rank r (h_l = nh/tp heads, g_l = ng/tp groups):
     → q [b, h_l, s, d], k/v [b, g_l, s, d]
   ─rope(position_ids)→ ─flash_attention(causal)→ (s, b, h_l·d) ─RowParallel(proj)→ (s or s/tp, b, h)
 
+On CPU without sequence parallelism the QKV and projection GEMMs run on batch-first tokens
+(b, s, ·) and the output is an (s, b, h) view of the projection's (b, s, h): ATen's CPU flash
+attention is faster on batch-first q/k/v (``qkv_layout.py``); the values are the same.
+
 Attention dropout (``attention_dropout > 0`` in training) needs the probabilities, which the flash
 kernel never materialises: that case runs an explicit fp32 softmax → dropout → @ v path, and the
 dropout draws from the model-parallel RNG stream (``get_rng_tracker().fork()``), as this rank's
 heads are a partitioned region. The same explicit path serves head dims the flash kernel does not
 support (``kernels.flash_attention`` takes 16 ≤ d ≤ 128; tiny test models use d = 4).
 ``forward`` returns ``(output, bias)`` (bias added by the caller's bias-dropout-add; ``None``
-without ``add_bias_linear``).
+without ``add_bias_linear``, and at tp = 1, where no reduction separates the projection GEMM from
+its bias and the GEMM adds it: ``RowParallelLinear(..., fold_bias=True)``).
 
 Masks beyond causal: ``window_size=W`` (flash_attention's sliding window: the last W positions,
 the query's own included) and ``forward(..., document_ids=ids)`` ``(b, s)`` int (packed
@@ -57,6 +62,7 @@ from .context_parallel import (canonical_comm_type, check_context_parallel_heads
                                context_parallel_attention)
 from .init import normal_init
 from .linear import ColumnParallelLinear, RowParallelLinear
+from .qkv_layout import batch_first_attention, split_qkv
 from .random import get_rng_tracker
 from .rope import apply_rotary, default_position_ids, rotary_cos_sin
 
@@ -155,12 +161,12 @@ class ParallelAttention(nn.Module):
             if ids is not None and tuple(ids.shape) != (batch, seq):
                 raise ValueError(f"{name} shape {tuple(ids.shape)} != (b, s) = "
                                  f"{(batch, seq)}")  # checked before the QKV all-gather
-        qkv = self.linear_qkv(hidden_states)                     # (s, b, (h_l + 2 g_l)·d)
-        qkv = qkv.view(seq, batch, self.groups_local, self.heads_per_group + 2, self.head_dim)
-        hpg = self.heads_per_group
-        q = qkv[:, :, :, :hpg].reshape(seq, batch, self.heads_local, self.head_dim)
-        k, v = qkv[:, :, :, hpg], qkv[:, :, :, hpg + 1]          # (s, b, g_l, d)
-        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))     # [b, heads, s, d]
+        batch_first = batch_first_attention(hidden_states, self.sequence_parallel, self.tp.size)
+        if batch_first:
+            hidden_states = hidden_states.transpose(0, 1)        # (b, s, h): the GEMM copies it
+        qkv = self.linear_qkv(hidden_states)                     # (s | b, b | s, (h_l + 2 g_l)·d)
+        q, k, v = split_qkv(qkv, self.groups_local, self.heads_per_group, self.head_dim,
+                            batch_first)                         # [b, heads | g_l, s, d] views
         cos = sin = None
         if self.rope:
             if rotary_pos_emb is None:
@@ -176,8 +182,13 @@ class ParallelAttention(nn.Module):
                                  document_ids)
         else:
             context = self._core_attention(q, k, v, cos, sin, document_ids)
-        context = context.permute(2, 0, 1, 3).reshape(seq, batch, self.heads_local * self.head_dim)
-        return self.linear_proj(context)                          # (s or s/tp, b, h), bias
+        width = self.heads_local * self.head_dim
+        if batch_first:                                           # a view of the torch path's output
+            output, bias = self.linear_proj(context.transpose(1, 2).reshape(batch, seq, width),
+                                            fold_bias=True)      # (b, s, h)
+            return output.transpose(0, 1), bias                  # (s, b, h) view
+        context = context.permute(2, 0, 1, 3).reshape(seq, batch, width)
+        return self.linear_proj(context, fold_bias=True)          # (s or s/tp, b, h), bias
 
     @staticmethod
     def _rotate(q, k, cos, sin):

@@ -215,10 +215,18 @@ class RowParallelLinear(nn.Module):
         """Shard an existing ``nn.Linear`` (its weight is the master; columns split over tp)."""
         return _from_dense(cls, linear, kwargs)
 
-    def forward(self, x: torch.Tensor):
+    def forward(self, x: torch.Tensor, *, fold_bias: bool = False):
+        """``fold_bias`` (with ``skip_bias_add``): where no reduction sits between the GEMM and
+        the bias (a communication group of one), add the bias in the GEMM's epilogue and return
+        ``(output + bias, None)`` — the same sum for a caller that adds the returned bias (a
+        bias-dropout-add), one pass over the output fewer. Without ``skip_bias_add`` the bias is
+        always folded there."""
         tp, group = self.comm.size, self.comm.group
         if not self.input_is_parallel and tp > 1:
             x = _deps.scatter_to_region(x, group)  # (s, b, in) -> (s, b, in/tp)
+        if tp == 1 and (fold_bias or not self.skip_bias_add):
+            y = _deps.linear_with_grad_accumulation(x, self.weight, self.bias)  # (s, b, out)
+            return (y, None) if self.skip_bias_add else y
         if self.sequence_parallel and tp > 1:
             check_sequence_divisible(x.shape[0], tp)
             y = _deps.matmul_reduce_scatter(x, self.weight, group)  # (s/tp, b, out)

@@ -19,6 +19,12 @@ masked out of the softmax — rank r uses only its real columns ``[0, clamp(voca
 V/tp))`` (M_r = −∞, S_r = 0 for a shard that is all padding) and their gradient is 0 — so the loss
 is the same at every tp for the same model. Megatron lets the padded logits into the softmax; this
 is a deliberate difference.
+
+One rank (tp = 1) holds the whole vocabulary and there is nothing to combine: the loss is the
+single-device ``kernels.cross_entropy`` (``F.cross_entropy`` on CPU, the fused Triton kernel on a
+GPU) of the real columns ``logits[..., :vocab_size]`` (a view; the padded columns get a zero
+gradient through it). It also rejects a target outside ``[0, vocab_size)`` that is not
+``ignore_index`` (``TargetOutOfRangeError``, a ValueError).
 """
 from __future__ import annotations
 
@@ -95,4 +101,7 @@ def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, target: torch.Tenso
     if vocab_size is not None and not 0 < vocab_size <= logits_shard.shape[-1] * tp.size:
         raise ValueError(f"vocab_parallel_cross_entropy: vocab_size={vocab_size} must be in "
                          f"[1, {logits_shard.shape[-1] * tp.size}] (the padded vocabulary)")
+    if tp.size == 1:                                   # the whole vocabulary: no statistics to combine
+        real = logits_shard if vocab_size is None else logits_shard[..., :vocab_size]
+        return _deps.cross_entropy(real, target, ignore_index)
     return _VocabParallelCrossEntropy.apply(logits_shard, target, ignore_index, tp, vocab_size)

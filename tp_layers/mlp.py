@@ -6,7 +6,8 @@
            ``[gate_r; up_r]``; ``a = silu(x W_gateᵀ + b_g) · (x W_upᵀ + b_u)`` → fc2.
 
 No communication other than the linears' own (the activation is element-wise on this rank's
-columns). ``forward`` returns ``(output, bias)`` for the caller's bias-dropout-add.
+columns). ``forward`` returns ``(output, bias)`` for the caller's bias-dropout-add (bias None at
+tp = 1: fc2's GEMM adds it, ``RowParallelLinear(..., fold_bias=True)``).
 """
 from __future__ import annotations
 
@@ -50,4 +51,4 @@ class ParallelMLP(nn.Module):
         if self.activation == "swiglu":
             gate, up = intermediate.chunk(2, dim=-1)
             intermediate = F.silu(gate) * up                  # (s, b, ffn/tp)
-        return self.linear_fc2(intermediate)                 # (s or s/tp, b, h), bias
+        return self.linear_fc2(intermediate, fold_bias=True)  # (s or s/tp, b, h), bias
