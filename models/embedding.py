@@ -1,8 +1,9 @@
 """GPT input embedding: vocab-parallel word embedding + learned positions, dropout, [b, s] → [s, b].
 
-    ids (b, s) ─VocabParallelEmbedding→ (b, s, h) all-reduced over TP (no SP)
+    ids (b, s) ─VocabParallelEmbedding→ (s, b, h) all-reduced over TP (no SP: ids looked up as (s, b))
                                       or (s/tp, b, h) reduce-scattered over s (SP)
-    positions (b, s) ─nn.Embedding (replicated on the TP ranks)→ (b, s, h) → (s, b, h)
+    positions (b, s) ─nn.Embedding (replicated on the TP ranks)→ (s, b, h), or (s, 1, h) when
+               every sequence has the default positions (broadcast in the sum)
                under SP split over s (``scatter_to_sequence_parallel_region``: forward split,
                backward all-gather, so every TP rank gets the full position-weight gradient)
     sum → dropout → (s[/tp], b, h)
@@ -43,12 +44,12 @@ class GPTEmbedding(nn.Module):
             weight.sequence_parallel = False      # its gradient is complete on every TP rank
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        words = self.word_embeddings(input_ids)      # (b, s, h) or (s/tp, b, h) under SP
-        if not self.sequence_parallel:
-            words = words.transpose(0, 1)             # (s, b, h)
-        hidden = words
+        if self.sequence_parallel:
+            hidden = self.word_embeddings(input_ids)                  # (s/tp, b, h)
+        else:                                        # ids looked up in (s, b) order: no transpose copy
+            hidden = self.word_embeddings(input_ids.t())              # (s, b, h)
         if self.position_embeddings is not None:
-            positions = self.position_embeddings(position_ids).transpose(0, 1)  # (s, b, h)
+            positions = self._positions(position_ids)                 # (s, b or 1, h)
             if self.sequence_parallel:
                 positions = scatter_to_sequence_parallel_region(positions, self.tp.group)
             hidden = hidden + positions                # (s[/tp], b, h)
@@ -58,6 +59,14 @@ class GPTEmbedding(nn.Module):
             with partitioned_region_rng(self.sequence_parallel and self.tp.size > 1):
                 hidden = F.dropout(hidden, p, training=True)
         return hidden
+
+    def _positions(self, position_ids: torch.Tensor) -> torch.Tensor:
+        """Position embeddings ``(s, b, h)``, or ``(s, 1, h)`` broadcast over the batch when every
+        sequence has the same positions as a stride-0 batch dim says (the default 0..s−1
+        ``expand``): s rows looked up instead of b·s, and their gradient summed over b first."""
+        if position_ids.shape[0] > 1 and position_ids.stride(0) == 0:
+            return self.position_embeddings(position_ids[0])[:, None]
+        return self.position_embeddings(position_ids.t())
 
 
 def draw_vocab_master(config):

@@ -113,6 +113,8 @@ class TransformerLayer(nn.Module):
 
     def _bias_dropout_add(self, x, bias, residual):
         if not (self.training and self.hidden_dropout > 0):
+            if bias is None:                         # the bias went into the GEMM: nothing to fuse
+                return residual + x
             return _deps.bias_dropout_add(x, bias, residual, 0.0, False, seed=0)
         with partitioned_region_rng(self.sequence_parallel):
             return _deps.bias_dropout_add(x, bias, residual, self.hidden_dropout, True)
