@@ -1,7 +1,8 @@
 """The README's main job: tokens/s of its 8-process layout vs one process, in one run.
 
 The model is the main job's (the ``stdlib-demo`` preset, ``training/presets.py``: 8 layers,
-hidden 128, 8 heads, seq 128, vocab 257, micro-batch 4, global batch 32), fp32, dropout off, mock data,
+hidden 128, 8 heads, seq 128, rotary positions, vocab 257, micro-batch 4, global batch 16), fp32,
+dropout off, mock data,
 trained by the real ``pretrain`` loop (pipeline schedule, DP gradient sync, clipping, AdamW) for
 ``TPFUSE_BENCH_ITERS`` iterations (default 6) under:
 
@@ -44,7 +45,8 @@ ITERS = int(os.environ.get("TPFUSE_BENCH_ITERS", "6"))
 SKIP = int(os.environ.get("TPFUSE_BENCH_SKIP", "2"))
 PADDED_VOCAB_MULTIPLE = 128   # every layout pads 257 → 384
 _MODEL_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
-               "max_position_embeddings", "micro_batch_size", "global_batch_size")
+               "max_position_embeddings", "position_embedding_type", "micro_batch_size",
+               "global_batch_size")
 VOCAB = 256   # mock data's NullTokenizer(256): 257 ids, as the byte tokenizer
 
 CASES = {
