@@ -102,9 +102,9 @@ class _Run:
                                                                self.state)
         self.nonfinite = NonFinitePolicy(self.optimizer.grad_scaler is not None,
                                          args.skip_nonfinite)
-        warmup, decay, in_samples = lr_schedule(args)
+        warmup, decay, unit = lr_schedule(args)
         self.scheduler = LRScheduler(self.optimizer, args.lr, args.min_lr, warmup, decay,
-                                     args.lr_decay_style, "samples" if in_samples else "iterations")
+                                     args.lr_decay_style, unit)
         self.forward_backward = get_forward_backward_func(self.state, config.pipeline_schedule)
         self.timers = Timers(args.timing_log_level, args.timing_log_option, self.device)
         self.calculator = MicrobatchCalculator(

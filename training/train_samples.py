@@ -96,9 +96,9 @@ def iterations_for_samples(train_samples: int, calculator) -> int:
     return iterations + (train_samples - consumed) // calculator.global_batch_size
 
 
-def lr_schedule(args) -> tuple[int, int, bool]:
-    """``(warm-up, decay end, counted in samples?)`` for the LRScheduler: iterations for an
-    iteration-based run, samples for a sample-based one."""
+def lr_schedule(args) -> tuple[int, int, str]:
+    """``(warm-up, decay end, unit)`` for the LRScheduler: iterations for an iteration-based run,
+    samples for a sample-based one."""
     if is_sample_based(args):
-        return args.lr_warmup_samples, args.lr_decay_samples or args.train_samples, True
-    return args.lr_warmup_iters, args.lr_decay_iters or args.train_iters, False
+        return args.lr_warmup_samples, args.lr_decay_samples or args.train_samples, "samples"
+    return args.lr_warmup_iters, args.lr_decay_iters or args.train_iters, "iterations"
