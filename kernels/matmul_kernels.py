@@ -117,8 +117,6 @@ def _epilogue(acc, pid_m, pid_n, M, N, bias_ptr, y_ptr, z_ptr, stride_ym, stride
                     HAS_BIAS, ACTIVATION, SAVE_PREACT)
 
 
-# ----------------------------------------------------------------------------- TMA kernel
-
 @triton.jit
 def dot_over_reduction(acc, a_ptrs, b_ptrs, R, stride_ar, stride_br, BLOCK_R: tl.constexpr,
                        INPUT_PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr):
@@ -138,6 +136,8 @@ def dot_over_reduction(acc, a_ptrs, b_ptrs, R, stride_ar, stride_br, BLOCK_R: tl
         b_ptrs += BLOCK_R * stride_br
     return acc
 
+
+# ----------------------------------------------------------------------------- TMA kernel
 
 @triton.jit
 def _matmul_tma_kernel(
