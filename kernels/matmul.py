@@ -261,13 +261,13 @@ def matmul_torch_forward(a2d, b, bias, activation, out_dtype, *, out=None, preac
     Returns ``(y, saved)`` with saved = z for gelu*, y for relu, None otherwise. ``out`` /
     ``preact_out`` (optional) receive y / z (the GEMM writes into them when the dtypes match)."""
     del options  # the torch path has no tiles to choose
-    compute = torch.promote_types(a2d.dtype, out_dtype)
-    a2d, b = a2d.to(compute), b.to(compute)
+    compute = promoted(a2d.dtype, out_dtype)
+    a2d, b = cast(a2d, compute), cast(b, compute)
     gelu = activation in ("gelu", "gelu_tanh")
     target = preact_out if gelu else out
     direct = target is not None and target.dtype == compute
     kwargs = {"out": target} if direct else {}
-    z = torch.addmm(bias.to(compute), a2d, b, **kwargs) if bias is not None else torch.mm(a2d, b, **kwargs)
+    z = torch.addmm(cast(bias, compute), a2d, b, **kwargs) if bias is not None else torch.mm(a2d, b, **kwargs)
     if gelu:
         approximate = "tanh" if activation == "gelu_tanh" else "none"
         if out is not None and out.dtype == compute:
@@ -277,7 +277,7 @@ def matmul_torch_forward(a2d, b, bias, activation, out_dtype, *, out=None, preac
         return y, _into(preact_out, z) if not direct else z
     if activation == "relu":
         z = z.relu_()
-    y = z if direct else _into(out, z.to(out_dtype))
+    y = z if direct else _into(out, cast(z, out_dtype))
     return y, (y if activation == "relu" else None)
 
 
@@ -286,20 +286,31 @@ def _into(out, value):
     return value if out is None else out.copy_(value)
 
 
+def cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t.to(dtype)`` without the call when t has that dtype already (the common case: a call
+    into ATen costs more than the GEMM's bookkeeping on small layers)."""
+    return t if t.dtype == dtype else t.to(dtype)
+
+
+def promoted(a: torch.dtype, b: torch.dtype) -> torch.dtype:
+    return a if a == b else torch.promote_types(a, b)
+
+
 def activation_grad_torch(dy, saved, activation, dtype):
     if activation in ("gelu", "gelu_tanh"):
         approximate = "tanh" if activation == "gelu_tanh" else "none"
-        g = torch.ops.aten.gelu_backward(dy, saved.to(dy.dtype), approximate=approximate)
+        g = torch.ops.aten.gelu_backward(dy, cast(saved, dy.dtype), approximate=approximate)
     else:
-        g = torch.ops.aten.threshold_backward(dy, saved.to(dy.dtype), 0)
-    return g.to(dtype)
+        g = torch.ops.aten.threshold_backward(dy, cast(saved, dy.dtype), 0)
+    return cast(g, dtype)
 
 
 def _gemm_torch(x, w, out_dtype, out=None, options=None):
-    compute = torch.promote_types(x.dtype, w.dtype)
+    compute = promoted(x.dtype, w.dtype)
+    x, w = cast(x, compute), cast(w, compute)
     if out is not None and out.dtype == compute:
-        return torch.mm(x.to(compute), w.to(compute), out=out)
-    return _into(out, torch.mm(x.to(compute), w.to(compute)).to(out_dtype))
+        return torch.mm(x, w, out=out)
+    return _into(out, cast(torch.mm(x, w), out_dtype))
 
 
 def _gemm_triton(x, w, out_dtype, out=None, options=None):

@@ -37,9 +37,9 @@ import triton.language as tl
 from . import backend as _backend
 from .comm_gemm_common import validate_linear
 from .matmul import (PATHS, _input_precision, activation_grad_torch, activation_grad_triton,
-                     as_matrix, matmul_torch_forward, matmul_triton_forward)
+                     as_matrix, cast, matmul_torch_forward, matmul_triton_forward)
 from .matmul_kernels import dot_over_reduction, even_tile_rules, even_tiles, tile_indices
-from .wgrad_deferral import defer_weight_grad
+from .wgrad_deferral import defer_weight_grad, weight_grads_deferred
 
 CPU_META = {"BLOCK_N": 16, "BLOCK_K": 32, "BLOCK_M": 32}
 
@@ -111,7 +111,7 @@ def wgrad_accumulate_torch(out: torch.Tensor, g2d: torch.Tensor, x2d: torch.Tens
     """The torch path: one ``addmm_`` into an fp32 ``out`` (16-bit operands are upcast first, so
     the products are summed in fp32 as the kernel does); a 16-bit ``out`` gets the fp32 product
     added with one rounding."""
-    g2d, x2d = g2d.float(), x2d.float()
+    g2d, x2d = cast(g2d, torch.float32), cast(x2d, torch.float32)
     if out.dtype == torch.float32:
         out.addmm_(g2d.t(), x2d)
     else:
@@ -133,10 +133,10 @@ def accumulate_wgrad(out: torch.Tensor, grad_output: torch.Tensor, input: torch.
     """``out += grad_outputᵀ · input`` summed over all leading dims: grad_output ``(..., n)``,
     input ``(..., k)``, out ``(n, k)`` (fp32, or a 16-bit reduced-gradient dtype)."""
     g2d, x2d = as_matrix(grad_output), as_matrix(input)
-    if g2d.shape[0] != x2d.shape[0] or tuple(out.shape) != (g2d.shape[1], x2d.shape[1]):
+    if g2d.shape[0] != x2d.shape[0] or out.shape != (g2d.shape[1], x2d.shape[1]):
         raise ValueError(f"accumulate_wgrad: grad_output {tuple(grad_output.shape)} and input "
                          f"{tuple(input.shape)} do not give out's shape {tuple(out.shape)}")
-    path = _backend.resolve(backend, out, g2d, x2d)
+    path = backend if backend in _ACCUMULATE else _backend.resolve(backend, out, g2d, x2d)
     _ACCUMULATE[path](out, g2d, x2d)
 
 
@@ -165,8 +165,9 @@ def weight_grad(weight: torch.Tensor, grad_output: torch.Tensor, input: torch.Te
 
     Inside a zero-bubble I pass (``wgrad_deferral``) the GEMM is queued for the W action instead
     and autograd gets None; W then accumulates into ``main_grad``, or into ``weight.grad``."""
-    if defer_weight_grad(functools.partial(deferred_weight_grad, weight, grad_output, input,
-                                           backend)):
+    if weight_grads_deferred():
+        defer_weight_grad(functools.partial(deferred_weight_grad, weight, grad_output, input,
+                                            backend))
         weight.deferred_wgrads = getattr(weight, "deferred_wgrads", 0) + 1
         return None
     accumulator = wgrad_accumulator(weight)
@@ -215,7 +216,7 @@ class _LinearWithGradAccumulation(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):                                                   # (M, n)
         x2d, weight, saved = ctx.saved_tensors                               # (M, k), (n, k)
-        g = dy.to(x2d.dtype)
+        g = cast(dy, x2d.dtype)
         if ctx.activation:                                                   # dy ⊙ act'(z)
             g = _ACTIVATION_GRAD[ctx.path](dy, saved, ctx.activation, x2d.dtype)
         dx = dw = dbias = None
@@ -224,7 +225,7 @@ class _LinearWithGradAccumulation(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             dw = weight_grad(weight, g, x2d, backend=ctx.path)               # (n, k) or None
         if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
-            dbias = g.sum(0, dtype=torch.float32).to(ctx.bias_dtype)         # (n,)
+            dbias = cast(g.sum(0, dtype=torch.float32), ctx.bias_dtype)      # (n,)
         return dx, dw, dbias, None, None
 
 
