@@ -228,8 +228,11 @@ def _call_forward(q, k, v, call, scale):
 
 
 def _call_backward(dout, q, k, v, out, lse, call, scale):
-    """(dq, dk, dv) of one call given the (global) out and lse of its query rows."""
-    lse = lse.masked_fill(torch.isinf(lse), 0.0)  # empty rows: P = exp(−inf − 0) = 0, and O = 0 ⇒ δ = 0
+    """(dq, dk, dv) of one call given the (global) out and lse of its query rows. Only a call with
+    a bias can hold a row that sees no key (lse −inf); without one every row sees a key of this
+    call, so its lse, and the global lse ≥ it, is finite."""
+    if call.bias is not None:  # empty rows: P = exp(−inf − 0) = 0, and O = 0 ⇒ δ = 0
+        lse = lse.masked_fill(torch.isinf(lse), 0.0)
     if q.device.type == "cpu":
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout, q, k, v, out, lse.to(q.dtype if q.dtype == torch.float64 else torch.float32),
@@ -253,11 +256,29 @@ def _covers_everything(calls, s_q, s_k) -> bool:
     return len(calls) == 1 and calls[0].view == Segment(None, 0, s_q, 0, s_k)
 
 
+_WHOLE = {True: Call(True, None), False: Call(False, None)}   # one call on the inputs as they are
+
+
+def _whole_call(mask, s_q, s_k) -> Call | None:
+    """The one call of a mask with nothing to plan — no documents, no window, and no causal mask
+    or a causal one whose queries and keys sit at the same positions (what ``plan`` returns for
+    it, without building segments); None for any other mask."""
+    if mask.has_documents or mask.window_size is not None:
+        return None
+    if mask.causal and (mask.shift != 0 or s_q != s_k):
+        return None
+    return _WHOLE[mask.causal]
+
+
 def attention_forward_torch(q, k, v, mask, scale):
     """(out (b, h, s_q, d) in q's dtype, lse (b, h, s_q) fp32, float64 for float64 inputs)."""
     b, heads, s_q, head_dim = q.shape
     s_k = k.shape[2]
     lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    whole = _whole_call(mask, s_q, s_k)
+    if whole is not None:
+        out, lse = _call_forward(q, k, v, whole, scale)
+        return out, lse.to(lse_dtype)
     calls = plan(mask, b, s_q, s_k, q.dtype, q.device)
     if _covers_everything(calls, s_q, s_k):
         out, lse = _call_forward(q, k, v, calls[0], scale)
@@ -275,6 +296,9 @@ def attention_backward_torch(dout, q, k, v, out, lse, mask, scale):
     """(dq, dk, dv) in the dtypes of q, k, v; rows and keys outside every segment get 0."""
     b, _, s_q, _ = q.shape
     s_k = k.shape[2]
+    whole = _whole_call(mask, s_q, s_k)
+    if whole is not None:
+        return _call_backward(dout, q, k, v, out, lse, whole, scale)
     calls = plan(mask, b, s_q, s_k, q.dtype, q.device)
     if _covers_everything(calls, s_q, s_k):
         return _call_backward(dout, q, k, v, out, lse, calls[0], scale)
