@@ -39,6 +39,7 @@ from .checkpointing import DiscardedOutput, checkpoint
 from .attention import ParallelAttention
 from .mlp import ParallelMLP
 from .norm import Norm
+from .qkv_layout import batch_first_attention
 from .random import partitioned_region_rng
 
 from tpfuse.models.recompute_config import RECOMPUTE_MODULES   # one definition, beside the config
@@ -92,7 +93,8 @@ class TransformerLayer(nn.Module):
         recompute = self.recompute_modules if self.training else ()
         input_norm = (DiscardedOutput(self.input_norm) if "layernorm" in recompute
                       else self.input_norm)
-        attn_out, attn_bias = self.self_attention(input_norm(hidden_states), position_ids,
+        attn_out, attn_bias = self.self_attention(self._attention_input(hidden_states, input_norm),
+                                                  position_ids,
                                                   inference_context=inference_context,
                                                   rotary_pos_emb=rotary_pos_emb,
                                                   document_ids=document_ids)
@@ -102,6 +104,16 @@ class TransformerLayer(nn.Module):
         if "mlp" in recompute:
             return checkpoint(self._mlp_block, hidden_states, False)
         return self._mlp_block(hidden_states, "layernorm" in recompute)
+
+    def _attention_input(self, hidden_states, input_norm):
+        """The input norm's output (s, b, h) for the attention. When the attention runs
+        batch-first (CPU without sequence parallelism: ``qkv_layout.py``) the norm works on a
+        (b, s, h) copy of the hidden states and the attention gets an (s, b, h) view of its
+        output: the norm's forward and backward read contiguous rows, and the QKV GEMM takes the
+        (b, s, h) rows as they are. The one copy is the one the GEMM would otherwise make."""
+        if not batch_first_attention(hidden_states, self.sequence_parallel, self.tp.size):
+            return input_norm(hidden_states)
+        return input_norm(hidden_states.transpose(0, 1).contiguous()).transpose(0, 1)
 
     def _mlp_block(self, hidden_states, recompute_norm: bool):
         """pre-MLP norm → MLP → bias-dropout-add(+hidden_states): (s or s/tp, b, h)."""
