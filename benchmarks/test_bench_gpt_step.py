@@ -9,15 +9,17 @@ hidden 256, 8 heads, sequence 256, micro-batch 4, vocabulary 256.
   from the trainer's own flags: AdamW, clip 1.0), the no-pipelining schedule, the gradient sync
   and the optimizer step.
 - ``plain``: a plain ``nn.Module`` GPT (fused QKV laid out per head, ``F.scaled_dot_product_attention``,
-  ``F.cross_entropy``), ``torch.optim.AdamW`` (PyTorch's default foreach implementation) and
-  ``clip_grad_norm_(1.0)``.
+  ``F.cross_entropy``), ``torch.optim.AdamW`` with PyTorch's default implementation (on CPU the
+  per-tensor loop; nanoGPT asks for the fused one on CUDA only) and ``clip_grad_norm_(1.0)``.
+- ``plain-fused``: the same loop with ``torch.optim.AdamW(fused=True)``, the implementation the
+  tpfuse optimizer uses: tpfuse / plain-fused is the cost of the library around the same math.
 
-The two step functions alternate (tpfuse, plain, tpfuse, ...) inside one process (a gloo world of
+The step functions alternate (tpfuse, plain, plain-fused, tpfuse, ...) inside one process (a gloo world of
 one, ``torch.set_num_threads(1)``, glibc malloc keeping freed memory as ``pretrain`` sets it on CPU:
 ``training/host_memory.py``), after warm-up steps; the per-step losses of both must agree
 (rel 1e-4 after 12 AdamW steps: same fp32 math in another op order). The summary prints the
 median step times, wall clock and the worker thread's CPU time (less sensitive to other jobs on a
-shared machine), and tpfuse / plain (< 1: tpfuse faster; target ≤ 1.00).
+shared machine), tpfuse / plain (< 1: tpfuse faster; target ≤ 1.00) and tpfuse / plain-fused.
 
     python3 -m pytest benchmarks/test_bench_gpt_step.py --benchmark-enable -q -s \
         --benchmark-columns=median,iqr,rounds -p no:cacheprovider
@@ -137,14 +139,14 @@ def _tpfuse_trainer():
     return state, model[0], step
 
 
-def _plain_trainer(gpt):
+def _plain_trainer(gpt, fused=None):
     model = PlainGPT()
     model.load_from(gpt)
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01},
                                    {"params": no_decay, "weight_decay": 0.0}],
-                                  lr=1e-3, betas=(0.9, 0.95), eps=1e-8)
+                                  lr=1e-3, betas=(0.9, 0.95), eps=1e-8, fused=fused)
 
     def step(batch):
         optimizer.zero_grad(set_to_none=True)
@@ -164,8 +166,8 @@ def _job():
     keep_freed_host_memory()          # as pretrain does on CPU; the plain loop runs under it too
     state, gpt, tpfuse_step = _tpfuse_trainer()
     try:
-        plain_step = _plain_trainer(gpt)
-        steps = {"tpfuse": tpfuse_step, "plain": plain_step}
+        steps = {"tpfuse": tpfuse_step, "plain": _plain_trainer(gpt),
+                 "plain-fused": _plain_trainer(gpt, fused=True)}
         times = {name: [] for name in steps}
         cpu_times = {name: [] for name in steps}
         losses = {name: [] for name in steps}
@@ -191,6 +193,7 @@ def test_gpt_training_step_tpfuse_vs_plain(benchmark, result):
     benchmark.group = "GPT training step, one rank, one thread"
     losses = result["losses"]
     assert losses["tpfuse"] == pytest.approx(losses["plain"], rel=1e-4)
+    assert losses["plain-fused"] == pytest.approx(losses["plain"], rel=1e-4)
     assert losses["tpfuse"][-1] < losses["tpfuse"][0] and all(map(math.isfinite, losses["plain"]))
     benchmark.pedantic(lambda: None, rounds=1, iterations=1)
     print(f"\nGPT {LAYERS} layers h{HIDDEN} {HEADS} heads s{SEQ} b{MICRO} V{VOCAB}, 1 thread, "
@@ -199,7 +202,8 @@ def test_gpt_training_step_tpfuse_vs_plain(benchmark, result):
         median = {name: statistics.median(t) for name, t in result[key].items()}
         benchmark.extra_info.update({f"{name}_{key}_median_s": v for name, v in median.items()})
         print(f"  {what:10s}: tpfuse {median['tpfuse'] * 1e3:.1f} ms, plain "
-              f"{median['plain'] * 1e3:.1f} ms, tpfuse / plain = "
-              f"{median['tpfuse'] / median['plain']:.3f}; per step: "
+              f"{median['plain'] * 1e3:.1f} ms, plain-fused {median['plain-fused'] * 1e3:.1f} ms;"
+              f" tpfuse / plain = {median['tpfuse'] / median['plain']:.3f}, tpfuse / plain-fused"
+              f" = {median['tpfuse'] / median['plain-fused']:.3f}; tpfuse / plain per step: "
               + " ".join(f"{a / b:.3f}" for a, b in zip(result[key]["tpfuse"],
                                                        result[key]["plain"])))
