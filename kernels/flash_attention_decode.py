@@ -29,7 +29,7 @@ import triton.language as tl
 
 from . import backend as _backend
 from .flash_attention_fwd import (LN2, LOG2E, empty_in_layout_of, mask_arguments, mask_constexprs, mma,
-                                  unit_stride_in_d, visible)
+                                  online_softmax_step, unit_stride_in_d, visible)
 
 _LN2 = tl.constexpr(LN2)
 GPU_META = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
@@ -86,14 +86,9 @@ def _attn_decode_split_kernel(q_ptr, k_ptr, v_ptr, o_part_ptr, lse_part_ptr, q_i
         k_doc = tl.load(k_ids_ptr + b * s_k + cols, mask=in_split, other=-1) if DOCS else cols
         keep = visible(shift - cols, q_doc, k_doc, window, CAUSAL, WINDOW, DOCS) & in_split  # (BLOCK_N,)
         s = tl.where(keep[None, :], s, -float("inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_ref = tl.where(m_new == -float("inf"), 0.0, m_new)                          # rows seeing nothing yet
-        alpha = tl.exp2(m_i - m_ref)
-        p = tl.exp2(s - m_ref[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
+        p, alpha, l_i, m_i = online_softmax_step(s, m_i, l_i)
         v = tl.load(v_base + cols[:, None] * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0)
         acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, DOT_PRECISION)
-        m_i = m_new
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
     lse2 = tl.where(empty, -float("inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))   # base 2

@@ -186,6 +186,19 @@ def visible(rel, row_doc, col_doc, window, CAUSAL: tl.constexpr, WINDOW: tl.cons
 
 
 @triton.jit
+def online_softmax_step(s, m_i, l_i):
+    """One key tile of the online softmax in base 2: scores s (rows, BLOCK_N) (−inf where masked),
+    running max m_i and sum l_i (rows,) → (P = 2^(s − m_new), α = 2^(m_i − m_new), l_i·α + Σ P,
+    m_new); the caller rescales its accumulator by α and adds P·V. A row that has seen no key yet
+    keeps m = −inf and takes 0 as its reference, so P = 0 and α = 1, never NaN."""
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_ref = tl.where(m_new == -float("inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_ref)
+    p = tl.exp2(s - m_ref[:, None])
+    return p, alpha, l_i * alpha + tl.sum(p, axis=1), m_new
+
+
+@triton.jit
 def _fwd_tiles(acc, l_i, m_i, q, q_doc, k_src, v_src, b, kv_h, k_ids_ptr, q_pos, offs_n, offs_d, s_k, window,
                stride_kn, stride_vn, qk_scale, lo, hi, mid_lo, mid_hi, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
                CAUSAL: tl.constexpr, WINDOW: tl.constexpr, DOCS: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -201,14 +214,9 @@ def _fwd_tiles(acc, l_i, m_i, q, q_doc, k_src, v_src, b, kv_h, k_ids_ptr, q_pos,
             k_doc = tl.load(k_ids_ptr + cols, mask=cols < s_k, other=-1) if DOCS else cols
             keep = visible(q_pos[:, None] - cols[None, :], q_doc[:, None], k_doc[None, :], window, CAUSAL, WINDOW, DOCS)
             s = tl.where(keep & (cols[None, :] < s_k), s, -float("inf"))  # keys past s_k would join the softmax
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_ref = tl.where(m_new == -float("inf"), 0.0, m_new)                          # rows seeing nothing yet
-        alpha = tl.exp2(m_i - m_ref)
-        p = tl.exp2(s - m_ref[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
+        p, alpha, l_i, m_i = online_softmax_step(s, m_i, l_i)
         v = load_rows(v_src, b, kv_h, start_n, offs_n, stride_vn, s_k, offs_d, HEAD_DIM, USE_TMA)
         acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, DOT_PRECISION)
-        m_i = m_new
     return acc, l_i, m_i
 
 
