@@ -28,6 +28,7 @@ import sys
 
 from tpfuse.models.cli import add_config_arguments, config_from_args
 from tpfuse.training import presets
+from tpfuse.training.garbage_collection import add_gc_arguments, check_gc_arguments
 from tpfuse.training.sample_args import add_sample_arguments, check_sample_arguments
 from tpfuse.training.timers import add_timing_arguments
 from tpfuse.training.train_samples import add_sample_based_arguments, check_iterations_or_samples
@@ -174,7 +175,7 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     presets.add_preset_argument(parser)
     for add in (_add_batch_arguments, _add_optimizer_arguments, _add_data_arguments,
                 _add_run_arguments, _add_checkpoint_arguments, _add_observability_arguments,
-                _add_distributed_arguments, add_sample_arguments):
+                _add_distributed_arguments, add_sample_arguments, add_gc_arguments):
         add(parser)
 
 
@@ -314,6 +315,7 @@ def validate_training_args(args) -> None:
     _check_schedule_and_exit(args)
     _check_data(args)
     validate_precision_and_ddp_args(args)
+    check_gc_arguments(args)
 
 
 def parse_args(argv=None, defaults: dict | None = None):

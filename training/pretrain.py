@@ -40,6 +40,7 @@ from tpfuse.training.memory import memory_record, memory_report
 from tpfuse.training.moe_logging import router_metrics
 from tpfuse.training.sample_args import describe_sampling, sampling_kwargs
 from tpfuse.training.scheduler import LRScheduler
+from tpfuse.training.garbage_collection import ManualGC
 from tpfuse.training.host_memory import keep_freed_host_memory
 from tpfuse.training.timers import Timers
 from tpfuse.training.train_samples import iterations_for_samples, lr_schedule
@@ -215,6 +216,7 @@ class _Run:
                                 sinks=monitor.sinks, show_throughput=args.log_throughput,
                                 evaluates_at_start=args.eval_at_start)
         checkpointing = Checkpointing(args)
+        collector = ManualGC(args)
         self.calculator.update(self.consumed_samples, consistency_check=True)
         iterators = self._iterators(self.train_ds, self.consumed_samples)
         tokens_per_sample = self.config.seq_length
@@ -222,8 +224,9 @@ class _Run:
         logger.print(memory_report(self.optimizer, self.config, self.state.dp_size,
                                    args.micro_batch_size, self.calculator.num_microbatches))
         try:
+            collector.start()
             if args.eval_at_start:
-                self._evaluate_and_log(logger, result)
+                self._evaluate_and_log(logger, result, collector)
             while self.iteration < args.train_iters:
                 monitor.before_iteration(self.iteration + 1)
                 self.calculator.update(self.consumed_samples, consistency_check=True)
@@ -256,14 +259,16 @@ class _Run:
                                  log_now=self.iteration % args.log_interval == 0)
                 if timing and self.iteration % args.log_interval == 0:
                     logger.print(self.timers.interval_text())
+                collector.after_iteration(self.iteration)
                 if args.eval_interval and self.iteration % args.eval_interval == 0:
-                    self._evaluate_and_log(logger, result)
+                    self._evaluate_and_log(logger, result, collector)
                 result.exit_reason = checkpointing.after_iteration(self)
                 if result.exit_reason:
                     logger.print(describe_exit(result.exit_reason, bool(args.save), args.save))
                     break
             checkpointing.finish(self)
         finally:
+            collector.stop()
             checkpointing.close()
             logger.close()
             monitor.close()
@@ -271,8 +276,9 @@ class _Run:
         result.consumed_samples = self.consumed_samples
         return result
 
-    def _evaluate_and_log(self, logger, result) -> None:
-        valid_loss = self.evaluate()
+    def _evaluate_and_log(self, logger, result, collector) -> None:
+        with collector.around_evaluation():
+            valid_loss = self.evaluate()
         if valid_loss is not None and self.is_logger:
             result.valid_losses.append((self.iteration, valid_loss))
             logger.print(f" validation loss at iteration {self.iteration} | lm loss: "
