@@ -14,7 +14,10 @@ hidden 256, 8 heads, sequence 256, micro-batch 4, vocabulary 256.
 - ``plain-fused``: the same loop with ``torch.optim.AdamW(fused=True)``, the implementation the
   tpfuse optimizer uses: tpfuse / plain-fused is the cost of the library around the same math.
 
-The step functions alternate (tpfuse, plain, plain-fused, tpfuse, ...) inside one process (a gloo world of
+The step functions alternate inside one process, each batch in one of the three cyclic orders in
+turn (tpfuse, plain, plain-fused; plain, plain-fused, tpfuse; ...): which step runs right after which
+moves a step's time by about 1 % through the allocator's and caches' state, and the rotation gives
+every side each position equally often. One process: a gloo world of
 one, ``torch.set_num_threads(1)``, glibc malloc keeping freed memory as ``pretrain`` sets it on CPU:
 ``training/host_memory.py``), after warm-up steps; the per-step losses of both must agree
 (rel 1e-4 after 12 AdamW steps: same fp32 math in another op order). The summary prints the
@@ -36,7 +39,7 @@ import torch.nn.functional as F
 from tpfuse.parallel.launch import WorkerPool
 
 LAYERS, HIDDEN, HEADS, SEQ, MICRO, VOCAB = 6, 256, 8, 256, 4, 256
-WARMUP, TIMED = 3, 16
+WARMUP, TIMED = 3, 18                 # 6 timed batches in each of the 3 orders
 _RESULTS: dict = {}
 FLAGS = ["--num-layers", str(LAYERS), "--hidden-size", str(HIDDEN), "--num-attention-heads",
          str(HEADS), "--seq-length", str(SEQ), "--max-position-embeddings", str(SEQ),
@@ -171,8 +174,11 @@ def _job():
         times = {name: [] for name in steps}
         cpu_times = {name: [] for name in steps}
         losses = {name: [] for name in steps}
+        names = list(steps)
         for index, batch in enumerate(_batches(WARMUP + TIMED)):
-            for name, step in steps.items():          # alternate: same machine state
+            turn = index % len(names)                 # rotate: each side in each position
+            for name in names[turn:] + names[:turn]:
+                step = steps[name]
                 start, cpu_start = time.perf_counter(), time.thread_time()
                 losses[name].append(step(batch))
                 if index >= WARMUP:
