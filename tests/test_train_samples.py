@@ -48,6 +48,12 @@ def test_iterations_follow_the_rampup():
      r"--lr-warmup-samples \(32\) must not exceed the decay span --lr-decay-samples"),
     (["--train-samples", "0"], "--train-samples must be >= 1, got 0"),
     (["--train-samples", "64", "--lr-decay-samples", "-1"], "--lr-decay-samples must be >= 0"),
+    (["--train-iters", "4", "--lr-wsd-decay-samples", "8"],
+     r"--lr-wsd-decay-samples \(8\) does not go with --train-iters: use --lr-wsd-decay-iters"),
+    (["--train-iters", "4", "--lr-decay-style", "WSD"],
+     r"--lr-decay-style WSD needs --lr-wsd-decay-iters N >= 1"),
+    (["--train-samples", "64", "--lr-decay-style", "WSD", "--lr-wsd-decay-samples", "0"],
+     r"--lr-decay-style WSD needs --lr-wsd-decay-samples N >= 1 .*got 0"),
 ])
 def test_iteration_and_sample_forms_do_not_mix(flags, message):
     """Raised by parse_args, which every rank runs before torch.distributed is initialised."""
@@ -116,3 +122,18 @@ def test_a_schedule_in_samples_resumes_only_in_samples():
     older = scheduler("iterations").state_dict()
     del older["unit"]                         # a checkpoint written before the unit was recorded
     scheduler("iterations").load_state_dict(older)
+
+
+def test_wsd_run_in_samples_by_hand(run_distributed, tmp_path):
+    """One rank, global batch 4, 24 samples (6 steps), warm-up 4 samples, decay until 24, WSD with
+    a linear anneal over the last 8 samples: lr before each step at c = 0, 4, ..., 20 consumed is
+    c / 4 in the warm-up, 1 while c ≤ 24 − 8 = 16, then 1 − (c − 16) / 8 (× 1e-3)."""
+    metrics = tmp_path / "m.jsonl"
+    run_distributed(1, _train, TINY + [
+        "--global-batch-size", "4", "--train-samples", "24", "--lr-warmup-samples", "4",
+        "--lr-decay-style", "WSD", "--lr-wsd-decay-style", "linear", "--lr-wsd-decay-samples",
+        "8", "--eval-iters", "0", "--log-interval", "100", "--no-progress-bar",
+        "--no-layout-table", "--metrics-file", str(metrics)])
+    train = [r for r in map(json.loads, metrics.read_text().splitlines()) if "loss" in r]
+    assert [r["lr"] for r in train] == pytest.approx(
+        [1e-3 * v for v in (0.0, 1.0, 1.0, 1.0, 1.0, 0.5)], abs=1e-15)

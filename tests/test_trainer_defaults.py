@@ -25,7 +25,9 @@ MEGATRON_DEFAULTS = {
     "tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1,
     "num_layers_per_virtual_pipeline_stage": None, "sequence_parallel": False, "seed": 1234,
     "hidden_dropout": 0.1, "attention_dropout": 0.1, "make_vocab_size_divisible_by": 128,
-    "init_method_std": 0.02, "vocab_size": None,
+    "init_method_std": 0.02, "vocab_size": None, "lr_wsd_decay_style": "exponential",
+    "lr_wsd_decay_iters": None, "lr_wsd_decay_samples": None, "manual_gc": False,
+    "manual_gc_interval": 0, "manual_gc_eval": True,
 }
 TINY = ["--num-layers", "2", "--hidden-size", "16", "--num-attention-heads", "2",
         "--seq-length", "16", "--micro-batch-size", "2", "--train-iters", "6", "--lr", "3e-5"]

@@ -30,8 +30,10 @@ from tpfuse.models.cli import add_config_arguments, config_from_args
 from tpfuse.training import presets
 from tpfuse.training.garbage_collection import add_gc_arguments, check_gc_arguments
 from tpfuse.training.sample_args import add_sample_arguments, check_sample_arguments
+from tpfuse.training.scheduler import DECAY_STYLES, WSD_DECAY_STYLES
 from tpfuse.training.timers import add_timing_arguments
-from tpfuse.training.train_samples import add_sample_based_arguments, check_iterations_or_samples
+from tpfuse.training.train_samples import (add_sample_based_arguments, check_iterations_or_samples,
+                                           check_wsd_arguments)
 from tpfuse.training.precision_args import (add_precision_and_ddp_arguments,
                                             validate_precision_and_ddp_args)
 
@@ -56,7 +58,13 @@ def _add_optimizer_arguments(parser) -> None:
     opt.add_argument("--lr-warmup-iters", type=int, default=0, help="linear warm-up steps")
     opt.add_argument("--lr-decay-iters", type=int, default=None,
                      help="steps over which the lr decays (default: --train-iters)")
-    opt.add_argument("--lr-decay-style", default="linear", choices=["cosine", "linear", "constant"])
+    opt.add_argument("--lr-decay-style", default="linear", choices=list(DECAY_STYLES),
+                     help="the decay after the warm-up (training/scheduler.py has the formulas)")
+    opt.add_argument("--lr-wsd-decay-style", default="exponential", choices=list(WSD_DECAY_STYLES),
+                     help="with --lr-decay-style WSD: the shape of the final anneal")
+    opt.add_argument("--lr-wsd-decay-iters", type=int, default=None,
+                     help="with --lr-decay-style WSD: iterations of the final anneal (ending at "
+                          "--lr-decay-iters)")
     add_sample_based_arguments(opt)
     opt.add_argument("--weight-decay", type=float, default=0.01)
     opt.add_argument("--clip-grad", type=float, default=1.0,
@@ -279,6 +287,7 @@ def _check_numbers(args) -> None:
 
 def _check_schedule_and_exit(args) -> None:
     check_iterations_or_samples(args)
+    check_wsd_arguments(args)
     if args.save_interval is not None and not args.save:
         raise ValueError("--save-interval needs --save DIR")
     if args.async_save and not args.save:

@@ -111,8 +111,10 @@ def fit_interleaving(args, preset: Preset, argv: list[str]) -> str | None:
             f"{' and the given virtual/uneven stages' if own_split else ''}; not interleaving")
 
 
-SAMPLE_FORM_FLAGS = ("--train-samples", "--lr-warmup-samples", "--lr-decay-samples")
-ITERATION_FORM_DEFAULTS = {"train_iters": None, "lr_warmup_iters": 0, "lr_decay_iters": None}
+SAMPLE_FORM_FLAGS = ("--train-samples", "--lr-warmup-samples", "--lr-decay-samples",
+                     "--lr-wsd-decay-samples")
+ITERATION_FORM_DEFAULTS = {"train_iters": None, "lr_warmup_iters": 0, "lr_decay_iters": None,
+                           "lr_wsd_decay_iters": None}
 
 
 def fit_run_length(args, preset: Preset, argv: list[str]) -> str | None:

@@ -43,7 +43,7 @@ from tpfuse.training.scheduler import LRScheduler
 from tpfuse.training.garbage_collection import ManualGC
 from tpfuse.training.host_memory import keep_freed_host_memory
 from tpfuse.training.timers import Timers
-from tpfuse.training.train_samples import iterations_for_samples, lr_schedule
+from tpfuse.training.train_samples import iterations_for_samples, lr_schedule, wsd_decay_length
 from tpfuse.training.train_step import (NonFinitePolicy, build_buffers_and_optimizer,
                                         loss_nonfinite, loss_scaled)
 
@@ -105,7 +105,9 @@ class _Run:
                                          args.skip_nonfinite)
         warmup, decay, unit = lr_schedule(args)
         self.scheduler = LRScheduler(self.optimizer, args.lr, args.min_lr, warmup, decay,
-                                     args.lr_decay_style, unit)
+                                     args.lr_decay_style, unit,
+                                     wsd_decay_steps=wsd_decay_length(args),
+                                     wsd_decay_style=args.lr_wsd_decay_style)
         self.forward_backward = get_forward_backward_func(self.state, config.pipeline_schedule)
         self.timers = Timers(args.timing_log_level, args.timing_log_option, self.device)
         self.calculator = MicrobatchCalculator(

@@ -24,8 +24,8 @@ each applied step's global batch (a skipped step advances nothing).
 """
 from __future__ import annotations
 
-ITERATION_FORM = ("train_iters", "lr_warmup_iters", "lr_decay_iters")
-SAMPLE_FORM = ("train_samples", "lr_warmup_samples", "lr_decay_samples")
+ITERATION_FORM = ("train_iters", "lr_warmup_iters", "lr_decay_iters", "lr_wsd_decay_iters")
+SAMPLE_FORM = ("train_samples", "lr_warmup_samples", "lr_decay_samples", "lr_wsd_decay_samples")
 _UNSET = {"lr_warmup_iters": 0, "lr_warmup_samples": 0}       # the others: None
 
 
@@ -38,6 +38,9 @@ def add_sample_based_arguments(group) -> None:
     group.add_argument("--lr-decay-samples", type=int, default=None,
                        help="with --train-samples: samples over which the lr decays (default: "
                             "--train-samples)")
+    group.add_argument("--lr-wsd-decay-samples", type=int, default=None,
+                       help="with --train-samples and --lr-decay-style WSD: samples of the "
+                            "final anneal")
 
 
 def _flag(name: str) -> str:
@@ -72,7 +75,7 @@ def check_iterations_or_samples(args) -> None:
         if value is not None and value < (1 if name == "train_samples" else 0):
             raise ValueError(f"{_flag(name)} must be >= {1 if name == 'train_samples' else 0}, "
                              f"got {value}")
-    train, warmup, decay = mine
+    train, warmup, decay = mine[:3]
     span = getattr(args, decay) or getattr(args, train)
     if getattr(args, warmup) > span:
         raise ValueError(f"{_flag(warmup)} ({getattr(args, warmup)}) must not exceed the decay "
@@ -102,3 +105,19 @@ def lr_schedule(args) -> tuple[int, int, str]:
     if is_sample_based(args):
         return args.lr_warmup_samples, args.lr_decay_samples or args.train_samples, "samples"
     return args.lr_warmup_iters, args.lr_decay_iters or args.train_iters, "iterations"
+
+
+def wsd_decay_length(args) -> int | None:
+    """The WSD anneal's length in the schedule's unit (None: not given)."""
+    return args.lr_wsd_decay_samples if is_sample_based(args) else args.lr_wsd_decay_iters
+
+
+def check_wsd_arguments(args) -> None:
+    """--lr-decay-style WSD names its anneal's length (Megatron asserts the same)."""
+    if args.lr_decay_style != "WSD":
+        return
+    flag = "--lr-wsd-decay-samples" if is_sample_based(args) else "--lr-wsd-decay-iters"
+    length = wsd_decay_length(args)
+    if length is None or length < 1:
+        raise ValueError(f"--lr-decay-style WSD needs {flag} N >= 1 (the final anneal's length), "
+                         f"got {length}")
