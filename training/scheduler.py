@@ -76,14 +76,16 @@ class LRScheduler:
         if decay_steps is None or step > decay_steps:
             return self.min_lr if decay_steps is not None else self.max_lr
         if self.decay_style == "inverse-square-root":
-            return max(self.min_lr, self.max_lr * math.sqrt(max(self.warmup_steps, 1) / max(step, 1)))
+            scale = math.sqrt(max(self.warmup_steps, 1) / max(step, 1))
+            return max(self.min_lr, self.max_lr * scale)
         if self.decay_style == "WSD":
             anneal_start = decay_steps - self.wsd_decay_steps
             coeff = 1.0 if step <= anneal_start else _FALLING[self.wsd_decay_style](
                 (step - anneal_start) / self.wsd_decay_steps)
         else:
             span = decay_steps - self.warmup_steps
-            coeff = _FALLING[self.decay_style]((step - self.warmup_steps) / span if span > 0 else 1.0)
+            ratio = (step - self.warmup_steps) / span if span > 0 else 1.0
+            coeff = _FALLING[self.decay_style](ratio)
         return self.min_lr + coeff * (self.max_lr - self.min_lr)
 
     @property
