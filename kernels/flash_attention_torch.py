@@ -151,7 +151,17 @@ def _gathered_call(mask, segs, b, dtype, device) -> Call:
     return Call(False, additive_bias(keep[:, None], dtype), **gather)
 
 
+def _nothing_to_plan(mask, s_q, s_k) -> bool:
+    """No documents, no window, and no causal mask or a causal one whose queries and keys sit at
+    the same positions: one call on the whole inputs, known without building segments."""
+    if mask.has_documents or mask.window_size is not None:
+        return False
+    return not mask.causal or (mask.shift == 0 and s_q == s_k)
+
+
 def plan(mask, b, s_q, s_k, dtype, device) -> list[Call]:
+    if _nothing_to_plan(mask, s_q, s_k):
+        return [Call(mask.causal, None, view=Segment(None, 0, s_q, 0, s_k))]
     segs = segments(mask, b, s_q, s_k)
     if segs is None:  # unsorted document ids: one dense call
         keep = mask.visible(s_q, s_k, device)                                  # (b, 1, s_q, s_k)
@@ -256,29 +266,11 @@ def _covers_everything(calls, s_q, s_k) -> bool:
     return len(calls) == 1 and calls[0].view == Segment(None, 0, s_q, 0, s_k)
 
 
-_WHOLE = {True: Call(True, None), False: Call(False, None)}   # one call on the inputs as they are
-
-
-def _whole_call(mask, s_q, s_k) -> Call | None:
-    """The one call of a mask with nothing to plan — no documents, no window, and no causal mask
-    or a causal one whose queries and keys sit at the same positions (what ``plan`` returns for
-    it, without building segments); None for any other mask."""
-    if mask.has_documents or mask.window_size is not None:
-        return None
-    if mask.causal and (mask.shift != 0 or s_q != s_k):
-        return None
-    return _WHOLE[mask.causal]
-
-
 def attention_forward_torch(q, k, v, mask, scale):
     """(out (b, h, s_q, d) in q's dtype, lse (b, h, s_q) fp32, float64 for float64 inputs)."""
     b, heads, s_q, head_dim = q.shape
     s_k = k.shape[2]
     lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    whole = _whole_call(mask, s_q, s_k)
-    if whole is not None:
-        out, lse = _call_forward(q, k, v, whole, scale)
-        return out, lse.to(lse_dtype)
     calls = plan(mask, b, s_q, s_k, q.dtype, q.device)
     if _covers_everything(calls, s_q, s_k):
         out, lse = _call_forward(q, k, v, calls[0], scale)
@@ -296,9 +288,6 @@ def attention_backward_torch(dout, q, k, v, out, lse, mask, scale):
     """(dq, dk, dv) in the dtypes of q, k, v; rows and keys outside every segment get 0."""
     b, _, s_q, _ = q.shape
     s_k = k.shape[2]
-    whole = _whole_call(mask, s_q, s_k)
-    if whole is not None:
-        return _call_backward(dout, q, k, v, out, lse, whole, scale)
     calls = plan(mask, b, s_q, s_k, q.dtype, q.device)
     if _covers_everything(calls, s_q, s_k):
         return _call_backward(dout, q, k, v, out, lse, calls[0], scale)
