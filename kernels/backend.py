@@ -15,6 +15,7 @@ live on the CPU, so no environment variable has to be set before importing trito
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 
 import torch
@@ -52,7 +53,9 @@ def use_backend(name: str):
         _state.override = previous
 
 
+@functools.cache
 def triton_available() -> bool:
+    """Whether triton imports (asked on every op's backend resolution: answered once)."""
     try:
         import triton  # noqa: F401
     except ImportError:  # pragma: no cover - triton is a dependency; kept for broken installs

@@ -136,7 +136,7 @@ def accumulate_wgrad(out: torch.Tensor, grad_output: torch.Tensor, input: torch.
     if g2d.shape[0] != x2d.shape[0] or out.shape != (g2d.shape[1], x2d.shape[1]):
         raise ValueError(f"accumulate_wgrad: grad_output {tuple(grad_output.shape)} and input "
                          f"{tuple(input.shape)} do not give out's shape {tuple(out.shape)}")
-    path = backend if backend in _ACCUMULATE else _backend.resolve(backend, out, g2d, x2d)
+    path = _backend.resolve(backend, out, g2d, x2d)
     _ACCUMULATE[path](out, g2d, x2d)
 
 
