@@ -21,6 +21,7 @@ free everything else at once), so a long interval holds their memory longer.
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 
 
@@ -79,18 +80,12 @@ class ManualGC:
         if self.enabled and self.interval and iteration % self.interval == 0:
             gc.collect()
 
-    def around_evaluation(self) -> "_Evaluation":
-        return _Evaluation(self.at_evaluation)
-
-
-class _Evaluation:
-    def __init__(self, collect: bool):
-        self.collect = collect
-
-    def __enter__(self) -> None:
-        if self.collect:
+    @contextlib.contextmanager
+    def around_evaluation(self):
+        if self.at_evaluation:
             gc.collect()
-
-    def __exit__(self, *exc) -> None:
-        if self.collect:
-            gc.collect(0)
+        try:
+            yield
+        finally:
+            if self.at_evaluation:
+                gc.collect(0)
