@@ -20,7 +20,7 @@ moves a step's time by about 1 % through the allocator's and caches' state, and 
 every side each position equally often. One process: a gloo world of
 one, ``torch.set_num_threads(1)``, glibc malloc keeping freed memory as ``pretrain`` sets it on CPU:
 ``training/host_memory.py``), after warm-up steps; the per-step losses of both must agree
-(rel 1e-4 after 12 AdamW steps: same fp32 math in another op order). The summary prints the
+(rel 1e-4 after 21 AdamW steps: same fp32 math in another op order). The summary prints the
 median step times, wall clock and the worker thread's CPU time (less sensitive to other jobs on a
 shared machine), tpfuse / plain (< 1: tpfuse faster; target ≤ 1.00) and tpfuse / plain-fused.
 

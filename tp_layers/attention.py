@@ -163,7 +163,8 @@ class ParallelAttention(nn.Module):
                                  f"{(batch, seq)}")  # checked before the QKV all-gather
         batch_first = batch_first_attention(hidden_states, self.sequence_parallel, self.tp.size)
         if batch_first:
-            hidden_states = hidden_states.transpose(0, 1)        # (b, s, h): the GEMM copies it
+            hidden_states = hidden_states.transpose(0, 1)        # (b, s, h); a copy in the GEMM
+                                                                 # unless rows are batch-major
         qkv = self.linear_qkv(hidden_states)                     # (s | b, b | s, (h_l + 2 g_l)·d)
         q, k, v = split_qkv(qkv, self.groups_local, self.heads_per_group, self.head_dim,
                             batch_first)                         # [b, heads | g_l, s, d] views

@@ -8,9 +8,10 @@ output viewed as ``(tokens..., g_l, hpg + 2, d)`` gives q, k and v by slicing, n
 Token order: ``batch_first_attention`` says which one the attention runs on. On CPU ATen's flash
 attention (the torch path of ``kernels.flash_attention``) reads q/k/v tiles along the sequence, so
 it is faster on batch-first views (sequence stride (h_l + 2 g_l)·d) than on sequence-first ones
-(stride b times that): the layer then transposes the QKV input (one copy of the (s, b, h) input,
-which the GEMM keeps for its weight gradient instead of the norm's output) and hands the
-projection a batch-first input, whose (b, s, h) output it returns as an (s, b, h) view. With
+(stride b times that): the QKV GEMM then reads batch-first rows (TransformerLayer runs its input
+norm on a (b, s, h) copy of the hidden states and passes an (s, b, h) view of the result; called
+on sequence-first rows, the GEMM copies them) and the projection a batch-first input, whose
+(b, s, h) output the attention returns as an (s, b, h) view. With
 sequence parallelism over tp > 1 ranks the QKV GEMM is the fused all-gather over s, whose output
 is sequence-first; on a GPU the Triton kernels take either order at the same speed, so neither
 transposes.
