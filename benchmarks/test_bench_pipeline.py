@@ -5,7 +5,9 @@ the same weights and micro-batches, CPU gloo, pp = 2 and 4, vpp = 2, m = 8; one 
 forward + backward (no optimizer). Each job builds the model once, runs warm-up steps, then
 times steps on every rank between two barriers (so a step is the whole pipeline's time); the
 summary prints median step times and the tpfuse / torch ratio (< 1: tpfuse faster) from one
-run; the two implementations step alternately in one job, so a change of load hits both alike.
+run; the two implementations step alternately in one job, so a change of load hits both alike,
+and they take turns at going first (which step runs right after which moves a step's time through
+the allocator's and caches' state, so each side is first in half the steps).
 
     python3 -m pytest benchmarks/test_bench_pipeline.py --benchmark-enable -q -s \
         --benchmark-columns=median,iqr,rounds
@@ -30,7 +32,7 @@ from tpfuse.parallel.launch import WorkerPool
 VPP, M, MICRO_BATCH = 2, 8, 2
 BASE = dict(num_layers=8, hidden_size=64, num_attention_heads=4, seq_length=32, vocab_size=256,
             make_vocab_size_divisible_by=128, hidden_dropout=0.0, attention_dropout=0.0, seed=5)
-WARMUP_STEPS, TIMED_STEPS = 2, 10
+WARMUP_STEPS, TIMED_STEPS = 2, 20
 
 
 def _micro_batches():
@@ -121,8 +123,10 @@ def _bench_job(pp):
                  "torch": functools.partial(_torch_step, _torch_schedule(chunks, state), ids,
                                             labels)}
         out = {impl: {"times": []} for impl in steps}
+        names = list(steps)
         for index in range(WARMUP_STEPS + TIMED_STEPS):
-            for impl, step in steps.items():
+            for impl in (names if index % 2 == 0 else names[::-1]):   # each side first in turn
+                step = steps[impl]
                 for chunk in chunks:
                     chunk.zero_grad(set_to_none=True)
                 dist.barrier(group=state.pp_group)
