@@ -140,6 +140,21 @@ def accumulate_wgrad(out: torch.Tensor, grad_output: torch.Tensor, input: torch.
     _ACCUMULATE[path](out, g2d, x2d)
 
 
+def new_wgrad(grad_output: torch.Tensor, input: torch.Tensor, *, backend=None) -> torch.Tensor:
+    """``grad_outputᵀ · input`` summed over all leading dims, as a new fp32 ``(n, k)`` tensor (no
+    ``main_grad`` to accumulate into): the torch path's one ``mm`` writes it (a zero fill and an
+    accumulating GEMM would touch it twice), the kernel accumulates into fresh zeros."""
+    g2d, x2d = as_matrix(grad_output), as_matrix(input)                  # (M, n), (M, k)
+    if g2d.shape[0] != x2d.shape[0]:
+        raise ValueError(f"new_wgrad: grad_output {tuple(grad_output.shape)} and input "
+                         f"{tuple(input.shape)} differ in their leading dims")
+    if _backend.resolve(backend, g2d, x2d) == "torch":
+        return torch.mm(cast(g2d, torch.float32).t(), cast(x2d, torch.float32))
+    out = torch.zeros((g2d.shape[1], x2d.shape[1]), dtype=torch.float32, device=g2d.device)
+    accumulate_wgrad(out, g2d, x2d, backend="triton")
+    return out
+
+
 def wgrad_accumulator(weight: torch.Tensor) -> torch.Tensor:
     """Where ``weight``'s gradient contributions go: its persistent ``main_grad`` buffer when the
     trainer set one, else a fresh fp32 zero tensor of weight's shape."""
@@ -170,9 +185,11 @@ def weight_grad(weight: torch.Tensor, grad_output: torch.Tensor, input: torch.Te
                                             backend))
         weight.deferred_wgrads = getattr(weight, "deferred_wgrads", 0) + 1
         return None
-    accumulator = wgrad_accumulator(weight)
-    accumulate_wgrad(accumulator, grad_output, input, backend=backend)
-    return wgrad_for_autograd(weight, accumulator)
+    main_grad = getattr(weight, "main_grad", None)
+    if main_grad is not None:
+        accumulate_wgrad(main_grad, grad_output, input, backend=backend)
+        return None
+    return cast(new_wgrad(grad_output, input, backend=backend), weight.dtype)
 
 
 def deferred_weight_grad(weight, grad_output, input, backend=None) -> None:
@@ -183,12 +200,11 @@ def deferred_weight_grad(weight, grad_output, input, backend=None) -> None:
     if getattr(weight, "main_grad", None) is not None:
         accumulate_wgrad(weight.main_grad, grad_output, input, backend=backend)
     else:
-        accumulator = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-        accumulate_wgrad(accumulator, grad_output, input, backend=backend)
+        dw = cast(new_wgrad(grad_output, input, backend=backend), weight.dtype)   # (n, k)
         if weight.grad is None:
-            weight.grad = accumulator.to(weight.dtype)
+            weight.grad = dw
         else:
-            weight.grad.add_(accumulator.to(weight.dtype))
+            weight.grad.add_(dw)
     weight.deferred_wgrads -= 1
     done = getattr(weight, "after_deferred_wgrads", None)
     if weight.deferred_wgrads == 0 and done is not None:

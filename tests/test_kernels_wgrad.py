@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tpfuse.kernels.wgrad import (accumulate_wgrad, linear_with_grad_accumulation, weight_grad,
-                                  wgrad_reference)
+from tpfuse.kernels.wgrad import (accumulate_wgrad, linear_with_grad_accumulation, new_wgrad,
+                                  weight_grad, wgrad_reference)
 
 U = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
 
@@ -75,6 +75,23 @@ def test_accumulate_wgrad_whole_and_ragged_tiles(n, k, transposed):
 def test_accumulate_wgrad_rejects_mismatched_shapes():
     with pytest.raises(ValueError, match="accumulate_wgrad"):
         accumulate_wgrad(torch.zeros(5, 4), torch.zeros(3, 5), torch.zeros(3, 7))
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_new_wgrad_is_g_transpose_x_in_fp32(backend, dtype):
+    """Without a buffer to accumulate into: a new fp32 (n, k), the fp64 gᵀ·x within one
+    accumulation's bound (the torch path's single mm and the kernel's zero-started sum alike)."""
+    gen = torch.Generator().manual_seed(2)
+    g = torch.randn(3, 13, 37, generator=gen).to(dtype)          # (s, b, n), rows 39
+    x = torch.randn(3, 13, 29, generator=gen).to(dtype)          # (s, b, k)
+    expected = wgrad_reference(g, x)
+    dw = new_wgrad(g, x, backend=backend)
+    assert dw.dtype == torch.float32 and dw.shape == (37, 29)
+    err = (dw.double() - expected).abs()
+    assert (err <= _bound(g, x, torch.float32, expected)).all(), err.max()
+    with pytest.raises(ValueError, match="new_wgrad"):
+        new_wgrad(g, x[:2], backend=backend)
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
