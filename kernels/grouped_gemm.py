@@ -17,11 +17,18 @@ grid has ⌈M / BLOCK_M⌉ + G row tiles; the surplus programs return at once.
 
 Accumulation is fp32 for every dtype; the output has the operands' dtype.
 
+Inside a zero-bubble I pass (``wgrad_deferral``) backward returns dx only: the wgrad GEMM is
+queued for the W action, which adds ``dw`` where autograd's gradient would have gone (``main_grad``
+or ``w.grad``), so the MoE experts' weight gradients fill the pipeline's idle time as the TP
+linear layers' do.
+
 File shape: Triton kernels → launchers → torch paths (the fast CPU path: one ``mm`` per group into
 slices of one output, and the reference: a loop of ``torch.matmul``) → autograd Function →
 ``grouped_gemm``.
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -30,6 +37,8 @@ import triton.language as tl
 from . import backend as _backend
 from .matmul import _input_precision
 from .matmul_kernels import dot_over_reduction, even_tile_rules, even_tiles, tile_indices
+from .wgrad_deferral import (add_deferred_grad, defer_grad_of, deferred_grad_done,
+                             weight_grads_deferred)
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Interpreter meta-parameters: small tiles, so test shapes have several tiles per group.
@@ -248,8 +257,19 @@ class _GroupedGemm(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             dx = gemm(dy, w.transpose(1, 2), ctx.sizes, offsets)   # (M, N) @ (N, K) per group
         if ctx.needs_input_grad[1]:
-            dw = wgrad(x, dy, ctx.sizes, offsets)                  # (G, K, M_g) @ (M_g, N)
+            if weight_grads_deferred():                            # zero-bubble I: wgrad in W
+                defer_grad_of(w, functools.partial(_deferred_wgrad, w, x, dy, ctx.sizes,
+                                                   offsets, ctx.path))
+            else:
+                dw = wgrad(x, dy, ctx.sizes, offsets)              # (G, K, M_g) @ (M_g, N)
         return dx, dw, None, None, None
+
+
+def _deferred_wgrad(w, x, dy, sizes, offsets, path) -> None:
+    """W's half of the backward: the wgrad GEMM the I pass held back, put where autograd's
+    gradient would have gone (``main_grad`` or ``w.grad``)."""
+    add_deferred_grad(w, _PATHS[path][1](x, dy, sizes, offsets))  # (G, K, N)
+    deferred_grad_done(w)
 
 
 def _sizes(tokens_per_group) -> tuple[int, ...]:

@@ -39,7 +39,8 @@ from .comm_gemm_common import validate_linear
 from .matmul import (PATHS, _input_precision, activation_grad_torch, activation_grad_triton,
                      as_matrix, cast, matmul_torch_forward, matmul_triton_forward)
 from .matmul_kernels import dot_over_reduction, even_tile_rules, even_tiles, tile_indices
-from .wgrad_deferral import defer_weight_grad, weight_grads_deferred
+from .wgrad_deferral import (add_deferred_grad, defer_grad_of, deferred_grad_done,
+                              weight_grads_deferred)
 
 CPU_META = {"BLOCK_N": 16, "BLOCK_K": 32, "BLOCK_M": 32}
 
@@ -181,9 +182,8 @@ def weight_grad(weight: torch.Tensor, grad_output: torch.Tensor, input: torch.Te
     Inside a zero-bubble I pass (``wgrad_deferral``) the GEMM is queued for the W action instead
     and autograd gets None; W then accumulates into ``main_grad``, or into ``weight.grad``."""
     if weight_grads_deferred():
-        defer_weight_grad(functools.partial(deferred_weight_grad, weight, grad_output, input,
-                                            backend))
-        weight.deferred_wgrads = getattr(weight, "deferred_wgrads", 0) + 1
+        defer_grad_of(weight, functools.partial(deferred_weight_grad, weight, grad_output, input,
+                                                backend))
         return None
     main_grad = getattr(weight, "main_grad", None)
     if main_grad is not None:
@@ -193,22 +193,15 @@ def weight_grad(weight: torch.Tensor, grad_output: torch.Tensor, input: torch.Te
 
 
 def deferred_weight_grad(weight, grad_output, input, backend=None) -> None:
-    """The W half of ``weight_grad``: autograd got None in the I pass, so the gradient goes to
-    ``main_grad``, else it is added to ``weight.grad`` (created when absent). When the last
-    deferred GEMM of ``weight`` is done, ``weight.after_deferred_wgrads()`` (set by the
-    data-parallel buffers) learns that this backward's contribution is complete."""
+    """The W half of ``weight_grad``: autograd got None in the I pass, so the GEMM accumulates
+    into ``main_grad``, else its result is added to ``weight.grad`` (created when absent); then
+    ``deferred_grad_done`` (the data-parallel buffers learn when the contribution is complete)."""
     if getattr(weight, "main_grad", None) is not None:
         accumulate_wgrad(weight.main_grad, grad_output, input, backend=backend)
     else:
-        dw = cast(new_wgrad(grad_output, input, backend=backend), weight.dtype)   # (n, k)
-        if weight.grad is None:
-            weight.grad = dw
-        else:
-            weight.grad.add_(dw)
-    weight.deferred_wgrads -= 1
-    done = getattr(weight, "after_deferred_wgrads", None)
-    if weight.deferred_wgrads == 0 and done is not None:
-        done()
+        add_deferred_grad(weight, cast(new_wgrad(grad_output, input, backend=backend),
+                                       weight.dtype))                   # (n, k)
+    deferred_grad_done(weight)
 
 
 # ----------------------------------------------------------------------------- the linear op

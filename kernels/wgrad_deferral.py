@@ -4,8 +4,9 @@ Zero-bubble schedules split a stage's backward into I (the gradient w.r.t. the s
 the previous stage waits for) and W (the weight gradients, which nobody waits for). The executor
 runs I as an ordinary autograd backward inside :func:`deferring_weight_grads`; while it is open,
 the weight-gradient helper of the TP linear layers (``kernels/wgrad.weight_grad``, also reached
-by the ring comm-GEMMs' backward) calls :func:`defer_weight_grad` with a closure that computes and
-accumulates the gradient, and the closure is queued instead of run. The W action later runs the
+by the ring comm-GEMMs' backward) and the MoE experts' grouped GEMM (``kernels/grouped_gemm``)
+call :func:`defer_grad_of` with a closure that computes and accumulates the gradient, and the
+closure is queued instead of run. The W action later runs the
 queue of that I pass (:meth:`WeightGradQueue.run`), in the order the closures were queued.
 
 Everything autograd computes itself (norm weights, biases, embeddings) still happens in I; only
@@ -69,3 +70,38 @@ def defer_weight_grad(closure) -> bool:
         return False
     _open_queue.append(closure)
     return True
+
+
+# ----------------------------------------------------------------------------- per weight
+
+def defer_grad_of(weight: torch.Tensor, closure) -> None:
+    """Queue ``closure`` (W's part of ``weight``'s gradient; it ends with
+    :func:`deferred_grad_done`) and count it in ``weight.deferred_wgrads``: the data-parallel
+    hooks take the weight's contribution for complete only when W has run every such closure.
+    Only inside an I pass (``weight_grads_deferred()``)."""
+    if not defer_weight_grad(closure):
+        raise RuntimeError("defer_grad_of outside an I pass: compute the weight gradient now")
+    weight.deferred_wgrads = getattr(weight, "deferred_wgrads", 0) + 1
+
+
+def add_deferred_grad(weight: torch.Tensor, dw: torch.Tensor) -> None:
+    """Where W puts a weight gradient autograd did not get in I, as the undeferred backward would
+    have: added to ``weight.main_grad`` (what the data-parallel hook does with autograd's
+    gradient), else to ``weight.grad`` (set when absent, as ``AccumulateGrad`` does)."""
+    main_grad = getattr(weight, "main_grad", None)
+    if main_grad is not None:
+        main_grad.add_(dw)
+    elif weight.grad is None:
+        weight.grad = dw
+    else:
+        weight.grad.add_(dw)
+
+
+def deferred_grad_done(weight: torch.Tensor) -> None:
+    """One deferred closure of ``weight`` has run; after the last one,
+    ``weight.after_deferred_wgrads()`` (set by the data-parallel buffers) counts this backward's
+    contribution."""
+    weight.deferred_wgrads -= 1
+    done = getattr(weight, "after_deferred_wgrads", None)
+    if weight.deferred_wgrads == 0 and done is not None:
+        done()

@@ -17,7 +17,8 @@ any ep / etp layout holds the slices of the single-process layer.
 
 Compute: ``grouped=True`` → two grouped GEMMs over all local experts (``kernels.grouped_gemm``);
 else a loop over the experts (Megatron's SequentialMLP) with ``kernels.matmul``, gelu fused into
-fc1's epilogue. Both read the same parameters.
+fc1's epilogue. Both read the same parameters. Under zero-bubble ZB-H1 the grouped GEMMs' weight
+gradients run in the W action; the loop's stay in the input-gradient pass.
 
 Parameter attributes (Megatron's names): ``allreduce = False`` (reduced over expert data
 parallel, not dp); dim 0 indexes the local experts; ``tensor_model_parallel`` / ``partition_dim``

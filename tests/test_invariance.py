@@ -302,6 +302,11 @@ MOE_LAYOUTS = {
     "cp2-ep2": (2, _parallel(cp=2) + ["--expert-model-parallel-size", "2"]),
     # dense state sharded over dp 4, the experts' over their edp 2
     "dp4-ep2-distopt": (4, DISTRIBUTED_OPTIMIZER + ["--expert-model-parallel-size", "2"]),
+    # zero-bubble: the grouped experts' weight gradients run in W, and their expert-dp buckets
+    # (overlapped) wait for it
+    "pp2-dp2-ep2-grouped-zb-h1": (4, _parallel(pp=2) + [
+        "--expert-model-parallel-size", "2", "--moe-grouped-gemm", "--pipeline-schedule",
+        "zb-h1", "--overlap-grad-reduce", "--ddp-bucket-size", "2000"]),
 }
 
 

@@ -9,9 +9,11 @@
    GEMM over the gathered operand, a different fp32 summation order: each entry sums s·b = 16
    products of O(1) values, whose reordering moves it by up to ~16 · eps(fp32) ≈ 1e-6 absolute
    (atol 2e-6; rtol 1e-5 for the larger entries).
+   The MoE experts' grouped GEMM likewise (exact: the same wgrad GEMM either way).
 2. A GPT training step under ZB-H1 gives the same per-micro-batch losses and gradients as the
-   same model under 1F1B (pp 2 with tp 2, and pp 4): W's queue accumulates the same GEMMs in the
-   same micro-batch order, so the results are bitwise equal.
+   same model under 1F1B (pp 2 with tp 2, pp 4, and MoE at pp 2 with the expert loop, whose
+   gradients stay in I, and with the grouped GEMM, whose wgrads go to W): W's queue accumulates
+   the same GEMMs in the same micro-batch order, so the results are bitwise equal.
 """
 import contextlib
 
@@ -93,6 +95,38 @@ def test_tp_linear_weight_grads_are_deferred_to_w(run_distributed):
     assert all(len(r) == 12 for r in results)
 
 
+@pytest.mark.parametrize("main_grad", [False, True])
+def test_grouped_expert_weight_grads_are_deferred_to_w(main_grad):
+    """The MoE experts' grouped GEMM: inside an I pass dx is the undeferred one, w's gradient is
+    held back (one closure queued, counted in ``deferred_wgrads``), and W gives exactly the
+    undeferred gradient (the same wgrad GEMM, added where autograd's gradient would go)."""
+    from tpfuse.kernels.grouped_gemm import grouped_gemm
+    from tpfuse.kernels.wgrad_deferral import WeightGradQueue, deferring_weight_grads
+
+    sizes = [3, 0, 5]                                         # an empty group included
+    x0, dy = seeded_randn(4, 8, H), seeded_randn(5, 8, OUT)   # (M, K), (M, N)
+    done, outcomes = [], []
+    for deferred in (False, True):
+        w = torch.nn.Parameter(seeded_randn(6, 3, H, OUT))    # (G, K, N)
+        if main_grad:
+            w.main_grad = torch.zeros_like(w)
+        w.after_deferred_wgrads = lambda: done.append(True)
+        x = x0.clone().requires_grad_(True)
+        queue = WeightGradQueue()
+        with deferring_weight_grads(queue) if deferred else contextlib.nullcontext():
+            grouped_gemm(x, w, sizes).backward(dy)
+        if deferred:
+            assert len(queue) == 1 and w.deferred_wgrads == 1 and w.grad is None
+            assert not main_grad or not w.main_grad.any()     # nothing arrived before W
+            queue.run()
+            assert w.deferred_wgrads == 0 and done == [True]
+        elif main_grad:                                       # the trainer's hook, by hand
+            w.main_grad.add_(w.grad)
+        outcomes.append((x.grad.clone(), (w.main_grad if main_grad else w.grad).clone()))
+    (dx, dw), (dx_d, dw_d) = outcomes
+    assert torch.equal(dx_d, dx) and torch.equal(dw_d, dw)
+
+
 # ------------------------------------------------------------------ ZB-H1 vs 1F1B on a GPT
 
 BASE = dict(hidden_size=32, num_attention_heads=4, seq_length=8, vocab_size=61,
@@ -144,7 +178,8 @@ def _zb_vs_1f1b_body(tp, pp, sp, extra):
 
 
 @pytest.mark.parametrize("tp, pp, sp, extra", [(2, 2, True, {}), (1, 4, False, {}),
-                                               (1, 2, False, MOE)])   # MoE: experts in I
+                                               (1, 2, False, MOE),     # expert loop: in I
+                                               (1, 2, False, dict(MOE, moe_grouped_gemm=True))])
 def test_zb_h1_losses_and_grads_equal_1f1b(run_distributed, tp, pp, sp, extra):
     results = run_distributed(tp * pp, _zb_vs_1f1b_body, tp, pp, sp, extra)
     for runs in results:
