@@ -6,8 +6,8 @@ runs I as an ordinary autograd backward inside :func:`deferring_weight_grads`; w
 the weight-gradient helper of the TP linear layers (``kernels/wgrad.weight_grad``, also reached
 by the ring comm-GEMMs' backward) and the MoE experts' grouped GEMM (``kernels/grouped_gemm``)
 call :func:`defer_grad_of` with a closure that computes and accumulates the gradient, and the
-closure is queued instead of run. The W action later runs the
-queue of that I pass (:meth:`WeightGradQueue.run`), in the order the closures were queued.
+closure is queued instead of run. The W action later runs the queue of that I pass
+(:meth:`WeightGradQueue.run`), in the order the closures were queued.
 
 Everything autograd computes itself (norm weights, biases, embeddings) still happens in I; only
 code that asks to be deferred moves to W, so a model without such layers runs correctly with an

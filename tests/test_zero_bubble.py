@@ -1,4 +1,5 @@
-"""Zero-bubble: the TP linear layers' weight gradients deferred to W, and ZB-H1 against 1F1B.
+"""Zero-bubble: the TP linear layers' and the grouped experts' weight gradients deferred to W,
+and ZB-H1 against 1F1B.
 
 1. Every TP linear path (column / row parallel; plain, sequence parallel through the ring
    comm-GEMMs and through their fallback; with and without ``main_grad``) backward inside an open
@@ -95,8 +96,9 @@ def test_tp_linear_weight_grads_are_deferred_to_w(run_distributed):
     assert all(len(r) == 12 for r in results)
 
 
-@pytest.mark.parametrize("main_grad", [False, True])
-def test_grouped_expert_weight_grads_are_deferred_to_w(main_grad):
+@pytest.mark.parametrize("backend, main_grad", [("torch", False), ("torch", True),
+                                               ("triton", True)])
+def test_grouped_expert_weight_grads_are_deferred_to_w(backend, main_grad):
     """The MoE experts' grouped GEMM: inside an I pass dx is the undeferred one, w's gradient is
     held back (one closure queued, counted in ``deferred_wgrads``), and W gives exactly the
     undeferred gradient (the same wgrad GEMM, added where autograd's gradient would go)."""
@@ -114,7 +116,7 @@ def test_grouped_expert_weight_grads_are_deferred_to_w(main_grad):
         x = x0.clone().requires_grad_(True)
         queue = WeightGradQueue()
         with deferring_weight_grads(queue) if deferred else contextlib.nullcontext():
-            grouped_gemm(x, w, sizes).backward(dy)
+            grouped_gemm(x, w, sizes, backend=backend).backward(dy)
         if deferred:
             assert len(queue) == 1 and w.deferred_wgrads == 1 and w.grad is None
             assert not main_grad or not w.main_grad.any()     # nothing arrived before W
