@@ -29,8 +29,8 @@ from tpfuse.parallel.context_split import (CP_COMM_TYPE_ALIASES, CP_COMM_TYPES,
                                            check_context_parallel_heads, check_sequence_split)
 
 from .layer_assignment import stage_layer_counts
-from .config_checks import (parse_int_pair, require_choice, require_positive,
-                            require_positive_or_none)
+from .config_checks import (parse_int_pair, require_choice, require_non_negative_or_none,
+                            require_positive, require_positive_or_none)
 from .moe_config import parse_moe_layer_freq, validate_moe
 from .recompute_config import validate_recompute
 
@@ -104,6 +104,9 @@ class TransformerConfig:
     pipeline_schedule: str | None = _f(
         "parallelism", "1f1b | interleaved | zb-h1 (zero bubble, weight gradients deferred); "
         "default: interleaved when vpp > 1, else 1f1b", None)
+    p2p_recv_ahead: int | None = _f(
+        "parallelism", "pipeline receives posted ahead of need, past this rank's pending sends "
+        "(gloo only: on NCCL they would block those sends); None: 4 on gloo, 0 on NCCL", None)
     context_parallel_size: int = _f("parallelism", "context-parallel group size cp", 1)
     cp_comm_type: str = _f(
         "parallelism", "context-parallel attention: p2p (ring, K/V blocks overlapped with the "
@@ -279,6 +282,7 @@ class TransformerConfig:
         require_positive_or_none(self, "vocab_size", "expert_tensor_parallel_size",
                                   "microbatch_group_size_per_vp_stage",
                                   "virtual_pipeline_model_parallel_size", "recompute_num_layers")
+        require_non_negative_or_none(self, "p2p_recv_ahead")
         require_choice(self, "normalization", NORMALIZATIONS)
         require_choice(self, "activation", ACTIVATIONS)
         require_choice(self, "position_embedding_type", POSITION_EMBEDDINGS)

@@ -17,7 +17,8 @@
 - Activations/gradients exchanged between stages have ``tensor_shape`` or, by default,
   ``(seq_length / (tp if sequence_parallel) / cp, micro_batch_size, hidden_size)`` from
   ``model[0].config`` in ``config.pipeline_dtype`` (Megatron's field), else
-  ``config.params_dtype`` (fp32 when absent).
+  ``config.params_dtype`` (fp32 when absent). On gloo, receives are posted up to
+  ``config.p2p_recv_ahead`` ahead of need (default 4; see ``p2p.py``), on NCCL in strict order.
 - After its activation is sent, a chunk output's storage is freed (``.data`` replaced by a
   1-element tensor; ``grad_fn`` survives). Its backward then calls the autograd engine directly
   with the received gradient, as Megatron's ``custom_backward`` does: ``torch.autograd.backward``
@@ -38,8 +39,9 @@ first message is exchanged, so bad settings raise ValueError instead of hanging 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
-from .p2p import PipelineP2P
+from .p2p import PipelineP2P, recv_ahead_for
 from .plan import SCHEDULE_KINDS, rank_plan
 from .schedules import build_no_pipelining_schedule, forward_only as forward_only_actions
 from .stage_actions import NO_TIMERS, StageRun, execute
@@ -159,8 +161,10 @@ def _pipelined(kind, forward_step_func, data_iterator, chunks, num_microbatches,
     iterators = _as_iterators(data_iterator, len(chunks))
     shape, dtype, device = _recv_tensor_spec(chunks, seq_length, micro_batch_size, state,
                                              tensor_shape)
+    requested_ahead = getattr(_unwrap_config(chunks[0]), "p2p_recv_ahead", None)
+    recv_ahead = recv_ahead_for(requested_ahead, dist.get_backend(state.pp_group))
     comm = PipelineP2P(plan.messages, plan.position, state.pp_rank, state.ranks("pp"),
-                       state.pp_group, shape, dtype, device)
+                       state.pp_group, shape, dtype, device, recv_ahead)
     run = StageRun(forward_step_func, iterators, chunks, num_microbatches, forward_only, state,
                    state.pp_rank, state.pp_size, comm, timers or NO_TIMERS)
     return execute(run, plan.steps)

@@ -27,6 +27,17 @@ pp rank, sender's position). Both ends of every message compute the same key, so
    reports a deadlock for an invalid schedule before any communication happens.
    With one in-order stream per rank (or per pair) the same argument holds: the globally
    earliest unfinished message is at the head of both its sender's and receiver's streams.
+3. **Receiving ahead on gloo** (``recv_ahead``). A gloo send writes its payload at once, from
+   the caller, only when the receiver's "receive posted" notice has already reached the sender;
+   otherwise the payload waits for the sender's transport thread to see that notice, which on a
+   busy CPU costs milliseconds per message. A posted gloo receive holds up nothing, and gloo
+   matches the k-th send with the k-th receive per pair of ranks, so receives may be posted past
+   this rank's own pending sends as long as each peer's receives keep their order: with
+   ``recv_ahead`` = N > 0, after each operation further receives (in the order, skipping sends)
+   are posted while fewer than N are outstanding, which costs up to N buffers of
+   ``tensor_shape``. Sends keep the strict order, so 1. and 2. are unchanged. On NCCL a receive
+   is queued on the pair's stream and blocks the send behind it, hence N = 0 there
+   (:func:`recv_ahead_for`).
 
 The order depends only on the schedule, so the executor takes it from the cached
 :func:`tpfuse.pipeline.plan.rank_plan` (computed once per configuration); a step then costs O(1)
@@ -45,6 +56,23 @@ import torch.distributed as dist
 from .plan import message_orders
 from .simulate import Message, simulate
 
+GLOO_RECV_AHEAD = 4   # recv_ahead_for's default on gloo: the benchmarks' gain flattens beyond
+
+
+def recv_ahead_for(requested: int | None, backend: str) -> int:
+    """The receive-ahead depth for a pp group on ``backend`` (a ``dist.get_backend`` name):
+    ``requested`` (a config's ``p2p_recv_ahead``) or, when None, GLOO_RECV_AHEAD on gloo and 0
+    elsewhere. ValueError for a depth > 0 off gloo (see 3. above)."""
+    if requested is None:
+        return GLOO_RECV_AHEAD if backend == "gloo" else 0
+    if isinstance(requested, bool) or not isinstance(requested, int) or requested < 0:
+        raise ValueError(f"p2p_recv_ahead={requested!r} must be an integer >= 0")
+    if requested > 0 and backend != "gloo":
+        raise ValueError(f"p2p_recv_ahead={requested} needs the gloo backend, the pipeline group "
+                         f"uses {backend!r} (a posted receive there blocks the sends behind it); "
+                         f"set it to 0 or leave it unset")
+    return requested
+
 
 def message_order(schedule: list, pp_rank: int, num_microbatches: int, vpp_size: int) -> list:
     """Every message pp rank ``pp_rank`` sends or receives, in the order it issues them (for any
@@ -59,11 +87,13 @@ class PipelineP2P:
     ``messages``: this rank's message order (a :class:`~tpfuse.pipeline.plan.RankPlan`'s
     ``messages``), ``position`` its index; ``pp_ranks``: global ranks of the pipeline group in
     pp-rank order; ``group``: its ProcessGroup. All messages share ``tensor_shape`` / ``dtype`` /
-    ``device``. Per step the object costs O(1) to build and O(1) per operation.
+    ``device``. ``recv_ahead``: receives that may be outstanding past this rank's pending sends
+    (3. above; 0: the strict order). Per step the object costs O(1) to build and O(1) per
+    operation.
     """
 
     def __init__(self, messages, position, pp_rank: int, pp_ranks: list, group, tensor_shape,
-                 dtype=torch.float32, device="cpu"):
+                 dtype=torch.float32, device="cpu", recv_ahead: int = 0):
         self.pp_size = len(pp_ranks)
         self.pp_rank = pp_rank
         self.pp_ranks = list(pp_ranks)
@@ -73,18 +103,21 @@ class PipelineP2P:
         self.device = torch.device(device)
         self._order = messages
         self._position = position
+        self.recv_ahead = recv_ahead
         self._cursor = 0                # next operation to issue in self._order
+        self._scanned = 0               # receives in self._order[:_scanned] are posted
         self._pending_recvs: dict = {}  # index -> (work, buffer)
         self._pending_sends: deque = deque()  # (work, tensor alias kept alive until done)
 
     @classmethod
     def for_schedule(cls, schedule: list, pp_rank: int, pp_ranks: list, group,
                      num_microbatches: int, vpp_size: int, tensor_shape, dtype=torch.float32,
-                     device="cpu") -> "PipelineP2P":
+                     device="cpu", recv_ahead: int = 0) -> "PipelineP2P":
         """For an explicit (uncached) schedule; ValueError if it deadlocks."""
         order = message_order(schedule, pp_rank, num_microbatches, vpp_size)
         position = {message: i for i, message in enumerate(order)}
-        return cls(order, position, pp_rank, pp_ranks, group, tensor_shape, dtype, device)
+        return cls(order, position, pp_rank, pp_ranks, group, tensor_shape, dtype, device,
+                   recv_ahead)
 
     def _rank_of(self, stage: int) -> int:
         return stage % self.pp_size
@@ -92,15 +125,22 @@ class PipelineP2P:
     def _post_receives_before(self, index: int) -> None:
         """Issue every operation before ``index``; only receives may still be outstanding."""
         while self._cursor < index:
-            message = self._order[self._cursor]
-            if self._rank_of(message.dst_stage) != self.pp_rank:
-                raise RuntimeError(f"pp rank {self.pp_rank}: p2p order violated, {message} must "
-                                   f"be sent before later messages are handled")
-            buffer = torch.empty(self.tensor_shape, dtype=self.dtype, device=self.device)
-            src = self.pp_ranks[self._rank_of(message.src_stage)]
-            work = dist.irecv(buffer, src=src, group=self.group)
-            self._pending_recvs[self._cursor] = (work, buffer)
+            if not self._is_receive(self._cursor):
+                raise RuntimeError(f"pp rank {self.pp_rank}: p2p order violated, "
+                                   f"{self._order[self._cursor]} must be sent before later "
+                                   f"messages are handled")
+            if self._cursor >= self._scanned:
+                self._post_receive(self._cursor)
             self._cursor += 1
+
+    def _is_receive(self, index: int) -> bool:
+        return self._rank_of(self._order[index].dst_stage) == self.pp_rank
+
+    def _post_receive(self, index: int) -> None:
+        message = self._order[index]
+        buffer = torch.empty(self.tensor_shape, dtype=self.dtype, device=self.device)
+        src = self.pp_ranks[self._rank_of(message.src_stage)]
+        self._pending_recvs[index] = (dist.irecv(buffer, src=src, group=self.group), buffer)
 
     def _index_of(self, message: Message) -> int:
         if message not in self._position:
@@ -142,12 +182,18 @@ class PipelineP2P:
     def _post_receives_ahead(self) -> None:
         """Post the receives that come next in the order, up to the next send: the same
         operations in the same order, issued early, so a peer's message can land while this
-        rank computes (buffers for at most the receives before one send)."""
+        rank computes (buffers for at most the receives before one send). Then, while fewer
+        than ``recv_ahead`` are outstanding, the receives after that send (3. above)."""
         end = self._cursor
-        while end < len(self._order) and \
-                self._rank_of(self._order[end].dst_stage) == self.pp_rank:
+        while end < len(self._order) and self._is_receive(end):
             end += 1
         self._post_receives_before(end)
+        scan = max(self._scanned, self._cursor)   # then past the next send, on gloo (3.)
+        while scan < len(self._order) and len(self._pending_recvs) < self.recv_ahead:
+            if self._is_receive(scan):
+                self._post_receive(scan)
+            scan += 1
+        self._scanned = scan
 
     def _drop_completed_sends(self) -> None:
         """Release the aliases of finished sends (oldest first: sends complete in order)."""

@@ -78,6 +78,7 @@ def test_sequence_parallel_without_tp_is_disabled_like_megatron():
     (dict(pipeline_model_parallel_size=4, virtual_pipeline_model_parallel_size=1,
           microbatch_group_size_per_vp_stage=2), "microbatch_group_size_per_vp_stage=2"),
     (dict(bf16=True, fp16=True), "bf16=True and fp16=True"),
+    (dict(p2p_recv_ahead=-1), "p2p_recv_ahead=-1"),
     (dict(bf16=True, params_dtype=torch.float32), "params_dtype"),
     (dict(recompute_granularity="selective", recompute_modules=["moe_act"]), "'moe_act'"),
     (dict(recompute_granularity="selective", recompute_modules=["attn"]), "'attn'"),

@@ -121,8 +121,9 @@ def reference(num_stages, num_microbatches, forward_only=False):
 # ------------------------------------------------------------------ worker bodies
 
 def _pipeline_body(pp, vpp, m, group_size, forward_only, explicit_shape, direct,
-                   deferring=False):
-    """One step on every rank; returns losses and each local stage's gradients."""
+                   deferring=False, recv_ahead=None):
+    """One step on every rank; returns losses and each local stage's gradients (receives
+    posted ahead as ``config.p2p_recv_ahead``; None: gloo's default)."""
     global _ACTIVE_STATE
     from tpfuse.parallel.state import ParallelState
 
@@ -130,6 +131,8 @@ def _pipeline_body(pp, vpp, m, group_size, forward_only, explicit_shape, direct,
     _ACTIVE_STATE = state
     try:
         chunks = [ToyStage(c * pp + state.pp_rank, pp * vpp, pp, deferring) for c in range(vpp)]
+        for chunk in chunks:
+            chunk.config.p2p_recv_ahead = recv_ahead
         batches = make_microbatches(m)
         iterators = [iter(batches) for _ in chunks]
         kwargs = dict(forward_only=forward_only,
@@ -225,6 +228,18 @@ def test_pipeline_world4_matches_single_process(run_distributed, pp, vpp, m, gro
     results = run_distributed(4, _pipeline_body, pp, vpp, m, group_size, forward_only, False,
                               None)
     _check_against_reference(results, pp, vpp, m, forward_only)
+
+
+@pytest.mark.parametrize("recv_ahead, world, pp, vpp, m", [
+    (0, 2, 2, 2, 4),        # the strict order (what NCCL runs)
+    (1000, 2, 2, 2, 4),     # every receive of the step posted at the first p2p operation
+    (1, 4, 4, 2, 8)])
+def test_receives_posted_ahead_match_single_process(run_distributed, recv_ahead, world, pp,
+                                                    vpp, m):
+    # the other tests run gloo's default depth; these the two ends and a minimal one
+    results = run_distributed(world, _pipeline_body, pp, vpp, m, None, False, False, None,
+                              recv_ahead=recv_ahead)
+    _check_against_reference(results, pp, vpp, m)
 
 
 def test_interleaved_function_with_one_chunk(run_distributed):

@@ -30,15 +30,18 @@ class _Done:
 
 
 class _Recorder:
-    """Stands in for torch.distributed: logs (op, peer pp rank, message) per rank."""
+    """Stands in for torch.distributed: logs (op, peer pp rank, message) per rank, and after
+    each action the number of receives posted and not yet waited for."""
 
     def __init__(self):
         self.current = None   # the PipelineP2P issuing operations now
+        self.receiving = None  # the order index of the receive being posted
         self.log = {}
+        self.outstanding = {}
 
     def _record(self, op, peer):
         comm = self.current
-        message = comm._order[comm._cursor]
+        message = comm._order[self.receiving if op == "recv" else comm._cursor]
         self.log.setdefault(comm.pp_rank, []).append((op, peer, message))
         return _Done()
 
@@ -49,13 +52,27 @@ class _Recorder:
         return self._record("recv", src)
 
 
-def _drive(recorder, schedule, m, v):
+def _recording(monkeypatch):
+    """A fresh recorder in place of torch.distributed, told the index of each receive posted."""
+    recorder, post = _Recorder(), PipelineP2P._post_receive
+
+    def post_recorded(comm, index):
+        recorder.receiving = index
+        post(comm, index)
+
+    monkeypatch.setattr(p2p_module, "dist", recorder)
+    monkeypatch.setattr(PipelineP2P, "_post_receive", post_recorded)
+    return recorder
+
+
+def _drive(recorder, schedule, m, v, recv_ahead=0):
     """Run every rank's action list through its PipelineP2P (ranks one after another: with
     the recorder nothing blocks, and each rank's own issue order is what is checked)."""
     p = len(schedule)
     last = p * v - 1
     for rank, actions in enumerate(schedule):
-        comm = PipelineP2P.for_schedule(schedule, rank, list(range(p)), None, m, v, SHAPE)
+        comm = PipelineP2P.for_schedule(schedule, rank, list(range(p)), None, m, v, SHAPE,
+                                        recv_ahead=recv_ahead)
         recorder.current = comm
         for action in actions:
             stage = action.chunk * p + rank
@@ -72,6 +89,7 @@ def _drive(recorder, schedule, m, v):
                 recorder.log.setdefault(rank, []).append(("compute", None, action))
                 if stage > 0:
                     comm.send(Message("grad", mb, stage, stage - 1), torch.zeros(SHAPE))
+            recorder.outstanding.setdefault(rank, []).append(len(comm._pending_recvs))
         comm.finish()
 
 
@@ -84,20 +102,25 @@ def _configs():
 
 
 @pytest.mark.parametrize("only_forward", [False, True])
-def test_both_ends_of_every_link_issue_the_same_sequence(monkeypatch, only_forward):
+@pytest.mark.parametrize("recv_ahead", [0, 3, 1000])
+def test_both_ends_of_every_link_issue_the_same_sequence(monkeypatch, only_forward, recv_ahead):
+    """With receives posted ahead (gloo) the sends and receives of a link may interleave
+    differently on its two ends, but each direction keeps one order."""
     checked = 0
     for p, m, v, g in _configs():
-        recorder = _Recorder()
-        monkeypatch.setattr(p2p_module, "dist", recorder)
+        recorder = _recording(monkeypatch)
         schedule = build_schedule(p, m, v, g)
         if only_forward:
             schedule = [forward_only(actions) for actions in schedule]
-        _drive(recorder, schedule, m, v)
+        _drive(recorder, schedule, m, v, recv_ahead)
         for a, b in itertools.combinations(range(p), 2):
             a_side = [(op, msg) for op, peer, msg in recorder.log.get(a, []) if peer == b]
             b_side = [(op, msg) for op, peer, msg in recorder.log.get(b, []) if peer == a]
             flipped = [("recv" if op == "send" else "send", msg) for op, msg in b_side]
-            assert a_side == flipped, (p, m, v, g, a, b)
+            if recv_ahead == 0:   # one sequence per link (an order-matched transport, NCCL)
+                assert a_side == flipped, (p, m, v, g, a, b)
+            for op in ("send", "recv"):   # each direction in order (gloo matches per pair)
+                assert [x for x in a_side if x[0] == op] == [x for x in flipped if x[0] == op]
         checked += 1
     assert checked > 90
 
@@ -109,8 +132,7 @@ def test_receives_are_posted_before_the_compute_they_can_overlap(monkeypatch):
     (a receive posted only when its consumer asks for it fails this check)."""
     checked = 0
     for p, m, v, g in _configs():
-        recorder = _Recorder()
-        monkeypatch.setattr(p2p_module, "dist", recorder)
+        recorder = _recording(monkeypatch)
         _drive(recorder, build_schedule(p, m, v, g), m, v)
         for rank, log in recorder.log.items():
             ops = [i for i, (op, _, _) in enumerate(log) if op != "compute"]
@@ -119,6 +141,52 @@ def test_receives_are_posted_before_the_compute_they_can_overlap(monkeypatch):
                 assert log[after][0] == "send" or not computed, (p, m, v, g, rank, log[after])
         checked += 1
     assert checked > 90
+
+
+def test_receives_ahead_stay_within_the_depth_and_run_past_sends(monkeypatch):
+    """recv_ahead = N: after each action at most max(N, what the strict order has posted then)
+    receives are outstanding; N larger than a rank's receives posts them all by the end of its
+    first action that touches the p2p; and N > 0 posts more than the strict order somewhere."""
+    checked = 0
+    for p, m, v, g in _configs():
+        schedule = build_schedule(p, m, v, g)
+        strict = _recording(monkeypatch)
+        _drive(strict, schedule, m, v)
+        for depth in (1, 2, 1000):
+            ahead = _recording(monkeypatch)
+            _drive(ahead, schedule, m, v, depth)
+            for rank in range(p):
+                pairs = list(zip(ahead.outstanding[rank], strict.outstanding[rank]))
+                assert all(a <= max(depth, s) for a, s in pairs), (p, m, v, g, depth, rank)
+                receives = [op for op, _, _ in ahead.log[rank] if op == "recv"]
+                if depth == 1000 and receives:
+                    computes = [i for i, (op, _, _) in enumerate(ahead.log[rank])
+                                if op == "compute"]
+                    last_recv = max(i for i, (op, _, _) in enumerate(ahead.log[rank])
+                                    if op == "recv")
+                    assert last_recv < computes[1], (p, m, v, g, rank)
+            if m * v > p:
+                assert any(a > s for rank in range(p)
+                           for a, s in zip(ahead.outstanding[rank], strict.outstanding[rank]))
+            checked += 1
+    assert checked > 270
+
+
+@pytest.mark.parametrize("requested, backend, expected", [
+    (None, "gloo", p2p_module.GLOO_RECV_AHEAD), (None, "nccl", 0), (0, "nccl", 0),
+    (7, "gloo", 7), (0, "gloo", 0)])
+def test_recv_ahead_default_per_backend(requested, backend, expected):
+    assert p2p_module.recv_ahead_for(requested, backend) == expected
+
+
+@pytest.mark.parametrize("requested, backend, words", [
+    (2, "nccl", ["p2p_recv_ahead=2", "gloo", "'nccl'"]), (-1, "gloo", ["p2p_recv_ahead=-1"]),
+    (True, "gloo", ["p2p_recv_ahead=True"])])
+def test_recv_ahead_refuses_bad_settings(requested, backend, words):
+    with pytest.raises(ValueError) as info:
+        p2p_module.recv_ahead_for(requested, backend)
+    for word in words:
+        assert word in str(info.value)
 
 
 def test_message_order_at_pp2_interleaved_mixes_directions():
