@@ -189,6 +189,20 @@ def test_recv_ahead_refuses_bad_settings(requested, backend, words):
         assert word in str(info.value)
 
 
+def test_trainer_refuses_receiving_ahead_off_gloo_before_any_group(monkeypatch):
+    from tpfuse.models import TransformerConfig
+    from tpfuse.training import initialize
+
+    monkeypatch.setattr(initialize.dist, "get_world_size", lambda: 2)
+    monkeypatch.setattr(initialize.dist, "get_backend", lambda group=None: "nccl")
+    shape = dict(num_layers=2, hidden_size=16, num_attention_heads=2, seq_length=16)
+    with pytest.raises(ValueError, match="p2p_recv_ahead=2 needs the gloo backend"):
+        initialize.check_layout(TransformerConfig(**shape, pipeline_model_parallel_size=2,
+                                                  p2p_recv_ahead=2))
+    initialize.check_layout(TransformerConfig(**shape, pipeline_model_parallel_size=2))
+    initialize.check_layout(TransformerConfig(**shape, p2p_recv_ahead=2))   # pp 1: no p2p
+
+
 def test_message_order_at_pp2_interleaved_mixes_directions():
     # p2 v2 m4 g4: rank 1 sends activation 3 (stage 1 -> 2) before gradient 0 (stage 3 -> 2);
     # rank 0 needs gradient 0 first, so it must post both receives in rank 1's order

@@ -10,6 +10,8 @@ import socket
 import torch
 import torch.distributed as dist
 
+from tpfuse.pipeline.p2p import recv_ahead_for
+
 
 def initialize_distributed(backend: str | None, timeout_minutes: float) -> None:
     """Join the world described by RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT.
@@ -85,3 +87,5 @@ def check_layout(config) -> None:
         raise ValueError(
             f"world size {world} is not divisible by expert_tensor_parallel_size ({etp}) × "
             f"expert_model_parallel_size ({ep}) × pipeline_model_parallel_size ({pp})")
+    if pp > 1:   # the pipeline group gets the world's backend: receiving ahead needs gloo
+        recv_ahead_for(config.p2p_recv_ahead, dist.get_backend())
