@@ -185,6 +185,12 @@ def weight_grad(weight: torch.Tensor, grad_output: torch.Tensor, input: torch.Te
         defer_grad_of(weight, functools.partial(deferred_weight_grad, weight, grad_output, input,
                                                 backend))
         return None
+    return _weight_grad_now(weight, grad_output, input, backend)
+
+
+def _weight_grad_now(weight, grad_output, input, backend):
+    """The GEMM of ``weight_grad``: accumulated into ``main_grad`` (None), else a new ``(n, k)``
+    tensor in weight's dtype."""
     main_grad = getattr(weight, "main_grad", None)
     if main_grad is not None:
         accumulate_wgrad(main_grad, grad_output, input, backend=backend)
@@ -196,11 +202,9 @@ def deferred_weight_grad(weight, grad_output, input, backend=None) -> None:
     """The W half of ``weight_grad``: autograd got None in the I pass, so the GEMM accumulates
     into ``main_grad``, else its result is added to ``weight.grad`` (created when absent); then
     ``deferred_grad_done`` (the data-parallel buffers learn when the contribution is complete)."""
-    if getattr(weight, "main_grad", None) is not None:
-        accumulate_wgrad(weight.main_grad, grad_output, input, backend=backend)
-    else:
-        add_deferred_grad(weight, cast(new_wgrad(grad_output, input, backend=backend),
-                                       weight.dtype))                   # (n, k)
+    dw = _weight_grad_now(weight, grad_output, input, backend)       # None: in main_grad
+    if dw is not None:
+        add_deferred_grad(weight, dw)
     deferred_grad_done(weight)
 
 
