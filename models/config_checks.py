@@ -14,12 +14,15 @@ def require_positive_or_none(config, *names):
     require_positive(config, *(n for n in names if getattr(config, n) is not None))
 
 
+def check_non_negative_int(name, value):
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name}={value!r} must be an integer >= 0")
+
+
 def require_non_negative_or_none(config, *names):
     for name in names:
-        value = getattr(config, name)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                  or value < 0):
-            raise ValueError(f"{name}={value!r} must be an integer >= 0")
+        if getattr(config, name) is not None:
+            check_non_negative_int(name, getattr(config, name))
 
 
 def require_choice(config, name, choices):

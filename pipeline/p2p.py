@@ -53,6 +53,8 @@ from collections import deque
 import torch
 import torch.distributed as dist
 
+from tpfuse.models.config_checks import check_non_negative_int
+
 from .plan import message_orders
 from .simulate import Message, simulate
 
@@ -65,8 +67,7 @@ def recv_ahead_for(requested: int | None, backend: str) -> int:
     elsewhere. ValueError for a depth > 0 off gloo (see 3. above)."""
     if requested is None:
         return GLOO_RECV_AHEAD if backend == "gloo" else 0
-    if isinstance(requested, bool) or not isinstance(requested, int) or requested < 0:
-        raise ValueError(f"p2p_recv_ahead={requested!r} must be an integer >= 0")
+    check_non_negative_int("p2p_recv_ahead", requested)   # configs that skip validate() too
     if requested > 0 and backend != "gloo":
         raise ValueError(f"p2p_recv_ahead={requested} needs the gloo backend, the pipeline group "
                          f"uses {backend!r} (a posted receive there blocks the sends behind it); "
