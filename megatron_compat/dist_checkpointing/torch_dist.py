@@ -18,7 +18,8 @@ refused at load with the tensor's key (checkpoints written elsewhere carry none:
 Loading reads, for every requested piece, the stored chunks it overlaps (each whole, once per
 rank), checks their CRC, and copies the overlaps: so a tensor saved in one tp × pp layout loads
 into another. Every check (a key the checkpoint lacks, another global shape, a piece the stored
-chunks do not cover) raises a CheckpointingException naming the key.
+chunks do not cover, a corrupted chunk) raises a CheckpointingException naming the key — on
+every rank, agreed before the next collective, even when only one rank reads the bad chunk.
 """
 from __future__ import annotations
 
@@ -43,6 +44,10 @@ from .core import CheckpointingException
 CRC_KEY = "tpfuse_chunk_crc32"
 
 
+def _distributed() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
 def _chunk_bytes(tensor: torch.Tensor) -> bytes:
     return tensor.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes() \
         if tensor.numel() else b""
@@ -61,8 +66,7 @@ class _SavePlanner(DefaultSavePlanner):
     """Writes the given chunks (``{(key, offsets): (tensor, global_size)}``) and objects."""
 
     def __init__(self, chunks: dict, objects: dict):
-        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False,
-                         dedup_replicated_tensors=False)
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
         self.chunks, self.objects = chunks, objects
 
     def create_local_plan(self) -> SavePlan:
@@ -109,7 +113,7 @@ def save_sharded(tensors: list, objects: list, checkpoint_dir: str) -> None:
         chunks[key] = (sh.data.detach().reshape(sh.chunk_sizes()).contiguous(), sh.global_shape)
     by_key = {sh.unique_key: sh.data for sh in objects}
     dcp_save({}, storage_writer=FileSystemWriter(checkpoint_dir, thread_count=1),
-             planner=_SavePlanner(chunks, by_key))
+             planner=_SavePlanner(chunks, by_key), no_dist=not _distributed())
 
 
 # ----------------------------------------------------------------------------------- load
@@ -231,25 +235,43 @@ def _verify(stored: list, metadata) -> None:
                 "differs from the one recorded at save)")
 
 
+def _agree(error: Exception | None) -> None:
+    """Every rank raises when any rank found a problem (before the next collective), with the
+    first rank's message: a bad chunk seen only by its readers still stops everyone."""
+    if _distributed():
+        found = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(found, None if error is None else str(error))
+        first = next((m for m in found if m is not None), None)
+        if first is not None and error is None:
+            raise CheckpointingException(f"another rank refused the checkpoint: {first}")
+    if error is not None:
+        raise error
+
+
+def _attempt(fn, *args):
+    try:
+        return fn(*args), None
+    except CheckpointingException as error:
+        return None, error
+
+
 def load_sharded(tensors: list, objects: list, checkpoint_dir: str):
     """``({id(sh): loaded tensor}, {unique_key: object})`` for this rank's requests."""
     metadata = read_metadata(checkpoint_dir)
-    for sh in objects:
-        entry = metadata.state_dict_metadata.get(sh.unique_key)
-        if not isinstance(entry, BytesStorageMetadata):
-            raise CheckpointingException(f"object {sh.unique_key!r} is not in the checkpoint")
-    stored, overlaps = _plan_reads(tensors, metadata)
+    planned, error = _attempt(_plan, tensors, objects, metadata)
+    _agree(error)
+    stored, overlaps = planned
     planner = _LoadPlanner(stored, {sh.unique_key: sh for sh in objects})
     try:
-        dcp_load({}, storage_reader=FileSystemReader(checkpoint_dir), planner=planner)
-    except CheckpointingException:
-        raise
+        dcp_load({}, storage_reader=FileSystemReader(checkpoint_dir), planner=planner,
+                 no_dist=not _distributed())
     except Exception as error:
         keys = sorted({s.key for s in stored})
         raise CheckpointingException(
             f"reading the checkpoint's chunks of {keys[:4]}{'...' if len(keys) > 4 else ''} "
             f"failed: {type(error).__name__}: {error}") from error
-    _verify(stored, metadata)
+    _, error = _attempt(_verify, stored, metadata)
+    _agree(error)
     loaded = {}
     for sh, pieces in overlaps:
         out = torch.empty(sh.chunk_sizes(), dtype=sh.dtype)
@@ -257,3 +279,11 @@ def load_sharded(tensors: list, objects: list, checkpoint_dir: str):
             _narrow(out, sh.global_offset, box).copy_(_narrow(s.buffer, s.offsets, box))
         loaded[id(sh)] = out.reshape(sh.local_shape)
     return loaded, planner.loaded_objects
+
+
+def _plan(tensors, objects, metadata):
+    for sh in objects:
+        entry = metadata.state_dict_metadata.get(sh.unique_key)
+        if not isinstance(entry, BytesStorageMetadata):
+            raise CheckpointingException(f"object {sh.unique_key!r} is not in the checkpoint")
+    return _plan_reads(tensors, metadata)
