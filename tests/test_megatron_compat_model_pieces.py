@@ -171,7 +171,11 @@ def test_transformer_layer_builds_and_runs_on_its_own(seeded):
 def test_sharded_state_dict_has_megatron_keys(seeded):
     model = compat_model()
     sharded = model.sharded_state_dict()
-    assert set(sharded) == set(model.state_dict())
+    extra = {k for k in sharded if k.endswith("._extra_state")}
+    assert set(sharded) - extra == set(model.state_dict())
+    assert len(extra) == 2 * 4                                  # 4 linears per layer
+    obj = sharded["decoder.layers.1.mlp.linear_fc2._extra_state"]
+    assert obj.unique_key == "decoder.layers.mlp.linear_fc2._extra_state/shard_1_2"
     qkv = sharded["decoder.layers.1.self_attention.linear_qkv.weight"]
     assert qkv.key == "decoder.layers.self_attention.linear_qkv.weight"
     assert qkv.global_shape == (2, 48, 16) and qkv.global_offset == (1, 0, 0)

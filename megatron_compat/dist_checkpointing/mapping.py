@@ -153,7 +153,7 @@ class LocalNonpersistentObject:
 
 
 # ---------------------------------------------------------------------------- from modules
-def _tp_coordinates():
+def tp_coordinates():
     from tpfuse.models.gpt import resolve_state
 
     state = resolve_state()
@@ -169,7 +169,7 @@ def sharded_tensor_for(key: str, tensor: torch.Tensor, sharded_offsets: tuple = 
     (data + context parallel) goes into the replica id; ``sharded_offsets`` are prepended axes
     ``(axis, offset, size)`` (the layer axis)."""
     if tp is None:
-        tp_size, tp_rank, dp_rank_default = _tp_coordinates()
+        tp_size, tp_rank, dp_rank_default = tp_coordinates()
     else:
         tp_size, tp_rank, dp_rank_default = tp
     dp_rank = dp_rank_default if dp_rank is None else dp_rank

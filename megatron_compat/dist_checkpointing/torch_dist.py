@@ -11,7 +11,8 @@ Files in the checkpoint directory (as megatron-core 0.16 writes them)::
 
 A ShardedTensor is stored under its ``key`` as the chunk ``global_offset`` +
 ``(1,)·prepend_axis_num + local_shape`` of the global tensor (main replicas only); a
-ShardedObject as the pickled ``data`` under its ``unique_key``. tpfuse adds, in the index's
+ShardedObject as the pickled one-element list ``[data]`` (Megatron's form) under its
+``unique_key``. tpfuse adds, in the index's
 ``planner_data``, a CRC-32 of every chunk it wrote; a chunk whose bytes no longer match is
 refused at load with the tensor's key (checkpoints written elsewhere carry none: not checked).
 
@@ -98,7 +99,7 @@ class _SavePlanner(DefaultSavePlanner):
     def resolve_data(self, write_item: WriteItem):
         if write_item.type == WriteItemType.BYTE_IO:
             buffer = io.BytesIO()
-            torch.save(self.objects[write_item.index.fqn], buffer)
+            torch.save([self.objects[write_item.index.fqn]], buffer)   # Megatron: a list
             buffer.seek(0)
             return buffer
         key = (write_item.index.fqn, tuple(write_item.index.offset))
@@ -171,7 +172,12 @@ class _LoadPlanner(DefaultLoadPlanner):
         pass
 
     def load_bytes(self, read_item: ReadItem, value) -> None:
-        self.loaded_objects[read_item.dest_index.fqn] = torch.load(value, weights_only=False)
+        stored = torch.load(value, weights_only=False)
+        if not (isinstance(stored, list) and len(stored) == 1):
+            raise CheckpointingException(f"object {read_item.dest_index.fqn!r}: expected "
+                                         "Megatron's one-element list, got "
+                                         f"{type(stored).__name__}")
+        self.loaded_objects[read_item.dest_index.fqn] = stored[0]
 
 
 def read_metadata(checkpoint_dir: str):

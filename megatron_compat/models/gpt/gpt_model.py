@@ -25,7 +25,8 @@ axis of ``num_layers`` under ``decoder.layers.<name>`` (global layer numbers, so
 split reads the same tensor), the norms under the TE spec's names from the spec's
 ``sharded_state_dict_keys_map`` (``...linear_qkv.layer_norm_weight``), tensor-parallel weights
 cut along their partition dim, a tied output layer stored as (a non-written replica of)
-``embedding.word_embeddings.weight``.
+``embedding.word_embeddings.weight``, and the linear layers' empty ``_extra_state`` objects
+Megatron's local spec saves (so a checkpoint goes both ways between tpfuse and megatron-core).
 """
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ import torch
 from tpfuse.models.gpt import GPTModel as _NativeGPT
 
 from ...enums import ModelType
-from ...dist_checkpointing.mapping import sharded_tensor_for
+from ...dist_checkpointing.mapping import ShardedObject, sharded_tensor_for
 from ...tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 from ...transformer._native import native_config
 from ...transformer.module import MegatronModule
@@ -43,6 +44,10 @@ from ...transformer.transformer_layer import check_causal_mask, check_layer_spec
 
 LAYERS_PREFIX = "decoder.layers."
 WORD_EMBEDDING_KEY = "embedding.word_embeddings.weight"
+EXTRA_STATE = "._extra_state"
+# the linear layers whose (empty) extra state Megatron's local spec checkpoints, per layer
+LINEARS_WITH_EXTRA_STATE = ("self_attention.linear_proj", "self_attention.linear_qkv",
+                            "mlp.linear_fc1", "mlp.linear_fc2")
 
 
 def _refuse_options(**options) -> None:
@@ -169,4 +174,29 @@ class GPTModel(LanguageModule):
             else:
                 sharded = sharded_tensor_for(prefix + key, tensor, layer_axis)
             out[prefix + name] = sharded
+        out.update(self._extra_state_objects(prefix))
         return out
+
+    def _extra_state_objects(self, prefix: str) -> dict:
+        """Megatron's local spec saves each linear layer's extra state (None) per layer, as a
+        ShardedObject on the layer axis; they are written too, so megatron-core can load the
+        checkpoint (and dropped again by ``load_state_dict``)."""
+        if self._spec_info["moe"]:
+            return {}
+        from ...dist_checkpointing.mapping import tp_coordinates
+
+        _, tp_rank, dp_rank = tp_coordinates()
+        objects = {}
+        for local, layer in enumerate(self.native.layer_indices):
+            for linear in LINEARS_WITH_EXTRA_STATE:
+                key = f"{prefix}{LAYERS_PREFIX}{linear}{EXTRA_STATE}"
+                objects[f"{prefix}{LAYERS_PREFIX}{local}.{linear}{EXTRA_STATE}"] = ShardedObject(
+                    key, None, (self.config.num_layers,), (layer,), (0, tp_rank, dp_rank))
+        return objects
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """torch's load_state_dict, without Megatron's ``*._extra_state`` entries (the linear
+        layers' extra state: None for the local spec, Transformer Engine's FP8 metadata for
+        its spec; tpfuse's layers keep none)."""
+        weights = {k: v for k, v in state_dict.items() if not k.endswith(EXTRA_STATE)}
+        return super().load_state_dict(weights, strict=strict, assign=assign)
