@@ -28,7 +28,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from .layout import ORDER_TOKENS, orthogonal_groups, parse_order
+from tpfuse.parallel.layout import ORDER_TOKENS, orthogonal_groups, parse_order
 
 
 # ----------------------------------------------------------------------------- rank arithmetic
