@@ -1,4 +1,5 @@
-"""The parts of Megatron-core's ``parallel_state`` beyond the layout's group kinds.
+"""The parts of Megatron-core's ``parallel_state`` beyond the layout's group kinds (what
+``megatron_compat.parallel_state`` adds to tpfuse's facade).
 
 Rank arithmetic (pure):
 

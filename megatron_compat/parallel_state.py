@@ -56,7 +56,9 @@ from tpfuse.parallel.parallel_state import (  # noqa: F401  (the same in Megatro
     get_tensor_model_parallel_global_ranks, get_tensor_model_parallel_group,
     get_tensor_model_parallel_src_rank, is_initialized, is_rank_in_position_embedding_group,
     model_parallel_is_initialized)
-from tpfuse.parallel.state import get_default_state, has_default_state
+from tpfuse.parallel.parallel_state import _state  # the default state, or Megatron's error
+from tpfuse.parallel.state import (ParallelState, destroy_all_states,  # noqa: F401  (as before)
+                                   get_default_state, has_default_state, set_default_state)
 
 from ._extra_groups import (  # noqa: F401  (Megatron's names)
     ExtraGroups, GlobalMemoryBuffer, RankGenerator, check_default_only, check_extra_options,
@@ -64,9 +66,6 @@ from ._extra_groups import (  # noqa: F401  (Megatron's names)
     default_embedding_ranks, default_position_embedding_ranks, forget_created_groups,
     generate_masked_orthogonal_rank_groups, get_nccl_options, overwrite_nccl_comm_cfgs,
     update_pg_timeout)
-
-_state = _native._state
-
 
 class _Overrides:
     """What the setters stored: getter name → value (None = not set)."""
