@@ -37,12 +37,12 @@ TRAIN = [  # a GQA / rope / RMSNorm / SwiGLU / untied model, trained 3 steps at 
 
 
 def _pretrain(argv):
-    from tpfuse.pretrain_gpt import (forward_step, model_provider,
+    from tpfuse.pretrain_gpt import (forward_step, model_provider, sample_func,
                                      train_valid_test_datasets_provider)
     from tpfuse.training.pretrain import pretrain
 
     result = pretrain(train_valid_test_datasets_provider, model_provider, forward_step,
-                      argv=argv)
+                      argv=argv, sample_func=sample_func)
     return result.sample
 
 
@@ -140,8 +140,8 @@ def test_eos_stops_a_sequence():
 def test_load_model_holds_the_checkpoint_weights(trained):
     """Single process from a tp2 pp2 vpp2 checkpoint: every tensor equal (resharding moves
     values)."""
-    from tpfuse.inference.loading import checkpoint_folder
-    from tpfuse.training.reshard import assemble_global_state
+    from tpfuse.checkpoint.reading import checkpoint_folder
+    from tpfuse.checkpoint.reshard import assemble_global_state
 
     (model,) = load_model(trained)
     saved = assemble_global_state(*checkpoint_folder(trained))

@@ -1,9 +1,10 @@
 """The packages' layering: every import points down, and no packages import each other in a circle.
 
-Every ``.py`` file of every package (``setup.py``'s ``SUBPACKAGES`` and the root package ``tpfuse/``)
-is parsed; every import statement counts, at module level or inside a function: ``import x``,
-``from x import y`` and relative imports (resolved against the file's own module path). An import
-of ``tpfuse.<package>...`` from a file of another package is an edge between the two.
+Every ``.py`` file of every package (``setup.py``'s ``SUBPACKAGES`` and the root package
+``tpfuse/``) is parsed; every import statement counts, at module level or inside a function:
+``import x``, ``from x import y`` and relative imports (resolved against the file's own module
+path). An import of ``tpfuse.<package>...`` from a file of another package is an edge between the
+two.
 
 Ranks (bottom up); a package may import only packages of a LOWER rank, so packages of one rank
 ("beside each other") do not import each other::

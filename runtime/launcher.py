@@ -1,9 +1,8 @@
-"""``tpfuse-train``: a local launcher that runs ``python -m tpfuse.pretrain_gpt`` on N processes.
+"""A local launcher: ``run_local(nproc, argv, program=[...])`` runs ``program + argv`` on N
+processes (``tpfuse-train``'s ranks, ``python -m tpfuse.pretrain_gpt``; ``tpfuse-generate``'s).
 
 It sets torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) for each
-process and streams their output. Without any trainer flag it runs the ``stdlib-demo`` preset
-(the README's main job, ``training/presets.py``); a preset's corpus is prepared here once, before
-the ranks start. Multi-node runs are torchrun's job:
+process and streams their output. Multi-node runs are torchrun's job:
 ``torchrun --nproc-per-node N -m tpfuse.pretrain_gpt <flags>``.
 
 Failures and signals, so that no rank outlives the job or hangs:
@@ -17,12 +16,11 @@ Failures and signals, so that no rank outlives the job or hangs:
   ``--exit-signal-handler`` saves and exits 0 on SIGTERM, and so does the job).
 - The ranks die with their launcher: on Linux each rank asks the kernel for SIGKILL when its parent
   dies (``PR_SET_PDEATHSIG``), so even a SIGKILLed launcher leaves no orphan training on.
-- The rendezvous listens on ``--master-addr`` (default 127.0.0.1, loopback only); gloo is bound to
-  the loopback interface too unless ``GLOO_SOCKET_IFNAME`` says otherwise.
+- The rendezvous listens on ``addr`` (``tpfuse-train --master-addr``; default 127.0.0.1, loopback
+  only); gloo is bound to the loopback interface too unless ``GLOO_SOCKET_IFNAME`` says otherwise.
 """
 from __future__ import annotations
 
-import argparse
 import ctypes
 import json
 import os
@@ -34,29 +32,12 @@ import tempfile
 import time
 import traceback
 
-TRAINER = [sys.executable, "-m", "tpfuse.pretrain_gpt"]
 ERROR_FILE_ENV = "TPFUSE_ERROR_FILE"
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT,
                      signal.SIGUSR1, signal.SIGUSR2)
 STOP_GRACE_S = 10.0
 FAILURE_GRACE_S = 3.0   # after a rank fails, the others may finish reporting their own errors
 PR_SET_PDEATHSIG = 1
-
-
-def _launcher_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="tpfuse-train", add_help=False, allow_abbrev=False,
-        description="Run tpfuse.pretrain_gpt on N local processes (gloo on CPU, nccl on GPUs). "
-                    "Every other flag goes to the trainer; see `tpfuse-train --help-trainer`.")
-    parser.add_argument("--nproc-per-node", type=int, default=None,
-                        help="number of processes (the world size); default 1 (torchrun's), or "
-                             "the preset's (stdlib-demo: 8)")
-    parser.add_argument("--master-addr", default="127.0.0.1",
-                        help="address the rendezvous listens on (default: loopback only)")
-    parser.add_argument("--master-port", type=int, default=None, help="default: a free port")
-    parser.add_argument("--help", "-h", action="store_true", help="show this help")
-    parser.add_argument("--help-trainer", action="store_true", help="show the trainer's flags")
-    return parser
 
 
 def signal_name(number: int) -> str:
@@ -194,38 +175,15 @@ def report_failure(error: BaseException) -> None:
     print(f"rank {rank}: {type(error).__name__}: {error}", file=sys.stderr, flush=True)
 
 
-def run_local(nproc: int, trainer_argv: list[str], addr: str = "127.0.0.1",
-              port: int | None = None, program: list[str] | None = None) -> int:
-    """Start ``nproc`` trainer processes and wait; returns the job's exit code. ``program``
-    replaces ``python -m tpfuse.pretrain_gpt`` (the flags are appended to it)."""
+def run_local(nproc: int, argv: list[str], addr: str = "127.0.0.1", port: int | None = None, *,
+              program: list[str]) -> int:
+    """Start ``nproc`` processes of ``program + argv`` (e.g. ``[sys.executable, "-m",
+    "tpfuse.pretrain_gpt"]`` and the trainer's flags) and wait; returns the job's exit code."""
     from tpfuse.parallel.launch import free_port
 
-    job = _Job(nproc, [*(program or TRAINER), *trainer_argv], addr, port or free_port())
+    job = _Job(nproc, [*program, *argv], addr, port or free_port())
     try:
         return job.wait()
     finally:
         job.stop()
         job.close()
-
-
-def main(argv=None) -> int:
-    parser = _launcher_parser()
-    args, trainer_argv = parser.parse_known_args(argv)
-    if args.help:
-        parser.print_help()
-        return 0
-    if args.help_trainer:
-        return subprocess.call([*TRAINER, "--help"])
-    if args.nproc_per_node is not None and args.nproc_per_node < 1:
-        parser.error(f"--nproc-per-node must be >= 1, got {args.nproc_per_node}")
-    from tpfuse.training.presets import launcher_plan
-
-    trainer_argv, nproc, preset = launcher_plan(trainer_argv, args.nproc_per_node)
-    if preset is not None:
-        print(f"tpfuse-train: preset {preset.name} ({preset.description}) on {nproc} processes; "
-              f"flags given override it", flush=True)
-    return run_local(nproc, trainer_argv, args.master_addr, args.master_port)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
