@@ -5,7 +5,7 @@ conversion.
   (``verify_checkpoint``, any single process), loading (``load_checkpoint``,
   ``load_weights_only``) — every function takes the folder, model chunks, optimizer, scheduler and
   ParallelState explicitly, never the trainer's flags;
-- ``files.py``: the file-system side (exclusive temporary files, atomic publication, hashes,
+- ``file_io.py``: the file-system side (exclusive temporary files, atomic publication, hashes,
   pruning, clean-up of crashed saves);
 - ``async_save.py``: ``AsyncCheckpointSaver``, rank files written beside training;
 - ``reshard.py`` / ``sharding.py``: loading into another TP / PP / VPP / DP / EP layout;

@@ -25,7 +25,7 @@ import shutil
 
 import torch
 
-from tpfuse.checkpoint import files as io
+from tpfuse.checkpoint import file_io as io
 from tpfuse.checkpoint import format as ckpt
 from tpfuse.checkpoint import reshard
 from tpfuse.checkpoint.reading import checkpoint_folder, read_checkpoint_head

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tpfuse.checkpoint import files as checkpoint_io
+from tpfuse.checkpoint import file_io as checkpoint_io
 from tpfuse.checkpoint import format as ckpt
 from tpfuse.training.checkpointing import prepare_save_dir
 from tpfuse.training.scheduler import LRScheduler

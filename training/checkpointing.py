@@ -17,7 +17,7 @@ import os
 
 import torch.distributed as dist
 
-from tpfuse.checkpoint import files as checkpoint_io
+from tpfuse.checkpoint import file_io as checkpoint_io
 from tpfuse.checkpoint import format as ckpt
 from tpfuse.checkpoint.async_save import AsyncCheckpointSaver
 from tpfuse.training.exit_conditions import ExitConditions
