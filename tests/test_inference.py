@@ -221,6 +221,20 @@ def test_training_ends_with_a_sample_of_the_trained_model(trained_run):
     assert len({text, other_seed, greedy}) > 1     # the settings reach the decoder
 
 
+def test_trainer_given_no_sample_function_refuses_sample_prompt_before_any_group():
+    """The trainer imports no inference: --sample-prompt needs the function pretrain_gpt passes,
+    and without it the run fails at once, before torch.distributed is touched."""
+    import torch.distributed as dist
+
+    from tpfuse.pretrain_gpt import (forward_step, model_provider,
+                                     train_valid_test_datasets_provider)
+    from tpfuse.training.pretrain import pretrain
+
+    with pytest.raises(ValueError, match="--sample-prompt 'def ' needs a sample function"):
+        pretrain(train_valid_test_datasets_provider, model_provider, forward_step, argv=TRAIN)
+    assert not dist.is_initialized()
+
+
 def test_generate_cli_in_process_and_on_two_ranks(trained, monkeypatch, capsys):
     import json
     import os
