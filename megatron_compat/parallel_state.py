@@ -140,8 +140,9 @@ def initialize_model_parallel(
                         num_distributed_optimizer_instances, layout.world_size, layout.tp,
                         layout.pp)
     if layout.edp % num_distributed_optimizer_instances:
-        raise ValueError(f"num_distributed_optimizer_instances={num_distributed_optimizer_instances}"
-                         f" must divide the expert data-parallel size edp={layout.edp}")
+        raise ValueError(f"num_distributed_optimizer_instances="
+                         f"{num_distributed_optimizer_instances} must divide the expert "
+                         f"data-parallel size edp={layout.edp}")
     state = _native.initialize_model_parallel(
         tensor_model_parallel_size, pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size,

@@ -319,7 +319,7 @@ def _errors_before_and_around_init():
     assert mpu.get_virtual_pipeline_model_parallel_world_size() is None
     with pytest.raises(ValueError, match="tp\\*pp\\*cp=3"):
         mpu.initialize_model_parallel(tensor_model_parallel_size=3)
-    with pytest.raises(TypeError, match="use_sharp"):         # Megatron's options are megatron_compat's
+    with pytest.raises(TypeError, match="use_sharp"):    # Megatron's options: megatron_compat's
         mpu.initialize_model_parallel(use_sharp=True)
     with pytest.raises(TypeError, match="no_such_option"):
         mpu.initialize_model_parallel(no_such_option=1)

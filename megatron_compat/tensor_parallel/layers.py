@@ -108,7 +108,8 @@ class ColumnParallelLinear(_linear.ColumnParallelLinear):
         if outside or disable_grad_reduce:   # no collective here (disable: no dgrad all-reduce)
             self.comm = _NO_COMMUNICATION
         mark_allreduce((self.weight, self.bias), is_expert, ep)
-        self.config, self.is_expert, self.disable_grad_reduce = config, is_expert, disable_grad_reduce
+        self.config, self.is_expert = config, is_expert
+        self.disable_grad_reduce = disable_grad_reduce
         self.output_size_per_partition = output_size // self.tp.size
         self.embedding_activation_buffer = embedding_activation_buffer
         self.grad_output_buffer = grad_output_buffer
