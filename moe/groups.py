@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tpfuse.parallel.state import resolve_state_or_none
+
 
 @dataclass(frozen=True)
 class MoEGroups:
@@ -34,10 +36,7 @@ class MoEGroups:
 
     @classmethod
     def from_state(cls, state=None) -> "MoEGroups":
-        if state is None:
-            from tpfuse.tp_layers._group import _default_state_or_none
-
-            state = _default_state_or_none()
+        state = resolve_state_or_none(state)
         if state is None:
             return cls()
         layout = state.layout

@@ -389,8 +389,7 @@ def default_tensor_parallel_group(group=None):
     is called without a group); None in a plain process without torch.distributed."""
     if group is not None:
         return group
-    from tpfuse.parallel.state import get_default_state, has_default_state
+    from tpfuse.parallel.state import resolve_state_or_none
 
-    if not has_default_state() and not (dist.is_available() and dist.is_initialized()):
-        return None
-    return get_default_state().tp_group
+    state = resolve_state_or_none()
+    return None if state is None else state.tp_group
