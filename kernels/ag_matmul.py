@@ -137,7 +137,7 @@ def _backward_fused(ctx, g, kept, w, extra):
     tp = group_size(group)
     rows = g.shape[0] // tp
     want_dw = ctx.needs_input_grad[1]
-    defer = want_dw and weight_grads_deferred()   # zero-bubble I pass: dw is W's, in one GEMM
+    defer = want_dw and weight_grads_deferred(w)   # zero-bubble I pass: dw is W's, in one GEMM
     dw = wgrad_accumulator(w) if want_dw and not defer else None  # main_grad or fp32 zeros
     x_full = kept if defer and ctx.keep_gathered else None
     if defer and not ctx.keep_gathered:                             # W needs the gathered x

@@ -64,7 +64,7 @@ def _backward_fused(ctx, dy_shard, x, w):
     accumulated in place (fp32, into main_grad when set)."""
     rows = dy_shard.shape[0]
     want_dw = ctx.needs_input_grad[1]
-    defer = want_dw and weight_grads_deferred()   # zero-bubble I pass: dw is W's, in one GEMM
+    defer = want_dw and weight_grads_deferred(w)   # zero-bubble I pass: dw is W's, in one GEMM
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)       # (s, b, k_local)
     dw = wgrad_accumulator(w) if want_dw and not defer else None  # main_grad or fp32 zeros
 

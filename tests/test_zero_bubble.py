@@ -34,7 +34,7 @@ def _one_layer_step(layer, x, dy, deferred):
     out = layer(x)
     y = out[0] if isinstance(out, tuple) else out
     queue = WeightGradQueue()
-    with deferring_weight_grads(queue) if deferred else contextlib.nullcontext():
+    with deferring_weight_grads(queue, layer) if deferred else contextlib.nullcontext():
         y.backward(dy)
     weight = layer.weight
     held_back = None
@@ -115,7 +115,7 @@ def test_grouped_expert_weight_grads_are_deferred_to_w(backend, main_grad):
         w.after_deferred_wgrads = lambda: done.append(True)
         x = x0.clone().requires_grad_(True)
         queue = WeightGradQueue()
-        with deferring_weight_grads(queue) if deferred else contextlib.nullcontext():
+        with deferring_weight_grads(queue, [w]) if deferred else contextlib.nullcontext():
             grouped_gemm(x, w, sizes, backend=backend).backward(dy)
         if deferred:
             assert len(queue) == 1 and w.deferred_wgrads == 1 and w.grad is None
