@@ -29,6 +29,7 @@ import zlib
 import torch
 import torch.distributed as dist
 
+from .comm_options import CommOptions, options_or_default
 from .devices import collective_device
 from .layout import DEFAULT_ORDER, GROUP_NAMES, RankLayout, check_vpp
 
@@ -81,7 +82,8 @@ class ParallelState:
     """
 
     def __init__(self, layout: RankLayout, vpp_size: int | None = None,
-                 timeout: datetime.timedelta | None = None):
+                 timeout: datetime.timedelta | None = None,
+                 comm_options: CommOptions | None = None):
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("ParallelState needs an initialised torch.distributed "
                                "(call torch.distributed.init_process_group first)")
@@ -92,6 +94,7 @@ class ParallelState:
             raise ValueError(f"layout.world_size={layout.world_size} does not match the "
                              f"torch.distributed world size {world_size}")
         self.layout = layout
+        self.comm_options = comm_options
         self.vpp_size = check_vpp(vpp_size, layout.pp)
         check_same_layout_on_every_rank(layout, self.vpp_size)
         self.vpp_rank = 0 if self.vpp_size is not None else None
@@ -105,11 +108,13 @@ class ParallelState:
     @classmethod
     def initialize(cls, tp: int = 1, pp: int = 1, vpp: int | None = None, cp: int = 1,
                    ep: int = 1, etp: int | None = None, order: str = DEFAULT_ORDER,
-                   set_default: bool = False) -> "ParallelState":
+                   set_default: bool = False,
+                   comm_options: CommOptions | None = None) -> "ParallelState":
         """Build the layout from the current world size and create its groups.
 
         All settings are validated (ValueError) before any group is created. With
         ``set_default=True`` the state also becomes the default (``get_default_state()``).
+        ``comm_options``: how the layers' communication runs (``state.comm_options``).
         """
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("ParallelState.initialize needs an initialised torch.distributed "
@@ -117,10 +122,21 @@ class ParallelState:
         layout = RankLayout(dist.get_world_size(), tp=tp, pp=pp, cp=cp, ep=ep, etp=etp,
                             order=order)
         check_vpp(vpp, pp)
-        state = cls(layout, vpp_size=vpp)
+        options_or_default(comm_options)
+        state = cls(layout, vpp_size=vpp, comm_options=comm_options)
         if set_default:
             set_default_state(state)
         return state
+
+    @property
+    def comm_options(self) -> CommOptions:
+        """How the layers built on this state communicate (``parallel.comm_options``); layers
+        read it at every call, so a new value takes effect at the next forward."""
+        return self._comm_options
+
+    @comm_options.setter
+    def comm_options(self, options: CommOptions | None) -> None:
+        self._comm_options = options_or_default(options)
 
     # ---------------------------------------------------------------- group creation / teardown
     def _build_groups(self, timeout) -> None:

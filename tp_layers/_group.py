@@ -9,19 +9,31 @@ modules in a notebook.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
+from tpfuse.parallel.comm_options import DEFAULT_COMM_OPTIONS, CommOptions
 from tpfuse.parallel.state import resolve_state_or_none
+
+
+def _options_of(state) -> CommOptions:
+    return DEFAULT_COMM_OPTIONS if state is None else state.comm_options
 
 
 @dataclass(frozen=True)
 class TPGroup:
-    """The TP ProcessGroup (None for a non-distributed single process), its size and our rank."""
+    """The TP ProcessGroup (None for a non-distributed single process), its size and our rank;
+    ``options``: the communication options of the ParallelState it came from, read at each call
+    (the defaults for a bare group)."""
     group: object
     size: int
     rank: int
+    state: object = field(default=None, compare=False, repr=False)
+
+    @property
+    def options(self) -> CommOptions:
+        return _options_of(self.state)
 
 
 def resolve_tp_group(group=None, state=None, expert: bool = False) -> TPGroup:
@@ -34,8 +46,8 @@ def resolve_tp_group(group=None, state=None, expert: bool = False) -> TPGroup:
     if state is None:
         return TPGroup(None, 1, 0)
     if expert:
-        return TPGroup(state.etp_group, state.etp_size, state.etp_rank)
-    return TPGroup(state.tp_group, state.tp_size, state.tp_rank)
+        return TPGroup(state.etp_group, state.etp_size, state.etp_rank, state)
+    return TPGroup(state.tp_group, state.tp_size, state.tp_rank, state)
 
 
 @dataclass(frozen=True)
@@ -46,6 +58,12 @@ class CPGroup:
     group: object
     ranks: tuple
     rank: int
+    state: object = field(default=None, compare=False, repr=False)
+
+    @property
+    def options(self) -> CommOptions:
+        """The communication options of the ParallelState it came from (defaults otherwise)."""
+        return _options_of(self.state)
 
     @property
     def size(self) -> int:
@@ -70,4 +88,4 @@ def resolve_cp_group(cp_group=None, state=None, tp_group=None) -> CPGroup:
         state = resolve_state_or_none()
     if state is None or state.cp_size == 1:
         return CPGroup(None, (dist.get_rank() if dist.is_initialized() else 0,), 0)
-    return CPGroup(state.cp_group, tuple(state.ranks("cp")), state.cp_rank)
+    return CPGroup(state.cp_group, tuple(state.ranks("cp")), state.cp_rank, state)

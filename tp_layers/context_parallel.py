@@ -84,7 +84,8 @@ class AllGatherAttention(torch.autograd.Function):
         attend_key_chunks_backward(dout.contiguous(), q, kv, out, lse, plan, range(2 * cp.size),
                                    dq, dkv)
         rank_order = natural_to_rank_order(dkv, cp.size, 3).movedim(3, 0)
-        local = reduce_scatter_first_dim(rank_order, cp.group).movedim(0, 3)  # (2, b, g, 2c, d)
+        local = reduce_scatter_first_dim(rank_order, cp.group,  # (2, b, g, 2c, d)
+                                         cp.options).movedim(0, 3)
         return dq.to(q.dtype), local[0].to(k.dtype), local[1].to(v.dtype), None, None
 
 
