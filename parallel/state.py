@@ -255,153 +255,153 @@ class ParallelState:
 
     @property
     def tp_group(self):
-        """This rank's tensor-parallel ProcessGroup ('tp')."""
-        return self.group('tp')
+        """This rank's tensor-parallel ProcessGroup (tp)."""
+        return self.group("tp")
 
     @property
     def tp_rank(self) -> int | None:
-        """This rank's position in its tensor-parallel group ('tp')."""
-        return self.rank_in('tp')
+        """This rank's position in its tensor-parallel group (tp)."""
+        return self.rank_in("tp")
 
     @property
     def tp_size(self) -> int:
-        """Ranks in this rank's tensor-parallel group ('tp')."""
-        return self.size('tp')
+        """Ranks in this rank's tensor-parallel group (tp)."""
+        return self.size("tp")
 
     @property
     def pp_group(self):
-        """This rank's pipeline-parallel ProcessGroup ('pp')."""
-        return self.group('pp')
+        """This rank's pipeline-parallel ProcessGroup (pp)."""
+        return self.group("pp")
 
     @property
     def pp_rank(self) -> int | None:
-        """This rank's position in its pipeline-parallel group ('pp')."""
-        return self.rank_in('pp')
+        """This rank's position in its pipeline-parallel group (pp)."""
+        return self.rank_in("pp")
 
     @property
     def pp_size(self) -> int:
-        """Ranks in this rank's pipeline-parallel group ('pp')."""
-        return self.size('pp')
+        """Ranks in this rank's pipeline-parallel group (pp)."""
+        return self.size("pp")
 
     @property
     def dp_group(self):
-        """This rank's data-parallel (without cp) ProcessGroup ('dp')."""
-        return self.group('dp')
+        """This rank's data-parallel (without cp) ProcessGroup (dp)."""
+        return self.group("dp")
 
     @property
     def dp_rank(self) -> int | None:
-        """This rank's position in its data-parallel (without cp) group ('dp')."""
-        return self.rank_in('dp')
+        """This rank's position in its data-parallel (without cp) group (dp)."""
+        return self.rank_in("dp")
 
     @property
     def dp_size(self) -> int:
-        """Ranks in this rank's data-parallel (without cp) group ('dp')."""
-        return self.size('dp')
+        """Ranks in this rank's data-parallel (without cp) group (dp)."""
+        return self.size("dp")
 
     @property
     def cp_group(self):
-        """This rank's context-parallel ProcessGroup ('cp')."""
-        return self.group('cp')
+        """This rank's context-parallel ProcessGroup (cp)."""
+        return self.group("cp")
 
     @property
     def cp_rank(self) -> int | None:
-        """This rank's position in its context-parallel group ('cp')."""
-        return self.rank_in('cp')
+        """This rank's position in its context-parallel group (cp)."""
+        return self.rank_in("cp")
 
     @property
     def cp_size(self) -> int:
-        """Ranks in this rank's context-parallel group ('cp')."""
-        return self.size('cp')
+        """Ranks in this rank's context-parallel group (cp)."""
+        return self.size("cp")
 
     @property
     def dp_cp_group(self):
-        """This rank's data-parallel × context-parallel ProcessGroup ('dp-cp')."""
-        return self.group('dp-cp')
+        """This rank's data-parallel × context-parallel ProcessGroup (dp-cp)."""
+        return self.group("dp-cp")
 
     @property
     def dp_cp_rank(self) -> int | None:
-        """This rank's position in its data-parallel × context-parallel group ('dp-cp')."""
-        return self.rank_in('dp-cp')
+        """This rank's position in its data-parallel × context-parallel group (dp-cp)."""
+        return self.rank_in("dp-cp")
 
     @property
     def dp_cp_size(self) -> int:
-        """Ranks in this rank's data-parallel × context-parallel group ('dp-cp')."""
-        return self.size('dp-cp')
+        """Ranks in this rank's data-parallel × context-parallel group (dp-cp)."""
+        return self.size("dp-cp")
 
     @property
     def ep_group(self):
-        """This rank's expert-parallel ProcessGroup ('ep')."""
-        return self.group('ep')
+        """This rank's expert-parallel ProcessGroup (ep)."""
+        return self.group("ep")
 
     @property
     def ep_rank(self) -> int | None:
-        """This rank's position in its expert-parallel group ('ep')."""
-        return self.rank_in('ep')
+        """This rank's position in its expert-parallel group (ep)."""
+        return self.rank_in("ep")
 
     @property
     def ep_size(self) -> int:
-        """Ranks in this rank's expert-parallel group ('ep')."""
-        return self.size('ep')
+        """Ranks in this rank's expert-parallel group (ep)."""
+        return self.size("ep")
 
     @property
     def etp_group(self):
-        """This rank's expert tensor-parallel ProcessGroup ('etp')."""
-        return self.group('etp')
+        """This rank's expert tensor-parallel ProcessGroup (etp)."""
+        return self.group("etp")
 
     @property
     def etp_rank(self) -> int | None:
-        """This rank's position in its expert tensor-parallel group ('etp')."""
-        return self.rank_in('etp')
+        """This rank's position in its expert tensor-parallel group (etp)."""
+        return self.rank_in("etp")
 
     @property
     def etp_size(self) -> int:
-        """Ranks in this rank's expert tensor-parallel group ('etp')."""
-        return self.size('etp')
+        """Ranks in this rank's expert tensor-parallel group (etp)."""
+        return self.size("etp")
 
     @property
     def edp_group(self):
-        """This rank's expert data-parallel ProcessGroup ('edp')."""
-        return self.group('edp')
+        """This rank's expert data-parallel ProcessGroup (edp)."""
+        return self.group("edp")
 
     @property
     def edp_rank(self) -> int | None:
-        """This rank's position in its expert data-parallel group ('edp')."""
-        return self.rank_in('edp')
+        """This rank's position in its expert data-parallel group (edp)."""
+        return self.rank_in("edp")
 
     @property
     def edp_size(self) -> int:
-        """Ranks in this rank's expert data-parallel group ('edp')."""
-        return self.size('edp')
+        """Ranks in this rank's expert data-parallel group (edp)."""
+        return self.size("edp")
 
     @property
     def embedding_group(self):
-        """This rank's embedding (first and last stage) ProcessGroup ('embedding')."""
-        return self.group('embedding')
+        """This rank's embedding (first and last stage) ProcessGroup (embedding)."""
+        return self.group("embedding")
 
     @property
     def embedding_rank(self) -> int | None:
-        """This rank's position in its embedding (first and last stage) group ('embedding')."""
-        return self.rank_in('embedding')
+        """This rank's position in its embedding (first and last stage) group (embedding)."""
+        return self.rank_in("embedding")
 
     @property
     def embedding_size(self) -> int:
-        """Ranks in this rank's embedding (first and last stage) group ('embedding')."""
-        return self.size('embedding')
+        """Ranks in this rank's embedding (first and last stage) group (embedding)."""
+        return self.size("embedding")
 
     @property
     def position_embedding_group(self):
-        """This rank's position-embedding (first stage) ProcessGroup ('position-embedding')."""
-        return self.group('position-embedding')
+        """This rank's position-embedding (first stage) ProcessGroup (position-embedding)."""
+        return self.group("position-embedding")
 
     @property
     def position_embedding_rank(self) -> int | None:
-        """This rank's position in its position-embedding (first stage) group ('position-embedding')."""
-        return self.rank_in('position-embedding')
+        """This rank's position in its position-embedding (first stage) group (position-embedding)."""
+        return self.rank_in("position-embedding")
 
     @property
     def position_embedding_size(self) -> int:
-        """Ranks in this rank's position-embedding (first stage) group ('position-embedding')."""
-        return self.size('position-embedding')
+        """Ranks in this rank's position-embedding (first stage) group (position-embedding)."""
+        return self.size("position-embedding")
 
     def __repr__(self) -> str:
         status = "destroyed" if self.destroyed else f"rank {self.rank}"
