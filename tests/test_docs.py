@@ -578,3 +578,38 @@ def test_no_run_is_rare(docs):
     marked = [f"{rel(d.path)}:{b.line}" for d in docs for b in d.blocks
               if b.language == "python" and "no-run" in b.tags]
     assert len(marked) <= 4, f"too many `python no-run` blocks: {marked}"
+
+
+# --------------------------------------------------------------------------------- links
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def heading_anchors(doc: Doc) -> set[str]:
+    """GitHub's anchors of a page's headings: lower case, punctuation but - and _ dropped,
+    spaces to -."""
+    anchors = set()
+    for _, line in doc.prose:
+        match = re.match(r"^#{1,6}\s+(.*?)\s*#*\s*$", line)
+        if match:
+            text = re.sub(r"[`*]", "", match.group(1)).strip().lower()
+            anchors.add(re.sub(r"[^\w\- ]", "", text).replace(" ", "-"))
+    return anchors
+
+
+def test_every_relative_link_resolves(docs):
+    by_path = {os.path.normpath(d.path): d for d in docs}
+    problems = []
+    for doc in docs:
+        for number, line in doc.prose:
+            for target in LINK.findall(line):
+                if re.match(r"^[a-z]+:", target):
+                    continue                                     # http:, https:, mailto:
+                path, _, anchor = target.partition("#")
+                full = os.path.normpath(os.path.join(os.path.dirname(doc.path), path)) \
+                    if path else os.path.normpath(doc.path)
+                if not os.path.exists(full):
+                    problems.append(f"{rel(doc.path)}:{number}: link to missing {target}")
+                elif anchor and full in by_path and anchor not in heading_anchors(by_path[full]):
+                    problems.append(f"{rel(doc.path)}:{number}: no heading #{anchor} in "
+                                    f"{rel(full)}")
+    assert not problems, "broken links:\n" + "\n".join(problems)
