@@ -169,6 +169,46 @@ def _flags_of(parsers) -> set[str]:
 
 
 @pytest.fixture(scope="module")
+def flag_choices() -> dict[str, set[str]]:
+    """Every tpfuse command's flags that take a fixed set of values: flag -> the values."""
+    from tpfuse import pretrain_gpt
+
+    parsers = captured_parsers(pretrain_gpt.main, ["--help"])
+    for target in console_scripts().values():
+        parsers += captured_parsers(_entry_point(target), ["--help"])
+    return {flag: {str(c) for c in action.choices} for p in parsers for action in p._actions
+            if action.choices is not None for flag in action.option_strings}
+
+
+CHOICE_LIST = re.compile(r"(--[a-z][a-z0-9-]*) ([\w.-]+(?:\|[\w.-]+)+)")
+
+
+def choice_problems(doc: Doc, choices: dict[str, set[str]]) -> list[str]:
+    """`--flag a|b|c` in a doc: every value named is one the flag accepts."""
+    problems = []
+    lines = list(doc.prose) + [(b.line + i, l) for b in doc.blocks for i, l in enumerate(b.lines)]
+    for number, text in lines:
+        for flag, values in CHOICE_LIST.findall(text.replace("\\|", "|")):
+            unknown = [v for v in values.split("|") if flag in choices and v not in choices[flag]]
+            if unknown:
+                problems.append(f"{rel(doc.path)}:{number}: {flag} does not accept {unknown} "
+                                f"(it takes {sorted(choices[flag])})")
+    return problems
+
+
+def test_value_check_catches_drift(tmp_path, flag_choices):
+    page = tmp_path / "page.md"
+    page.write_text("`--pipeline-schedule 1f1b|gpipe` and `--cp-comm-type p2p|a2a`\n")
+    problems = choice_problems(parse_doc(str(page)), flag_choices)
+    assert len(problems) == 1 and "['gpipe']" in problems[0] and ":1:" in problems[0], problems
+
+
+def test_every_flag_value_named_is_accepted(docs, flag_choices):
+    problems = [p for doc in docs for p in choice_problems(doc, flag_choices)]
+    assert not problems, "docs name values the flags refuse:\n" + "\n".join(problems)
+
+
+@pytest.fixture(scope="module")
 def command_flags() -> dict[str, set[str]]:
     """Every command's accepted long flags."""
     from tpfuse import pretrain_gpt
