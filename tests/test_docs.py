@@ -571,6 +571,7 @@ RUNNER = r"""
 import json, sys, traceback
 results = []
 for snippet in json.loads(sys.stdin.read()):
+    print("START " + snippet["where"] + ":" + str(snippet["line"]), flush=True)
     try:
         exec(compile(snippet["code"], snippet["where"], "exec"), {"__name__": "__doc_snippet__"})
         results.append(None)
@@ -598,19 +599,43 @@ def runnable_snippets(docs) -> list[dict]:
     return snippets
 
 
+def snippet_failures(snippets: list[dict]) -> list[str]:
+    """Run the snippets in one fresh interpreter; ``FILE:LINE: the snippet fails: traceback`` for
+    each that raises."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    env.pop("WORLD_SIZE", None)
+    try:
+        done = subprocess.run([sys.executable, "-c", RUNNER], input=json.dumps(snippets),
+                              env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired as timeout:
+        out = timeout.stdout.decode() if isinstance(timeout.stdout, bytes) else timeout.stdout or ""
+        started = [l[len("START "):] for l in out.splitlines() if l.startswith("START ")]
+        return [f"{started[-1] if started else 'the first snippet'}: the snippet did not finish "
+                f"within 120 s"]
+    lines = [l for l in done.stdout.splitlines() if l.startswith("RESULTS ")]
+    if not lines:
+        return [f"the snippet runner crashed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"]
+    errors = json.loads(lines[-1][len("RESULTS "):])
+    return [f"{s['where']}:{s['line']}: the snippet fails:\n{e}"
+            for s, e in zip(snippets, errors) if e]
+
+
 def test_every_python_snippet_runs(docs):
     snippets = runnable_snippets(docs)
     assert snippets, "no runnable ```python snippet found"
-    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
-    env.pop("WORLD_SIZE", None)
-    done = subprocess.run([sys.executable, "-c", RUNNER], input=json.dumps(snippets), env=env,
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
-    lines = [l for l in done.stdout.splitlines() if l.startswith("RESULTS ")]
-    assert lines, f"the snippet runner crashed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
-    errors = json.loads(lines[-1][len("RESULTS "):])
-    failed = [f"{s['where']}:{s['line']}: the snippet fails:\n{e}"
-              for s, e in zip(snippets, errors) if e]
+    failed = snippet_failures(snippets)
     assert not failed, "\n".join(failed)
+
+
+def test_snippet_check_catches_drift(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text("text\n\n```python\nx = 1\nfrom tpfuse.parallel import no_such_name\n```\n"
+                    "```python no-run\nraise SystemExit(3)\n```\n")
+    snippets = runnable_snippets([parse_doc(str(page))])
+    failed = snippet_failures(snippets)
+    assert len(snippets) == 1 and len(failed) == 1, failed
+    assert f"{rel(str(page))}:4: the snippet fails" in failed[0] and "no_such_name" in failed[0]
+    assert "line 5" in failed[0], failed[0]                     # the doc's own line number
 
 
 def test_no_run_is_rare(docs):
