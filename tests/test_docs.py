@@ -678,3 +678,18 @@ def test_every_relative_link_resolves(docs):
                     problems.append(f"{rel(doc.path)}:{number}: no heading #{anchor} in "
                                     f"{rel(full)}")
     assert not problems, "broken links:\n" + "\n".join(problems)
+
+
+PATH_SPAN = re.compile(r"^(?:[\w.-]+/)+[\w.-]*\.(?:py|sh|md|png|txt|ini)$|^(?:[\w.-]+/)+$")
+
+
+def test_every_repository_path_named_exists(docs):
+    """An inline code span that is a repository path (`training/pretrain.py`, `benchmarks/`)
+    names a file or folder that exists."""
+    problems = []
+    for doc in docs:
+        for number, span in inline_spans(doc):
+            if PATH_SPAN.match(span) and not span.startswith(("/", "~", "./", "data/")) \
+                    and not os.path.exists(os.path.join(ROOT, span)):
+                problems.append(f"{rel(doc.path)}:{number}: no such path `{span}`")
+    assert not problems, "docs name paths that do not exist:\n" + "\n".join(problems)
