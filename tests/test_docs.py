@@ -33,6 +33,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import textwrap
 from dataclasses import dataclass, field
 
@@ -578,12 +579,9 @@ for snippet in json.loads(sys.stdin.read()):
     except BaseException:
         results.append(traceback.format_exc(limit=-3))
     finally:
-        try:
-            import torch.distributed as dist
-            if dist.is_available() and dist.is_initialized():
-                dist.destroy_process_group()
-        except Exception:
-            pass
+        dist = sys.modules.get("torch.distributed")
+        if dist is not None and dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
 print("RESULTS " + json.dumps(results))
 """
 
@@ -605,8 +603,10 @@ def snippet_failures(snippets: list[dict]) -> list[str]:
     env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
     env.pop("WORLD_SIZE", None)
     try:
+        # run outside the checkout: its tpfuse/ folder must not shadow the installed package
         done = subprocess.run([sys.executable, "-c", RUNNER], input=json.dumps(snippets),
-                              env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+                              env=env, cwd=tempfile.gettempdir(), capture_output=True, text=True,
+                              timeout=120)
     except subprocess.TimeoutExpired as timeout:
         out = timeout.stdout.decode() if isinstance(timeout.stdout, bytes) else timeout.stdout or ""
         started = [l[len("START "):] for l in out.splitlines() if l.startswith("START ")]
@@ -629,7 +629,7 @@ def test_every_python_snippet_runs(docs):
 
 def test_snippet_check_catches_drift(tmp_path):
     page = tmp_path / "page.md"
-    page.write_text("text\n\n```python\nx = 1\nfrom tpfuse.parallel import no_such_name\n```\n"
+    page.write_text("text\n\n```python\nx = 1\nprint(no_such_name)\n```\n"
                     "```python no-run\nraise SystemExit(3)\n```\n")
     snippets = runnable_snippets([parse_doc(str(page))])
     failed = snippet_failures(snippets)
