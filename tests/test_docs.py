@@ -693,3 +693,18 @@ def test_every_repository_path_named_exists(docs):
                     and not os.path.exists(os.path.join(ROOT, span)):
                 problems.append(f"{rel(doc.path)}:{number}: no such path `{span}`")
     assert not problems, "docs name paths that do not exist:\n" + "\n".join(problems)
+
+
+README_COMMANDS = (
+    "```bash\npython3 -m pip install torch==2.13.0 && python3 -m pip install -e . && tpfuse-train\n```",
+    "```bash\npython3 -m pip install torch==2.13.0 && python3 -m pip install -e \".[test]\" && "
+    "python3 -m pytest -q\n```",
+)
+
+
+def test_readme_keeps_the_main_job_and_test_commands():
+    """CI and users run these two commands as written: they stay byte for byte."""
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        readme = f.read()
+    for command in README_COMMANDS:
+        assert command in readme, f"README.md no longer holds the command block\n{command}"
