@@ -58,7 +58,8 @@ from tpfuse.parallel.parallel_state import (  # noqa: F401  (the same in Megatro
     model_parallel_is_initialized)
 from tpfuse.parallel.parallel_state import _state  # the default state, or Megatron's error
 from tpfuse.parallel.state import (ParallelState, destroy_all_states,  # noqa: F401  (as before)
-                                   get_default_state, has_default_state, set_default_state)
+                                   get_default_state, has_default_state, resolve_state,
+                                   set_default_state)
 
 from ._extra_groups import (  # noqa: F401  (Megatron's names)
     ExtraGroups, GlobalMemoryBuffer, RankGenerator, check_default_only, check_extra_options,
@@ -220,7 +221,7 @@ def set_virtual_pipeline_model_parallel_rank(rank):
         raise ValueError(f"virtual pipeline rank must be in [0, {size}) (vpp_size={size}), "
                          f"got {rank!r}")
     if has_default_state():
-        get_default_state().vpp_rank = rank
+        resolve_state().vpp_rank = rank
     else:
         OVERRIDES.set("vpp_rank", rank)
 
@@ -231,7 +232,7 @@ def set_virtual_pipeline_model_parallel_world_size(world_size):
         raise ValueError(f"virtual pipeline world size must be an integer >= 1 or None, "
                          f"got {world_size!r}")
     if has_default_state():
-        get_default_state().vpp_size = world_size
+        resolve_state().vpp_size = world_size
     else:
         OVERRIDES.set("vpp_size", world_size)
 

@@ -7,7 +7,7 @@
     parallel_state.destroy_model_parallel()
 
 Every function here reads (or, ``initialize_model_parallel`` / ``destroy_model_parallel``, sets)
-the default ``ParallelState`` — ``tpfuse.parallel.state.get_default_state()`` — and nothing else:
+the default ``ParallelState`` — ``tpfuse.parallel.state.resolve_state()`` — and nothing else:
 ``get_<kind>_group()`` is ``state.group(kind)``, ``get_<kind>_rank()`` is ``state.rank_in(kind)``,
 ``get_<kind>_world_size()`` is ``state.size(kind)``, under megatron-core's names for the group
 kinds of the layout (tensor, pipeline, data with and without context, context, tensor+context,
@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from .layout import DEFAULT_ORDER, RankLayout
 from .state import (ParallelState, destroy_all_states, get_default_state,  # noqa: F401
-                    has_default_state, set_default_state)
+                    has_default_state, resolve_state, set_default_state)
 
 
 class ModelParallelNotInitializedError(RuntimeError, AssertionError):
@@ -121,7 +121,7 @@ def _state() -> ParallelState:
         raise ModelParallelNotInitializedError(
             "model parallel state is not initialized: call "
             "parallel_state.initialize_model_parallel(...) first")
-    return get_default_state()
+    return resolve_state()
 
 
 def _dp_kind(with_context_parallel: bool) -> str:
@@ -286,13 +286,13 @@ def get_expert_data_parallel_world_size():
 def get_virtual_pipeline_model_parallel_rank():
     """The running model chunk (``state.vpp_rank``); None without a virtual pipeline or before
     initialisation (Megatron's default)."""
-    return get_default_state().vpp_rank if has_default_state() else None
+    return resolve_state().vpp_rank if has_default_state() else None
 
 
 def get_virtual_pipeline_model_parallel_world_size():
     """Model chunks per pipeline rank (``state.vpp_size``); None without a virtual pipeline or
     before initialisation (Megatron's default)."""
-    return get_default_state().vpp_size if has_default_state() else None
+    return resolve_state().vpp_size if has_default_state() else None
 
 
 def is_pipeline_first_stage(ignore_virtual=True, vp_stage=None):

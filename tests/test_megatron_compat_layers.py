@@ -12,6 +12,7 @@ import torch
 from tpfuse.megatron_compat import parallel_state as mpu
 from tpfuse.megatron_compat import tensor_parallel
 from tpfuse.megatron_compat.model_parallel_config import ModelParallelConfig
+from tpfuse.parallel.comm_options import CommOptions
 from tpfuse.parallel.state import get_default_state
 from tpfuse.tp_layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from tpfuse.tp_layers.init import normal_init
@@ -37,7 +38,10 @@ def _unwrap(out):
 
 
 def _same_call(megatron_layer, native_layer, make_input, tag):
-    """Weights, output and gradients of the two layers on the same input are identical."""
+    """Weights, output and gradients of the two layers on the same input are identical; both
+    communicate with the same options (those of the default state)."""
+    assert megatron_layer.tp == native_layer.tp, tag
+    assert megatron_layer.tp.options == native_layer.tp.options, tag
     for (name, a), (_, b) in zip(megatron_layer.named_parameters(),
                                  native_layer.named_parameters()):
         assert torch.equal(a, b), f"{tag}: {name} differs at construction"
@@ -62,6 +66,8 @@ def _build(seed, make):
 def _dense_layers():
     state = get_default_state()
     for sp in (False, True):
+        # sequence parallel: the fused comm+GEMM path forced for these small GEMMs
+        state.comm_options = CommOptions(fused_min_flops=0) if sp else None
         config = ModelParallelConfig(tensor_model_parallel_size=2, sequence_parallel=sp)
         x_dim = 0 if sp else None       # sequence parallel: this rank's s/tp tokens
         for bias, skip, gather in ((True, False, False), (True, True, False),
@@ -89,6 +95,7 @@ def _dense_layers():
                                                           sequence_parallel=sp, state=state))
         ids = torch.randint(0, V, (B, S), generator=torch.Generator().manual_seed(6))
         _same_call(megatron, native, lambda: ids, tag)
+    state.comm_options = None
     # perform_initialization=False: the native layer over a zero master, nothing drawn
     lazy = ModelParallelConfig(tensor_model_parallel_size=2, perform_initialization=False)
     megatron = _build(7, lambda: tensor_parallel.ColumnParallelLinear(H, F, config=lazy,

@@ -31,7 +31,7 @@ from tpfuse.parallel import parallel_state
 from tpfuse.parallel.devices import collective_device
 from tpfuse.parallel.microbatches import MicrobatchCalculator
 from tpfuse.runtime.initialize import check_layout, initialize_distributed
-from tpfuse.training.arguments import parse_args
+from tpfuse.training.arguments import comm_options_from_args, parse_args
 from tpfuse.training.checkpointing import (Checkpointing, describe_exit, prepare_save_dir,
                                            resume_point)
 from tpfuse.training.logging_utils import TrainingLogger
@@ -333,6 +333,7 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step,
         context_parallel_size=config.context_parallel_size,
         expert_model_parallel_size=config.expert_model_parallel_size,
         expert_tensor_parallel_size=config.expert_tensor_parallel_size)
+    parallel_state.get_default_state().comm_options = comm_options_from_args(args)
     if dist.get_rank() == 0 and not args.no_layout_table:
         from tpfuse.parallel.report import format_layout_table
 

@@ -22,7 +22,7 @@ from tpfuse.parallel import mappings as _m
 from tpfuse.parallel.mappings import default_tensor_parallel_group as _tp
 from tpfuse.tp_layers import embedding as _embedding
 from tpfuse.tp_layers import linear as _linear
-from tpfuse.parallel.state import get_default_state, has_default_state
+from tpfuse.parallel.state import resolve_state_or_none
 from tpfuse.tp_layers._group import TPGroup, resolve_tp_group
 from tpfuse.tp_layers.init import draw_master_weight
 
@@ -49,7 +49,8 @@ def expert_parallel(config, is_expert: bool) -> bool:
         return False
     size = getattr(config, "expert_model_parallel_size", None)
     if size is None:
-        size = get_default_state().ep_size if has_default_state() else 1
+        state = resolve_state_or_none()
+        size = state.ep_size if state is not None else 1
     return size > 1
 
 
@@ -105,6 +106,7 @@ class ColumnParallelLinear(_linear.ColumnParallelLinear):
                          sequence_parallel=sequence_parallel, skip_bias_add=skip_bias_add,
                          init_method=init_method, stride=stride, params_dtype=params_dtype,
                          master_weight=master, group=tp.group)
+        self.tp = self.comm = tp       # the same group, with its state's communication options
         if outside or disable_grad_reduce:   # no collective here (disable: no dgrad all-reduce)
             self.comm = _NO_COMMUNICATION
         mark_allreduce((self.weight, self.bias), is_expert, ep)
@@ -155,6 +157,7 @@ class RowParallelLinear(_linear.RowParallelLinear):
                          input_is_parallel=input_is_parallel, sequence_parallel=sequence_parallel,
                          skip_bias_add=skip_bias_add, init_method=init_method, stride=stride,
                          params_dtype=params_dtype, master_weight=master, group=tp.group)
+        self.tp = self.comm = tp       # the same group, with its state's communication options
         if outside:
             self.comm = _NO_COMMUNICATION
         mark_allreduce((self.weight, self.bias), is_expert, ep)
@@ -183,6 +186,7 @@ class VocabParallelEmbedding(_embedding.VocabParallelEmbedding):
         super().__init__(num_embeddings, embedding_dim, init_method=init_method,
                          sequence_parallel=reduce_scatter_embeddings, params_dtype=params_dtype,
                          master_weight=master, group=tp.group)
+        self.tp = tp                   # the same group, with its state's communication options
         self.config, self.reduce_scatter_embeddings = config, reduce_scatter_embeddings
         self.vocab_start_index = self.vocab_start
         self.vocab_end_index = self.vocab_start + self.vocab_per_rank
