@@ -305,14 +305,12 @@ def test_bad_input_raises_before_communication(call, words):
         assert word in str(info.value)
 
 
-def test_get_forward_backward_func_choice_from_config():
-    config = SimpleNamespace(pipeline_model_parallel_size=1,
-                             virtual_pipeline_model_parallel_size=None)
-    assert get_forward_backward_func(config).__name__ == "forward_backward_no_pipelining"
-    config.pipeline_model_parallel_size = 4
-    assert get_forward_backward_func(config) is forward_backward_pipelining_without_interleaving
-    config.virtual_pipeline_model_parallel_size = 2
-    assert get_forward_backward_func(config) is forward_backward_pipelining_with_interleaving
+def test_schedule_choice_from_the_layout_sizes():
+    from tpfuse.pipeline.executor import schedule_for
+
+    assert schedule_for(1, None).__name__ == "forward_backward_no_pipelining"
+    assert schedule_for(4, None) is forward_backward_pipelining_without_interleaving
+    assert schedule_for(4, 2) is forward_backward_pipelining_with_interleaving
 
 
 def test_weight_grad_queue_defers_only_inside_an_open_pass():

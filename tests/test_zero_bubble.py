@@ -220,8 +220,10 @@ def test_schedule_choice_and_trainer_flags():
     from tpfuse.training.arguments import parse_args
 
     def chosen(**overrides):
-        return executor.get_forward_backward_func(TransformerConfig(
-            **{**BASE, "pipeline_model_parallel_size": 2, **overrides}))
+        config = TransformerConfig(**{**BASE, "pipeline_model_parallel_size": 2, **overrides})
+        return executor.schedule_for(config.pipeline_model_parallel_size,
+                                     config.virtual_pipeline_model_parallel_size,
+                                     config.pipeline_schedule)
 
     assert chosen() is executor.forward_backward_pipelining_without_interleaving
     assert chosen(pipeline_schedule="zb-h1") is executor.forward_backward_pipelining_zb_h1
