@@ -41,54 +41,41 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from tpfuse.parallel.state import resolve_state
+
 from .p2p import PipelineP2P, recv_ahead_for
 from .plan import SCHEDULE_KINDS, rank_plan
 from .schedules import build_no_pipelining_schedule, forward_only as forward_only_actions
 from .stage_actions import NO_TIMERS, StageRun, execute
 
 
-def _default_state(state):
-    if state is not None:
-        return state
-    from tpfuse.parallel.state import get_default_state
-
-    return get_default_state()
-
-
-def get_forward_backward_func(state=None, pipeline_schedule: str | None = None):
-    """The schedule for this layout: no pipelining (pp 1), else ``pipeline_schedule`` ("1f1b",
-    "interleaved", "zb-h1"; default interleaved when vpp > 1, else 1F1B).
-
-    ``state`` is a ParallelState (default: the default state) or a config with
-    ``pipeline_model_parallel_size`` / ``virtual_pipeline_model_parallel_size`` (and optionally
-    ``pipeline_schedule``). A state given here is passed on to the returned function unless the
-    call names another.
-    """
-    if hasattr(state, "pipeline_model_parallel_size"):
-        pp_size = state.pipeline_model_parallel_size
-        vpp_size = state.virtual_pipeline_model_parallel_size
-        pipeline_schedule = pipeline_schedule or getattr(state, "pipeline_schedule", None)
-        bound_state = None
-    else:
-        bound_state = _default_state(state)
-        pp_size, vpp_size = bound_state.pp_size, bound_state.vpp_size
+def schedule_for(pp_size: int, vpp_size: int | None, pipeline_schedule: str | None = None):
+    """The schedule function for ``pp_size`` stages of ``vpp_size`` chunks each: no pipelining
+    at pp 1, else ``pipeline_schedule`` ("1f1b", "interleaved", "zb-h1"; default interleaved
+    when vpp > 1, else 1F1B). Pure: a ValueError names the impossible combination."""
     if pp_size == 1:
         if vpp_size not in (None, 1):
             raise ValueError(f"virtual pipeline size {vpp_size} needs pp > 1, got pp=1")
         if pipeline_schedule is not None:
             raise ValueError(f"pipeline_schedule={pipeline_schedule!r} needs pp > 1, got pp=1")
-        chosen = forward_backward_no_pipelining
-    else:
-        chosen = _SCHEDULES.get(pipeline_schedule or ("interleaved" if (vpp_size or 1) > 1
-                                                      else "1f1b"))
-        if chosen is None:
-            raise ValueError(f"pipeline_schedule must be one of {SCHEDULE_KINDS}, got "
-                             f"{pipeline_schedule!r}")
-        if chosen is not forward_backward_pipelining_with_interleaving and (vpp_size or 1) > 1:
-            raise ValueError(f"pipeline_schedule={pipeline_schedule!r} runs one model chunk "
-                             f"per rank, but the virtual pipeline size is {vpp_size}")
-    if bound_state is None:
-        return chosen
+        return forward_backward_no_pipelining
+    chosen = _SCHEDULES.get(pipeline_schedule or ("interleaved" if (vpp_size or 1) > 1
+                                                  else "1f1b"))
+    if chosen is None:
+        raise ValueError(f"pipeline_schedule must be one of {SCHEDULE_KINDS}, got "
+                         f"{pipeline_schedule!r}")
+    if chosen is not forward_backward_pipelining_with_interleaving and (vpp_size or 1) > 1:
+        raise ValueError(f"pipeline_schedule={pipeline_schedule!r} runs one model chunk "
+                         f"per rank, but the virtual pipeline size is {vpp_size}")
+    return chosen
+
+
+def get_forward_backward_func(state=None, pipeline_schedule: str | None = None):
+    """``schedule_for`` the layout of ``state`` (a ParallelState; default: the default state),
+    bound to that state: the returned function passes ``state=`` on unless the call names
+    another."""
+    bound_state = resolve_state(state)
+    chosen = schedule_for(bound_state.pp_size, bound_state.vpp_size, pipeline_schedule)
 
     def forward_backward(*args, **kwargs):
         kwargs.setdefault("state", bound_state)
@@ -194,7 +181,7 @@ def forward_backward_pipelining_without_interleaving(
         forward_only=False, state=None, tensor_shape=None, timers=None):
     """Plain 1F1B over the pp group: warm-up min(pp − rank − 1, m) forwards."""
     _check_counts(num_microbatches)
-    state = _default_state(state)
+    state = resolve_state(state)
     chunks = _as_chunks(model)
     if len(chunks) != 1:
         raise ValueError(f"1F1B without interleaving runs one model chunk per rank, got "
@@ -213,7 +200,7 @@ def forward_backward_pipelining_with_interleaving(
     present, else pp.
     """
     _check_counts(num_microbatches)
-    state = _default_state(state)
+    state = resolve_state(state)
     chunks = _as_chunks(model)
     state_vpp = getattr(state, "vpp_size", None)
     if state_vpp is not None and state_vpp != len(chunks):
@@ -234,7 +221,7 @@ def forward_backward_pipelining_zb_h1(
     into I (input gradient, sent upstream at once) and W (the weight gradients the I pass
     deferred, run where 1F1B would idle). Same results as 1F1B."""
     _check_counts(num_microbatches)
-    state = _default_state(state)
+    state = resolve_state(state)
     chunks = _as_chunks(model)
     if len(chunks) != 1:
         raise ValueError(f"ZB-H1 runs one model chunk per rank, got {len(chunks)}")

@@ -1,8 +1,12 @@
-"""ParallelState and the Megatron-style facade, in a world of 8 gloo processes.
+"""ParallelState and the module-level parallel_state facade, in a world of 8 gloo processes.
 
 Every getter is compared with the pure RankLayout (itself hand-checked in test_layout.py), and
 every group is exercised with a real all-reduce so a wrong group cannot hide behind right numbers.
+Megatron's own parallel_state (setters, extra groups, Megatron-only options) is tested in
+test_parallel_state_megatron.py; here its getters are checked to equal the facade's.
 """
+import importlib
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -161,6 +165,63 @@ def test_default_state(run_distributed):
     run_distributed(WORLD, _default_state_roundtrip)
 
 
+def _resolver_and_comm_options():
+    from tpfuse.parallel.comm_options import CommOptions
+    from tpfuse.parallel.state import resolve_state, resolve_state_or_none
+    from tpfuse.tp_layers._group import resolve_tp_group
+
+    for resolve in (resolve_state, resolve_state_or_none):   # a distributed run must name one
+        with pytest.raises(RuntimeError, match="initialize_model_parallel"):
+            resolve()
+    options = CommOptions(reduce_scatter="all_reduce", fused_min_flops=0)
+    state = ParallelState.initialize(tp=2, set_default=True, comm_options=options)
+    explicit = ParallelState.initialize(tp=4)
+    try:
+        assert resolve_state() is state and resolve_state_or_none() is state
+        assert resolve_state(explicit) is explicit and resolve_state_or_none(explicit) is explicit
+        assert state.comm_options is options and explicit.comm_options == CommOptions()
+        tp = resolve_tp_group()                                    # from the default state
+        assert tp.options is options
+        state.comm_options = None                                  # back to the defaults, live
+        assert tp.options == CommOptions()
+        with pytest.raises(ValueError, match="CommOptions or None"):
+            state.comm_options = {"fused_min_flops": 0}
+        assert resolve_tp_group(group=state.tp_group).options == CommOptions()
+    finally:
+        explicit.destroy()
+        state.destroy()
+    return True
+
+
+def test_resolver_and_comm_options_of_a_state(run_distributed):
+    assert all(run_distributed(WORLD, _resolver_and_comm_options))
+
+
+def test_plain_process_resolves_to_none_and_default_options():
+    from tpfuse.parallel.comm_options import CommOptions
+    from tpfuse.parallel.state import resolve_state, resolve_state_or_none
+    from tpfuse.tp_layers._group import resolve_tp_group
+
+    assert resolve_state_or_none() is None                     # no default, no torch.distributed
+    with pytest.raises(RuntimeError, match="pass state= explicitly"):
+        resolve_state()
+    assert resolve_tp_group().size == 1 and resolve_tp_group().options == CommOptions()
+    with pytest.raises(ValueError, match="reduce-scatter strategy.*'ring'"):
+        CommOptions(reduce_scatter="ring")
+    with pytest.raises(ValueError, match="symm_mem must be a bool"):
+        CommOptions(symm_mem="yes")
+
+
+def test_shortcut_properties_are_written_out():
+    """Every ``<kind>_group / _rank / _size`` is a real property of the class with a docstring."""
+    kinds = ("tp", "pp", "dp", "cp", "dp_cp", "ep", "etp", "edp", "embedding",
+             "position_embedding")
+    for kind in kinds:
+        for suffix in ("group", "rank", "size"):
+            prop = ParallelState.__dict__[f"{kind}_{suffix}"]
+            assert isinstance(prop, property) and prop.__doc__, f"{kind}_{suffix}"
+
+
 # ----------------------------------------------------------------------------- Megatron facade
 # facade group getter -> layout group name
 FACADE_GROUPS = {
@@ -202,7 +263,9 @@ def _layout_of(config) -> RankLayout:
         etp=config.get("expert_tensor_parallel_size"), order=config.get("order", "tp-cp-ep-dp-pp"))
 
 
-def _check_facade(config):
+def _check_facade(config, mpu=mpu):
+    """Every getter of ``mpu`` (the facade, or a module offering the same functions) against
+    the layout."""
     rank = dist.get_rank()
     layout = _layout_of(config)
     for getter, name in FACADE_GROUPS.items():
@@ -273,27 +336,21 @@ def test_facade_getters_match_layout_then_reinitialize(run_distributed):
     assert run_distributed(WORLD, _facade_matches_layout, FACADE_CONFIGS) == [1] * WORLD
 
 
-def _virtual_pipeline_via_facade():
-    mpu.initialize_model_parallel(tensor_model_parallel_size=2, pipeline_model_parallel_size=4,
-                                  virtual_pipeline_model_parallel_size=2)
-    stage = mpu.get_pipeline_model_parallel_rank()
-    with pytest.warns(DeprecationWarning, match="vp_stage"):
-        mpu.set_virtual_pipeline_model_parallel_rank(1)
-    assert mpu.get_virtual_pipeline_model_parallel_rank() == 1
-    assert not mpu.is_pipeline_first_stage(ignore_virtual=False)
-    assert mpu.is_pipeline_last_stage(ignore_virtual=False) == (stage == 3)
-    assert mpu.is_pipeline_first_stage(ignore_virtual=False, vp_stage=0) == (stage == 0)
-    assert mpu.is_rank_in_embedding_group(ignore_virtual=False, vp_stage=1) == (stage == 3)
-    assert mpu.is_rank_in_embedding_group(ignore_virtual=False, vp_stage=0) == (stage == 0)
-    with pytest.raises(ValueError, match="virtual pipeline rank"), \
-            pytest.warns(DeprecationWarning):
-        mpu.set_virtual_pipeline_model_parallel_rank(2)
-    mpu.set_virtual_pipeline_model_parallel_world_size(4)
-    assert mpu.get_virtual_pipeline_model_parallel_world_size() == 4
+def _megatron_module_equals_facade(configs):
+    """megatron_compat.parallel_state's getters (no override set) return what the facade's do."""
+    megatron = importlib.import_module("tpfuse.megatron_compat.parallel_state")
+    for config in configs:
+        assert megatron.initialize_model_parallel(**config) is None   # Megatron returns None
+        _check_facade(config, megatron)
+        _check_facade(config, mpu)
+        assert megatron.get_virtual_pipeline_model_parallel_world_size() == \
+            mpu.get_virtual_pipeline_model_parallel_world_size()
+        megatron.destroy_model_parallel()
+    return len(dist.distributed_c10d._world.pg_map)
 
 
-def test_virtual_pipeline_via_facade(run_distributed):
-    run_distributed(WORLD, _virtual_pipeline_via_facade)
+def test_megatron_module_getters_equal_the_facade(run_distributed):
+    assert run_distributed(WORLD, _megatron_module_equals_facade, FACADE_CONFIGS) == [1] * WORLD
 
 
 GETTERS_BEFORE_INIT = [
@@ -304,7 +361,7 @@ GETTERS_BEFORE_INIT = [
     ("get_expert_model_parallel_world_size", ()), ("get_expert_data_parallel_rank", ()),
     ("get_expert_tensor_parallel_group", ()), ("get_model_parallel_group", ()),
     ("get_embedding_group", ()), ("is_pipeline_first_stage", ()), ("is_pipeline_last_stage", ()),
-    ("is_rank_in_embedding_group", ()), ("get_global_memory_buffer", ()),
+    ("is_rank_in_embedding_group", ()),
     ("get_pipeline_model_parallel_next_rank", ()), ("get_tensor_model_parallel_src_rank", ()),
 ]
 
@@ -316,18 +373,17 @@ def _errors_before_and_around_init():
         with pytest.raises(RuntimeError, match="initialize_model_parallel"):
             getattr(mpu, getter)(*args)
     assert mpu.get_tensor_model_parallel_group(check_initialized=False) is None
+    assert mpu.get_virtual_pipeline_model_parallel_world_size() is None
     with pytest.raises(ValueError, match="tp\\*pp\\*cp=3"):
         mpu.initialize_model_parallel(tensor_model_parallel_size=3)
-    with pytest.raises(ValueError, match="use_sharp=True"):
+    with pytest.raises(TypeError, match="use_sharp"):    # Megatron's options: megatron_compat's
         mpu.initialize_model_parallel(use_sharp=True)
     with pytest.raises(TypeError, match="no_such_option"):
         mpu.initialize_model_parallel(no_such_option=1)
     assert len(dist.distributed_c10d._world.pg_map) == 1  # nothing was created
-    mpu.initialize_model_parallel(tensor_model_parallel_size=2, create_gloo_process_groups=False)
+    mpu.initialize_model_parallel(tensor_model_parallel_size=2)
     with pytest.raises(RuntimeError, match="already initialized"):
         mpu.initialize_model_parallel(tensor_model_parallel_size=2)
-    with pytest.raises(ValueError, match="partial"):
-        mpu.get_data_parallel_group(partial_data_parallel=True)
     # a state the job forgets to destroy is destroyed by destroy_model_parallel too
     ParallelState.initialize(pp=2)
     mpu.destroy_model_parallel()

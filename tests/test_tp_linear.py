@@ -4,14 +4,13 @@ One gloo world of 4 ranks; inside each job the TP size loops over 1, 2, 4 (Paral
 tp = 1, 2, 4 and dp = 4 / tp). Outputs, input grads and every weight grad (all-gathered from the
 shards and reassembled) are compared on every rank. Tolerance: see tests/_tp_testing.py.
 """
-import contextlib
 
 import torch
 from torch import nn
 
 from _tp_testing import (assembled, assert_close_fp32, chunk_of, expect_value_error,
                          seeded_randn, tp_layouts, tp_state)
-from tpfuse.kernels.comm_gemm_common import fused_min_flops
+from tpfuse.parallel.comm_options import CommOptions
 from tpfuse.tp_layers import ColumnParallelLinear, RowParallelLinear
 from tpfuse.tp_layers.init import shard
 
@@ -101,11 +100,12 @@ def _linear_against_dense():
     cases = 0
     for tp, state in tp_layouts():
         for sp, min_flops in SP_MODES:
-            with fused_min_flops(min_flops) if min_flops is not None else contextlib.nullcontext():
-                for case in COLUMN_CASES:
-                    _column_case(state, sp, *case)
-                for case in ROW_CASES:
-                    _row_case(state, sp, *case)
+            state.comm_options = CommOptions(fused_min_flops=min_flops)   # the layers' options
+            for case in COLUMN_CASES:
+                _column_case(state, sp, *case)
+            for case in ROW_CASES:
+                _row_case(state, sp, *case)
+            state.comm_options = None                                    # back to the defaults
             cases += len(COLUMN_CASES) + len(ROW_CASES)
         _row_case(state, False, True, False, False)  # scatter the input inside the layer
         cases += 1
@@ -200,3 +200,31 @@ def test_single_process_without_distributed_is_tp1():
     x = torch.randn(3, 2, IN)
     torch.testing.assert_close(layer(x), dense(x), rtol=1e-6, atol=1e-6)
     assert layer.tp.size == 1
+
+
+def test_native_signatures_take_explicit_arguments_only():
+    """The native layers speak tpfuse (group= / state=, explicit flags); Megatron's keywords
+    (config=, is_expert=, tp_group=, reduce_scatter_embeddings=) are megatron_compat's."""
+    import inspect
+
+    from tpfuse.tp_layers import VocabParallelEmbedding
+
+    expected = {
+        ColumnParallelLinear: "input_size output_size bias gather_output sequence_parallel "
+                              "skip_bias_add init_method stride params_dtype activation "
+                              "master_weight master_bias group state",
+        RowParallelLinear: "input_size output_size bias input_is_parallel sequence_parallel "
+                           "skip_bias_add init_method stride params_dtype master_weight "
+                           "master_bias group state",
+        VocabParallelEmbedding: "num_embeddings embedding_dim init_method sequence_parallel "
+                                "params_dtype master_weight group state",
+    }
+    for cls, names in expected.items():
+        assert list(inspect.signature(cls.__init__).parameters)[1:] == names.split(), cls
+    for megatron_keyword in ("config", "is_expert", "tp_group"):
+        try:
+            ColumnParallelLinear(IN, OUT, **{megatron_keyword: None})
+        except TypeError as err:
+            assert megatron_keyword in str(err)
+        else:
+            raise AssertionError(f"{megatron_keyword}= accepted by the native layer")

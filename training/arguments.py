@@ -27,6 +27,7 @@ import os
 import sys
 
 from tpfuse.models.cli import add_config_arguments, config_from_args
+from tpfuse.parallel.comm_options import REDUCE_SCATTER_STRATEGIES, CommOptions
 from tpfuse.training import presets
 from tpfuse.training.garbage_collection import add_gc_arguments, check_gc_arguments
 from tpfuse.training.sample_args import add_sample_arguments, check_sample_arguments
@@ -176,7 +177,27 @@ def _add_distributed_arguments(parser) -> None:
                       help="default: nccl when CUDA is available (Megatron's), else gloo")
     dist.add_argument("--distributed-timeout-minutes", type=float, default=10.0,
                       help="a collective waiting longer than this fails the job")
+    dist.add_argument("--reduce-scatter-strategy", default="native",
+                      choices=list(REDUCE_SCATTER_STRATEGIES),
+                      help="how tensor-parallel reduce-scatters run: native reduce_scatter_tensor, "
+                           "or all_reduce then keep this rank's slice (for backends without it)")
+    dist.add_argument("--fused-comm-min-flops", type=float, default=None,
+                      help="per-rank GEMM FLOPs from which sequence-parallel linears run the "
+                           "ring-overlapped comm+GEMM pipeline (0: always, inf: never; default: "
+                           "per device, 4e9 on CPU, 1e11 on CUDA)")
+    dist.add_argument("--symm-mem-all-gather-matmul", action="store_true",
+                      help="on CUDA, the all-gather+GEMM forward through symmetric memory "
+                           "(every rank of the TP group on this node)")
     add_precision_and_ddp_arguments(parser)
+
+
+def comm_options_from_args(args) -> CommOptions:
+    """The three communication flags above as the ParallelState's ``comm_options``."""
+    flops = args.fused_comm_min_flops
+    if flops is not None and not flops >= 0:
+        raise ValueError(f"--fused-comm-min-flops must be >= 0 (FLOPs), got {flops}")
+    return CommOptions(reduce_scatter=args.reduce_scatter_strategy, fused_min_flops=flops,
+                       symm_mem=args.symm_mem_all_gather_matmul)
 
 
 def add_training_arguments(parser: argparse.ArgumentParser) -> None:
@@ -325,6 +346,7 @@ def validate_training_args(args) -> None:
     _check_data(args)
     validate_precision_and_ddp_args(args)
     check_gc_arguments(args)
+    comm_options_from_args(args)
 
 
 def parse_args(argv=None, defaults: dict | None = None):

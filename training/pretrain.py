@@ -26,14 +26,14 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from tpfuse.checkpoint import format as ckpt
 from tpfuse.parallel import parallel_state
 from tpfuse.parallel.devices import collective_device
 from tpfuse.parallel.microbatches import MicrobatchCalculator
-from tpfuse.training import checkpoint as ckpt
-from tpfuse.training.arguments import parse_args
+from tpfuse.runtime.initialize import check_layout, initialize_distributed
+from tpfuse.training.arguments import comm_options_from_args, parse_args
 from tpfuse.training.checkpointing import (Checkpointing, describe_exit, prepare_save_dir,
                                            resume_point)
-from tpfuse.training.initialize import check_layout, initialize_distributed
 from tpfuse.training.logging_utils import TrainingLogger
 from tpfuse.training.observability import RunMonitor
 from tpfuse.training.memory import memory_record, memory_report
@@ -309,9 +309,19 @@ def _fill_batch_defaults(args, dp_size: int) -> None:
 
 
 def pretrain(train_valid_test_datasets_provider, model_provider, forward_step,
-             args_defaults: dict | None = None, argv=None) -> TrainingResult:
-    """Parse flags, set up every group, train; returns this rank's TrainingResult."""
+             args_defaults: dict | None = None, argv=None, sample_func=None) -> TrainingResult:
+    """Parse flags, set up every group, train; returns this rank's TrainingResult.
+
+    ``sample_func(model_chunks, tokenizer, prompt, max_new_tokens, state, **decoding) -> str |
+    None`` continues ``--sample-prompt`` once training is done, on every rank (None where a rank
+    takes no part); ``tpfuse.pretrain_gpt`` passes ``tpfuse.inference.sample.training_sample``.
+    The trainer imports no inference: without ``sample_func`` a ``--sample-prompt`` is refused
+    before any process group exists."""
     config, args = parse_args(argv, args_defaults)
+    if args.sample_prompt and sample_func is None:
+        raise ValueError(f"--sample-prompt {args.sample_prompt!r} needs a sample function: "
+                         "pretrain(..., sample_func=...) (python -m tpfuse.pretrain_gpt and "
+                         "tpfuse-train pass tpfuse.inference.sample.training_sample)")
     initialize_distributed(args.distributed_backend, args.distributed_timeout_minutes)
     if collective_device().type == "cpu":
         keep_freed_host_memory()         # activations reused step to step, not re-faulted
@@ -323,6 +333,7 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step,
         context_parallel_size=config.context_parallel_size,
         expert_model_parallel_size=config.expert_model_parallel_size,
         expert_tensor_parallel_size=config.expert_tensor_parallel_size)
+    parallel_state.get_default_state().comm_options = comm_options_from_args(args)
     if dist.get_rank() == 0 and not args.no_layout_table:
         from tpfuse.parallel.report import format_layout_table
 
@@ -343,16 +354,15 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step,
             run_banner(run)
         result = run.train()
         if args.sample_prompt:
-            result.sample = print_sample(run)
+            result.sample = print_sample(run, sample_func)
         return result
     finally:
         _GLOBALS.clear()
 
 
-def print_sample(run) -> str | None:
-    """The trained model's continuation of ``--sample-prompt`` (printed by rank 0)."""
-    from tpfuse.inference.sample import training_sample
-
+def print_sample(run, training_sample) -> str | None:
+    """The trained model's continuation of ``--sample-prompt`` (printed by rank 0);
+    ``training_sample``: ``pretrain``'s ``sample_func``."""
     run.ddp.finish_param_sync()
     text = training_sample(run.model, run.args.tokenizer, run.args.sample_prompt,
                            run.args.sample_max_new_tokens, run.state,
