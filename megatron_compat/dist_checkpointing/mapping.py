@@ -154,9 +154,9 @@ class LocalNonpersistentObject:
 
 # ---------------------------------------------------------------------------- from modules
 def tp_coordinates():
-    from tpfuse.models.gpt import resolve_state
+    from tpfuse.parallel.state import resolve_state_or_none
 
-    state = resolve_state()
+    state = resolve_state_or_none()
     if state is None:
         return 1, 0, 0
     return state.tp_size, state.tp_rank, state.rank_in("dp-cp") or 0

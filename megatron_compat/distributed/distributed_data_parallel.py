@@ -20,7 +20,7 @@ import contextlib
 
 import torch
 
-from tpfuse.models.gpt import resolve_state
+from tpfuse.parallel.state import resolve_state
 from tpfuse.training.data_parallel import DataParallelBuffers
 
 from ..transformer.module import MegatronModule
@@ -40,10 +40,7 @@ class DistributedDataParallel(MegatronModule):
         super().__init__(config=config, pg_collection=pg_collection)
         if not isinstance(ddp_config, DistributedDataParallelConfig):
             raise ValueError("ddp_config must be a megatron_compat DistributedDataParallelConfig")
-        state = resolve_state()
-        if state is None:
-            raise RuntimeError("DistributedDataParallel needs parallel_state."
-                               "initialize_model_parallel(...) first")
+        state = resolve_state()          # RuntimeError naming the fix before initialisation
         self.module, self.ddp_config = module, ddp_config
         native_config = ddp_config.to_native()
         if disable_bucketing:

@@ -15,7 +15,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from tpfuse.models.gpt import allreduce_embedding_grads, resolve_state
+from tpfuse.models.gpt import allreduce_embedding_grads
+from tpfuse.parallel.state import resolve_state_or_none
 
 from .distributed_data_parallel import native_chunk
 
@@ -30,7 +31,7 @@ def finalize_model_grads(model, num_tokens=None, pg_collection=None, force_all_r
                              f"{type(chunk).__name__} (wrap the model in "
                              "distributed.DistributedDataParallel)")
         chunk.finish_grad_sync(force_all_reduce=force_all_reduce)
-    state = resolve_state()
+    state = resolve_state_or_none()
     allreduce_embedding_grads([native_chunk(c) for c in chunks], state)
     if num_tokens is not None:
         _scale_by_token_count(chunks, num_tokens, state)

@@ -120,9 +120,9 @@ def parallel_sizes(config) -> dict:
     """The parallel sizes of the process groups (as Megatron's layers read them from
     parallel_state, not from the config): the default ParallelState's, the config's in a plain
     single process."""
-    from tpfuse.models.gpt import resolve_state
+    from tpfuse.parallel.state import resolve_state_or_none
 
-    state = resolve_state()
+    state = resolve_state_or_none()
     if state is None:
         return {name: getattr(config, name) for name in (
             "tensor_model_parallel_size", "pipeline_model_parallel_size",
