@@ -1,6 +1,7 @@
 """Bodies of the multi-process tests of the compat model half (run in the run_distributed
 workers): Megatron's flow (TransformerConfig → GPTModel with the local spec → DDP →
-get_forward_backward_func → finalize_model_grads → get_megatron_optimizer → dist_checkpointing),
+get_forward_backward_func → finalize_model_grads → get_megatron_optimizer →
+dist_checkpointing),
 the same model trained with tpfuse's native API, and checkpoints across layouts.
 
 Model and data are tiny and fixed: counting sequences (next token = this one + 1, learnable)
@@ -83,7 +84,20 @@ def forward_step(data_iterator, model):
     return output, loss_func
 
 
-def megatron_train(model, steps=STEPS):
+def per_token_forward_step(data_iterator, model):
+    """Megatron's 3-value loss function (Σ loss, tokens, logs) for calculate_per_token_loss."""
+    batch = next(data_iterator)
+    output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"],
+                   labels=batch["labels"])
+
+    def loss_func(output_tensor):
+        mask = batch["loss_mask"].view(-1).float()
+        total, tokens = torch.sum(output_tensor.float().view(-1) * mask), mask.sum().int()
+        return total, tokens, {"lm loss": (total / tokens).detach()}
+    return output, loss_func
+
+
+def megatron_train(model, steps=STEPS, step_func=forward_step):
     """(per-step mean loss on the last stage, step results) with Megatron's training calls."""
     from tpfuse.megatron_compat import parallel_state
     from tpfuse.megatron_compat.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -95,7 +109,7 @@ def megatron_train(model, steps=STEPS):
     for _ in range(steps):
         model.zero_grad_buffer()
         optimizer.zero_grad()
-        reduced = forward_backward(forward_step_func=forward_step, data_iterator=iterator,
+        reduced = forward_backward(forward_step_func=step_func, data_iterator=iterator,
                                    model=[model], num_microbatches=MICROBATCHES,
                                    seq_length=SEQ, micro_batch_size=MICRO,
                                    decoder_seq_length=SEQ, forward_only=False)
@@ -159,6 +173,26 @@ def flow_tp2(directory):
         return losses, results, before, after
     finally:
         parallel_state.destroy_model_parallel()
+
+
+def per_token_and_mean_tp2():
+    """The same training with Megatron's per-token loss (finalize_model_grads divides by the
+    token count) and with the per-micro-batch mean: ((losses, grad norms), (losses, grad norms))."""
+    from tpfuse.megatron_compat import parallel_state
+    from tpfuse.megatron_compat.tensor_parallel import model_parallel_cuda_manual_seed
+
+    runs = []
+    for per_token in (True, False):
+        parallel_state.initialize_model_parallel(2, 1)
+        try:
+            model_parallel_cuda_manual_seed(SEED)
+            model = megatron_model(megatron_config(2, 1, calculate_per_token_loss=per_token))
+            step = per_token_forward_step if per_token else forward_step
+            losses, results = megatron_train(model, step_func=step)
+            runs.append((losses, [grad_norm for _, grad_norm, _ in results]))
+        finally:
+            parallel_state.destroy_model_parallel()
+    return runs
 
 
 # ----------------------------------------------------------------------------- native tpfuse

@@ -5,8 +5,8 @@ written by tpfuse into Megatron's GPT. Both write the model's logits on the prob
 ``DIR/../<write|read>_logits.pt``.
 
 megatron-core needs CUDA for a few calls even with ``use_cpu_initialization``; on a CPU they
-are emulated here (current device → cpu, synchronize → nothing, the RNG tracker's CUDA states →
-the CPU generator's), as its own CPU run of Megatron's example does.
+are emulated here (current device → cpu, synchronize → nothing, the RNG tracker's CUDA
+states → the CPU generator's), as its own CPU run of Megatron's example does.
 """
 import os
 import socket

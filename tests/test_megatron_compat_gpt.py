@@ -39,6 +39,15 @@ def test_model_provider_tp2_pp2_matches_native_losses(run_distributed):
     assert all(step[0] for step in steps)
 
 
+def test_per_token_loss_scaling_in_finalize_model_grads(run_distributed):
+    """Every micro-batch has the same token count T, so Σ loss / (m·T) after finalize equals the
+    mean of the per-micro-batch means: the same gradient norms and steps (rel 1e-6, the order
+    of the sums; a missing or doubled division moves the norm by a factor m·T = 32)."""
+    (losses, norms), (mean_losses, mean_norms) = run_distributed(2, cases.per_token_and_mean_tp2)[0]
+    assert norms == pytest.approx(mean_norms, rel=1e-6)
+    assert losses == pytest.approx(mean_losses, rel=1e-6)
+
+
 def test_checkpoint_saved_at_tp2_loads_at_pp2(run_distributed, tmp_path):
     results = run_distributed(2, cases.reshard_tp2_to_pp2, str(tmp_path / "ckpt"))
     saved, fresh, loaded = results[0][0], results[1][1], results[1][2]   # pp1: rank 0, pp2: 1

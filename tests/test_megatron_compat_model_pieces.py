@@ -68,7 +68,8 @@ def test_gpt_model_is_the_native_model_under_megatron_names(seeded):
                  "decoder.layers.1.input_layernorm.weight",
                  "decoder.layers.0.self_attention.linear_qkv.weight",
                  "decoder.layers.0.self_attention.linear_proj.bias",
-                 "decoder.layers.0.pre_mlp_layernorm.bias", "decoder.layers.0.mlp.linear_fc1.weight",
+                 "decoder.layers.0.pre_mlp_layernorm.bias",
+                 "decoder.layers.0.mlp.linear_fc1.weight",
                  "decoder.layers.0.mlp.linear_fc2.weight", "decoder.final_layernorm.weight",
                  "output_layer.weight"):
         assert name in names
@@ -295,3 +296,16 @@ def test_param_scheduler_follows_megatron(style):
 def test_compile_helpers_is_a_no_op():
     assert compile_helpers() is None
     assert [s.name for s in Split] == ["train", "valid", "test"]
+
+
+def test_transformer_block_builds_this_stage_on_its_own(seeded):
+    from tpfuse.megatron_compat.transformer import TransformerBlock
+
+    block = TransformerBlock(config(), specs.get_gpt_layer_local_spec())
+    assert len(block.layers) == 2 and block.final_layernorm is not None
+    hidden = torch.randn(SEQ, 2, 16)
+    expected = hidden
+    for layer in block.layers:
+        expected = layer(expected)[0]
+    assert torch.equal(block(hidden, None), block.final_layernorm(expected))
+    assert "layers.1.mlp.linear_fc2.weight" in block.state_dict()

@@ -8,10 +8,10 @@ weights`` → ``untie_embeddings_and_output_weights``, ``num_layers_in_first/las
 size: the native model pads nothing more (``make_vocab_size_divisible_by = 1``), so it must be
 a multiple of tp as Megatron's vocab-parallel embedding requires. The weights are drawn by
 tpfuse's layout-independent initialisation, seeded with the seed given to
-``model_parallel_cuda_manual_seed`` (tensor_parallel.random); the parallel sizes are those of
-parallel_state's groups (Megatron's layers read them there, so a config that leaves
-``tensor_model_parallel_size`` at 1 still builds a tp = 2 model under tp = 2 groups); N(0, init_method_std²) as
-Megatron's default ``init_method`` (a user-supplied init function is refused).
+``model_parallel_cuda_manual_seed`` (tensor_parallel.random), N(0, init_method_std²) as
+Megatron's default ``init_method`` (a user-supplied init function is refused). The parallel
+sizes are those of parallel_state's groups (Megatron's layers read them there, so a config that
+leaves ``tensor_model_parallel_size`` at 1 still builds a tp = 2 model under tp = 2 groups).
 
 A Megatron model option tpfuse's engine does not implement, set to another value than its
 default, is a ValueError naming it.
@@ -40,7 +40,7 @@ NOT_IMPLEMENTED_MODEL_FIELDS = (
     "is_hybrid_model", "moe_shared_expert_gate", "moe_router_enable_expert_bias",
     "moe_router_force_load_balancing", "moe_input_jitter_eps", "moe_apply_probs_on_input",
     "moe_latent_size", "moe_router_topk_limited_devices", "moe_use_legacy_grouped_gemm",
-    "moe_enable_routing_replay", "calculate_per_token_loss",
+    "moe_enable_routing_replay",
 )
 _RENAMED = {"num_layers_in_first_pipeline_stage": "decoder_first_pipeline_num_layers",
             "num_layers_in_last_pipeline_stage": "decoder_last_pipeline_num_layers"}

@@ -48,8 +48,8 @@ class TransformerBlock(MegatronModule):
         check_layer_spec(spec, config)
         sizes = parallel_sizes(config)
         tp = sizes["tensor_model_parallel_size"]
-        native = NativeGPT(native_config(config, vocab_size=tp,     # no embedding is built
-                                         max_sequence_length=2 * tp * sizes["context_parallel_size"]),
+        shortest = 2 * tp * sizes["context_parallel_size"]        # no embedding is built
+        native = NativeGPT(native_config(config, vocab_size=tp, max_sequence_length=shortest),
                            pre_process=False, post_process=False, vp_stage=vp_stage)
         final = None
         if post_process and post_layer_norm:
