@@ -335,3 +335,51 @@ def _flip_a_byte(directory, model):
         byte = f.read(1)
         f.seek(-1, os.SEEK_CUR)
         f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def precision_and_sharding_dp2():
+    """dp = 2: (bf16 + distributed optimizer) and (fp16 with Megatron's loss scaling through
+    config.grad_scale_func) apply their steps; per run (losses, step results, optimizer class name, loss
+    scale, parameters before, parameters after)."""
+    from tpfuse.megatron_compat import parallel_state
+    from tpfuse.megatron_compat.distributed import (DistributedDataParallel,
+                                                    DistributedDataParallelConfig)
+    from tpfuse.megatron_compat.models.gpt import GPTModel
+    from tpfuse.megatron_compat.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from tpfuse.megatron_compat.optimizer import OptimizerConfig, get_megatron_optimizer
+    from tpfuse.megatron_compat.pipeline_parallel import get_forward_backward_func
+    from tpfuse.megatron_compat.tensor_parallel import model_parallel_cuda_manual_seed
+
+    runs = {}
+    for name, dtype, distributed in (("bf16", torch.bfloat16, True),
+                                     ("fp16", torch.float16, False)):
+        parallel_state.initialize_model_parallel(1, 1)
+        try:
+            model_parallel_cuda_manual_seed(SEED)
+            config = megatron_config(1, 1, params_dtype=dtype, bf16=name == "bf16",
+                                     fp16=name == "fp16")
+            model = GPTModel(config, get_gpt_layer_local_spec(), vocab_size=VOCAB,
+                             max_sequence_length=SEQ)
+            ddp = DistributedDataParallel(config, DistributedDataParallelConfig(
+                grad_reduce_in_fp32=True, use_distributed_optimizer=distributed), model)
+            optimizer = get_megatron_optimizer(OptimizerConfig(
+                lr=1e-2, bf16=name == "bf16", fp16=name == "fp16", params_dtype=dtype,
+                use_distributed_optimizer=distributed, initial_loss_scale=2.0 ** 12), [ddp])
+            config.grad_scale_func = optimizer.scale_loss        # as Megatron's training does
+            forward_backward, iterator, losses, results = get_forward_backward_func(), \
+                data_iterator(), [], []
+            before = torch.cat([p.detach().float().view(-1) for p in model.parameters()])
+            for _ in range(4):
+                ddp.zero_grad_buffer()
+                reduced = forward_backward(forward_step_func=forward_step,
+                                           data_iterator=iterator, model=[ddp],
+                                           num_microbatches=MICROBATCHES, seq_length=SEQ,
+                                           micro_batch_size=MICRO, forward_only=False)
+                results.append(optimizer.step())
+                losses.append(torch.stack([r["lm loss"] for r in reduced]).float().mean().item())
+            after = torch.cat([p.detach().float().view(-1) for p in model.parameters()])
+            runs[name] = (losses, results, type(optimizer).__name__,
+                          float(optimizer.get_loss_scale()), before, after)
+        finally:
+            parallel_state.destroy_model_parallel()
+    return runs

@@ -62,3 +62,22 @@ def test_mismatched_and_corrupted_checkpoints_are_refused(run_distributed, tmp_p
         mismatch, corrupted = messages
         assert "decoder.layers.mlp.linear_fc1.weight" in mismatch and "shape" in mismatch
         assert "corrupted" in corrupted and cases.CORRUPTED_KEY in corrupted
+
+
+def test_bf16_distributed_optimizer_and_fp16_loss_scaling_dp2(run_distributed):
+    """The steps apply (parameters move) and leave both data-parallel replicas identical (the
+    distributed optimizer all-gathers its updated shards; exact: the same bytes)."""
+    ranks = run_distributed(2, cases.precision_and_sharding_dp2)
+    runs = ranks[0]
+    for name in ("bf16", "fp16"):
+        before, after = runs[name][4:]
+        assert not torch.equal(before, after) and torch.equal(after, ranks[1][name][5])
+    bf16_losses, bf16_steps, bf16_class = runs["bf16"][:3]
+    assert bf16_class == "DistributedOptimizer"
+    assert all(step[0] for step in bf16_steps) and all(map(math.isfinite, bf16_losses))
+    fp16_losses, fp16_steps, fp16_class, scale = runs["fp16"][:4]
+    assert fp16_class == "Float16OptimizerWithFloat16Params"
+    for success, grad_norm, num_zeros in fp16_steps:            # Megatron's skipped-step triple
+        assert (success, num_zeros) == (True, None) or (grad_norm, num_zeros) == (None, None)
+    assert any(step[0] for step in fp16_steps) and 1.0 <= scale <= 2.0 ** 12
+    assert all(math.isfinite(loss) for loss in fp16_losses)
