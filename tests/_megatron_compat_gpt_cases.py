@@ -383,3 +383,20 @@ def precision_and_sharding_dp2():
         finally:
             parallel_state.destroy_model_parallel()
     return runs
+
+
+def sequence_parallel_and_plain_tp2():
+    """Megatron's flow at tp = 2 with and without sequence parallelism: (losses, losses)."""
+    from tpfuse.megatron_compat import parallel_state
+    from tpfuse.megatron_compat.tensor_parallel import model_parallel_cuda_manual_seed
+
+    runs = []
+    for sequence_parallel in (True, False):
+        parallel_state.initialize_model_parallel(2, 1)
+        try:
+            model_parallel_cuda_manual_seed(SEED)
+            model = megatron_model(megatron_config(2, 1, sequence_parallel=sequence_parallel))
+            runs.append(megatron_train(model)[0])
+        finally:
+            parallel_state.destroy_model_parallel()
+    return runs

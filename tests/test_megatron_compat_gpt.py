@@ -81,3 +81,11 @@ def test_bf16_distributed_optimizer_and_fp16_loss_scaling_dp2(run_distributed):
         assert (success, num_zeros) == (True, None) or (grad_norm, num_zeros) == (None, None)
     assert any(step[0] for step in fp16_steps) and 1.0 <= scale <= 2.0 ** 12
     assert all(math.isfinite(loss) for loss in fp16_losses)
+
+
+def test_sequence_parallel_config_gives_the_same_training(run_distributed):
+    """config.sequence_parallel reaches the engine and the schedule's tensor shapes: the same
+    losses as without it (rel 1e-5: reduce-scatter / all-gather instead of all-reduce reorder
+    the fp32 sums, as in the tp_layers tests)."""
+    with_sp, without = run_distributed(2, cases.sequence_parallel_and_plain_tp2)[0]
+    assert with_sp == pytest.approx(without, rel=1e-5)
