@@ -29,23 +29,34 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     return loss, {"lm loss": reported}
 
 
-def forward_step(data_iterator, model, *, data, config):
+def _fields_needed(model, data, config) -> tuple[bool, bool | None]:
+    """(position ids?, document ids?) this chunk takes from its batch. Without the settings (a
+    wrapper calling ``forward_step(data_iterator, model)``): ``(True, None)``, the batch is read
+    and its document ids used where it holds them (the same numbers; a middle stage then reads a
+    batch it could have skipped)."""
+    if data is None:
+        return True, None
+    rope = (model.config if config is None else config).position_embedding_type == "rope"
+    return model.pre_process or (data.reset_position_ids and rope), data.reset_attention_mask
+
+
+def forward_step(data_iterator, model, *, data=None, config=None):
     """One micro-batch through one model chunk: (output, loss function). A chunk copies only
     what it uses: tokens on the first stage, labels on the last, position ids where the first
     stage embeds them or rope needs the sample's own (--reset-position-ids), document ids on every
     chunk with --reset-attention-mask; a middle pipeline stage needing none of them reads no batch
     at all, as in Megatron. With context parallelism the batch is cut to this cp rank's s/cp
-    tokens (chunks r and 2·cp−1−r) first. ``data``: the DataSettings; ``config``: the
-    TransformerConfig."""
+    tokens (chunks r and 2·cp−1−r) first. ``data`` (the DataSettings) and ``config`` (the
+    TransformerConfig; default the chunk's) are bound by ``pretrain``."""
     from tpfuse.training.context_parallel import get_batch_on_this_cp_rank
 
     first, last = model.pre_process, model.post_process
-    positions_needed = first or (data.reset_position_ids
-                                 and config.position_embedding_type == "rope")
-    documents_needed = data.reset_attention_mask
+    positions_needed, documents_needed = _fields_needed(model, data, config)
     if not (first or last or positions_needed or documents_needed):
         return model(None), partial(loss_func, None)
     batch = get_batch_on_this_cp_rank(next(data_iterator))
+    if documents_needed is None:
+        documents_needed = "document_ids" in batch
     device = next(model.parameters()).device
     tokens = batch["tokens"].to(device) if first else None                # (b, s[/cp])
     labels = batch["labels"].to(device) if last else None                 # (b, s[/cp])

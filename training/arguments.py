@@ -39,8 +39,8 @@ from tpfuse.models.config import config_fields
 from tpfuse.training import presets
 from tpfuse.training.precision_args import check_model_precision
 from tpfuse.training.sample_args import check_sample_prompt
-from tpfuse.training.settings import (DEFAULT_SPLIT, GROUPS, TOKENIZER_TYPES, DataSettings,
-                                      TrainerSettings, field_owners)
+from tpfuse.training.settings import (DEFAULT_SPLIT, GROUPS, DataSettings, TrainerSettings,
+                                      field_owners)
 from tpfuse.training.settings_fields import add_group_arguments, unknown_setting_error
 
 

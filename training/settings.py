@@ -147,7 +147,7 @@ class DataSettings(SettingsGroup):
 
     @property
     def per_split_paths(self) -> list:
-        """``[train, valid, test]`` blends of ``--{split}-data-path`` (entries None if not given)."""
+        """``[train, valid, test]`` blends of ``--{split}-data-path`` (None where not given)."""
         return [self.train_data_path, self.valid_data_path, self.test_data_path]
 
     def check(self) -> None:

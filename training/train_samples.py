@@ -34,7 +34,8 @@ def _flag(name: str) -> str:
 
 
 def _value(training, scheduler, name: str):
-    """A run-length setting (``train_*``: TrainingSettings) or a schedule one (SchedulerSettings)."""
+    """A run-length setting (``train_*``, TrainingSettings) or a schedule one
+    (SchedulerSettings)."""
     return getattr(training if name.startswith("train_") else scheduler, name)
 
 
