@@ -7,8 +7,8 @@ import os
 
 from setuptools import setup
 
-SUBPACKAGES = ["parallel", "kernels", "tp_layers", "moe", "models", "pipeline", "data", "training",
-               "inference", "convert", "megatron_compat"]
+SUBPACKAGES = ["parallel", "kernels", "tp_layers", "moe", "models", "pipeline", "data",
+               "checkpoint", "runtime", "training", "inference", "convert", "megatron_compat"]
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 

@@ -97,7 +97,7 @@ def _tokenizer_file(load_dir: str, extra: dict) -> str | None:
 def _eos_id(extra: dict, load_dir: str, vocab_size: int):
     if extra.get("eos_id") is not None:
         return extra["eos_id"]
-    from tpfuse.inference.loading import load_tokenizer
+    from tpfuse.checkpoint.reading import load_tokenizer
 
     tokenizer = load_tokenizer(load_dir)
     return tokenizer.eod if tokenizer is not None and tokenizer.eod < vocab_size else None

@@ -1,4 +1,5 @@
-"""A tpfuse checkpoint written or read whole in one process (conversion), in the trainer's format.
+"""A tpfuse checkpoint written or read whole in one process (conversion), in the checkpoint
+format of ``tpfuse.checkpoint``.
 
 ``write_checkpoint(root, config, params, extra)``: ``params`` are the single-process model's
 tensors (``GPTModel.global_parameter_names`` names, padded vocabulary). For every rank of the
@@ -24,12 +25,13 @@ import shutil
 
 import torch
 
+from tpfuse.checkpoint import file_io as io
+from tpfuse.checkpoint import format as ckpt
+from tpfuse.checkpoint import reshard
+from tpfuse.checkpoint.reading import checkpoint_folder, read_checkpoint_head
 from tpfuse.models.cli import config_from_dict, config_to_dict
 from tpfuse.models.gpt import GPTModel
 from tpfuse.models.layer_assignment import layers_for
-from tpfuse.training import checkpoint as ckpt
-from tpfuse.training import checkpoint_io as io
-from tpfuse.training import reshard
 
 from .hf_io import staged_directory
 
@@ -129,8 +131,6 @@ def write_checkpoint(root: str, config, params: dict, extra: dict, files: dict |
 
 def read_checkpoint(root: str):
     """(TransformerConfig, {single-process name: full tensor}, extra) of a tpfuse checkpoint."""
-    from tpfuse.inference.loading import checkpoint_folder, read_checkpoint_head
-
     if os.path.exists(os.path.join(root, "config.json")) and not os.path.exists(
             os.path.join(root, ckpt.TRACKER)):
         raise ValueError(f"{root} is a HuggingFace model directory, not a tpfuse checkpoint "

@@ -92,7 +92,7 @@ def sampling_kwargs(args) -> dict:
 
 def default_eos_id(checkpoint_dir: str, tokenizer, vocab_size: int) -> int | None:
     """The checkpoint's recorded eos id (a converted model's), else the tokenizer's EOD."""
-    from tpfuse.inference.loading import read_checkpoint_head
+    from tpfuse.checkpoint.reading import read_checkpoint_head
 
     recorded = (read_checkpoint_head(checkpoint_dir).get("extra") or {}).get("eos_id")
     if isinstance(recorded, int) and 0 <= recorded < vocab_size:
@@ -105,7 +105,8 @@ def default_eos_id(checkpoint_dir: str, tokenizer, vocab_size: int) -> int | Non
 def run(args, state=None) -> dict:
     """Load, generate; the result dict every rank computes (rank 0 prints it)."""
     from tpfuse.inference.generate import generate
-    from tpfuse.inference.loading import load_model, load_tokenizer
+    from tpfuse.checkpoint.reading import load_tokenizer
+    from tpfuse.inference.loading import load_model
 
     tokenizer = load_tokenizer(args.load)
     prompt_ids = prompt_ids_from(args, tokenizer)
@@ -130,7 +131,7 @@ def _print(result: dict, args) -> None:
 
 def _run_as_rank(args) -> None:
     from tpfuse.parallel import parallel_state
-    from tpfuse.training.initialize import initialize_distributed
+    from tpfuse.runtime.initialize import initialize_distributed
 
     initialize_distributed(args.distributed_backend, args.distributed_timeout_minutes)
     import torch.distributed as dist
@@ -158,7 +159,7 @@ def main(argv=None) -> int:
         elif args.nproc_per_node == 1:
             _print(run(args), args)
         else:
-            from tpfuse.training.launcher import run_local
+            from tpfuse.runtime.launcher import run_local
 
             return run_local(args.nproc_per_node, argv,
                              program=[sys.executable, "-m", "tpfuse.inference.cli"])

@@ -7,7 +7,7 @@ torch.distributed is tp = pp = 1), whatever layout wrote the checkpoint:
     rank 0's file ─"model_config"→ TransformerConfig with this run's tp / pp / vpp and the
         inference settings below
     build_model on the meta device (no random init drawn) → to_empty(device)
-    training/reshard.py: every parameter re-cut from the old layout's shards (optimizer state,
+    checkpoint/reshard.py: every parameter re-cut from the old layout's shards (optimizer state,
         scheduler and RNG are never read)
 
 Inference settings: sequence parallelism off (a decode step holds one token per sequence, which
@@ -23,11 +23,12 @@ import os
 
 import torch
 
-from tpfuse.models.cli import config_from_dict
+from tpfuse.checkpoint import reshard
+from tpfuse.checkpoint.reading import (  # noqa: F401 (load_tokenizer: tpfuse.inference's export)
+    checkpoint_folder, load_tokenizer, read_checkpoint_head)
 from tpfuse.models.build import build_model, make_gpt_model_provider
+from tpfuse.models.cli import config_from_dict
 from tpfuse.models.gpt import resolve_state
-from tpfuse.training import checkpoint as ckpt
-from tpfuse.training import reshard
 
 INFERENCE_SETTINGS = {
     "sequence_parallel": False, "context_parallel_size": 1, "hidden_dropout": 0.0,
@@ -37,25 +38,6 @@ INFERENCE_SETTINGS = {
     "decoder_last_pipeline_num_layers": None,
 }
 PRECISION_FLAGS = {torch.bfloat16: "bf16", torch.float16: "fp16"}
-
-
-def checkpoint_folder(checkpoint_dir: str):
-    """(folder, verified reader) of the newest complete checkpoint: the reader checks each rank
-    file against the manifest's size and sha256 (``training/checkpoint.py``)."""
-    if not os.path.isdir(checkpoint_dir):
-        raise FileNotFoundError(f"checkpoint directory {checkpoint_dir} does not exist")
-    iteration = ckpt.latest_iteration(checkpoint_dir)
-    if iteration is None:
-        raise FileNotFoundError(f"{checkpoint_dir} holds no complete tpfuse checkpoint (no "
-                                f"{ckpt.TRACKER})")
-    folder, manifest = ckpt.read_manifest(checkpoint_dir, iteration)
-    return folder, ckpt.verified_reader(manifest)
-
-
-def read_checkpoint_head(checkpoint_dir: str) -> dict:
-    """Rank 0's payload of the newest checkpoint (verified; what every rank file shares)."""
-    folder, read = checkpoint_folder(checkpoint_dir)
-    return read(os.path.join(folder, "rank_00000.pt"), mmap=True)
 
 
 def inference_config(saved: dict, tp: int = 1, pp: int = 1, vpp: int | None = None,
@@ -121,17 +103,3 @@ def load_model(checkpoint_dir: str, state=None, *, params_dtype: torch.dtype | N
     for chunk in chunks:
         chunk.eval()
     return chunks
-
-
-def load_tokenizer(checkpoint_dir: str):
-    """The tokenizer the checkpoint records (``extra["tokenizer"]``), or None when it has none.
-
-    A relative tokenizer.json path is taken relative to ``checkpoint_dir``."""
-    from tpfuse.data.tokenizer import build_tokenizer
-
-    spec = (read_checkpoint_head(checkpoint_dir).get("extra") or {}).get("tokenizer")
-    if spec is None:
-        return None
-    if spec != "byte" and not spec.startswith("null:") and not os.path.isabs(spec):
-        spec = os.path.join(checkpoint_dir, spec)
-    return build_tokenizer(spec)

@@ -22,10 +22,11 @@ import sys
 
 import torch
 
+from tpfuse.parallel.checks import parse_int_pair
+
 from .config import (ACTIVATIONS, CATEGORIES, CP_COMM_TYPE_ALIASES, CP_COMM_TYPES, DERIVED, DTYPES,
                      NORMALIZATIONS, PIPELINE_SCHEDULES, POSITION_EMBEDDINGS, TransformerConfig,
                      config_fields)
-from .config_checks import parse_int_pair
 from .moe_config import (MOE_LOAD_BALANCING_TYPES, MOE_ROUTER_DTYPES, MOE_SCORE_FUNCTIONS,
                          MOE_TOKEN_DISPATCHER_TYPES, MOE_TOKEN_DROP_POLICIES, parse_moe_layer_freq)
 from .recompute_config import RECOMPUTE_GRANULARITIES, RECOMPUTE_METHODS, RECOMPUTE_MODULES

@@ -25,12 +25,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tpfuse.parallel.checks import (parse_int_pair, require_choice, require_non_negative_or_none,
+                                    require_positive, require_positive_or_none)
 from tpfuse.parallel.context_split import (CP_COMM_TYPE_ALIASES, CP_COMM_TYPES,
                                            check_context_parallel_heads, check_sequence_split)
 
 from .layer_assignment import stage_layer_counts
-from .config_checks import (parse_int_pair, require_choice, require_non_negative_or_none,
-                            require_positive, require_positive_or_none)
 from .moe_config import parse_moe_layer_freq, validate_moe
 from .recompute_config import validate_recompute
 

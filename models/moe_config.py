@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import ast
 
-from .config_checks import require_choice, require_positive
+from tpfuse.parallel.checks import require_choice, require_positive
 
 MOE_SCORE_FUNCTIONS = ("softmax", "sigmoid")
 MOE_LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "none")

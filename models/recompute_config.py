@@ -1,11 +1,11 @@
 """The activation-recompute part of TransformerConfig: choices and validation (Megatron's rules)."""
 from __future__ import annotations
 
-from .config_checks import require_choice
+from tpfuse.parallel.checks import require_choice
+from tpfuse.tp_layers.checkpointing import RECOMPUTE_MODULES   # what the layers implement
 
 RECOMPUTE_GRANULARITIES = ("full", "selective")
 RECOMPUTE_METHODS = ("uniform", "block")
-RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp")
 MEGATRON_ONLY_RECOMPUTE_MODULES = ("moe_act", "mla_up_proj", "moe", "shared_experts")
 
 

@@ -53,7 +53,7 @@ from collections import deque
 import torch
 import torch.distributed as dist
 
-from tpfuse.models.config_checks import check_non_negative_int
+from tpfuse.parallel.checks import check_non_negative_int
 
 from .plan import message_orders
 from .simulate import Message, simulate

@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tpfuse.training import checkpoint as ckpt
-from tpfuse.training import checkpoint_io
+from tpfuse.checkpoint import file_io as checkpoint_io
+from tpfuse.checkpoint import format as ckpt
 from tpfuse.training.checkpointing import prepare_save_dir
 from tpfuse.training.scheduler import LRScheduler
 

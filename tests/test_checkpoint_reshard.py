@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from test_invariance import DISTRIBUTED_OPTIMIZER, TINY_MODEL, _losses, _parallel
-from tpfuse.training.checkpoint import _read_payload, iteration_dir
-from tpfuse.training.reshard import (VOCAB_PARAMETERS, assemble_global_state, full_from_shards,
+from tpfuse.checkpoint.format import _read_payload, iteration_dir
+from tpfuse.checkpoint.reshard import (VOCAB_PARAMETERS, assemble_global_state, full_from_shards,
                                      reshard_tensor, shard_for)
 
 SWIGLU = ["--swiglu"]
@@ -153,7 +153,8 @@ def test_other_model_shape_is_refused_on_every_rank(run_distributed, saved):
 def _fail_on_rank_one(folder):
     import torch.distributed as dist
 
-    from tpfuse.training import checkpoint, reshard
+    from tpfuse.checkpoint import format as checkpoint
+    from tpfuse.checkpoint import reshard
 
     def load_resharded(*args):
         if dist.get_rank() == 1:

@@ -195,8 +195,8 @@ def _pretrain_error(argv):
 def test_finetune_starts_training_from_a_converted_checkpoint(run_distributed, tmp_path):
     """--finetune takes the weights (here at tp 2 from a tp 1 file); at lr 0 one step saves them
     back unchanged. Without --finetune the weights-only checkpoint is refused by name."""
-    from tpfuse.inference.loading import checkpoint_folder
-    from tpfuse.training.reshard import assemble_global_state
+    from tpfuse.checkpoint.reading import checkpoint_folder
+    from tpfuse.checkpoint.reshard import assemble_global_state
 
     root, _ = _tpfuse_checkpoint(tmp_path, dict(GPT2, vocab_size=50))   # NullTokenizer(49): 50
     out = str(tmp_path / "finetuned")

@@ -62,7 +62,8 @@ def _train_and_generate(root):
         for run in RUNS:
             pretrain(pretrain_gpt.train_valid_test_datasets_provider,
                      built_on_cpu(pretrain_gpt.model_provider), pretrain_gpt.forward_step,
-                     argv=TINY + [flag.format(root=root) for flag in run])
+                     argv=TINY + [flag.format(root=root) for flag in run],
+                     sample_func=pretrain_gpt.sample_func)
             parallel_state.destroy_model_parallel()
         state = parallel_state.initialize_model_parallel(1, 2)
         chunks = load_model(f"{root}/dense", state)
@@ -102,8 +103,8 @@ def _trainer_collectives() -> None:
     from tpfuse.parallel.devices import collective_device
     from tpfuse.parallel.layout import RankLayout
     from tpfuse.parallel.state import check_same_layout_on_every_rank
-    from tpfuse.training import checkpoint as ckpt
-    from tpfuse.training.async_checkpoint import AsyncCheckpointSaver
+    from tpfuse.checkpoint import format as ckpt
+    from tpfuse.checkpoint.async_save import AsyncCheckpointSaver
     from tpfuse.training.exit_conditions import ExitConditions
     from tpfuse.training.grad_norm import global_norm_stats
     from tpfuse.training.timers import Timers

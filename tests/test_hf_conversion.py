@@ -114,7 +114,8 @@ def test_rank_files_load_into_the_trainers_model_strictly(converted, run_distrib
 
 
 def _strict_load(root):
-    from tpfuse.inference.loading import checkpoint_folder, inference_config
+    from tpfuse.checkpoint.reading import checkpoint_folder
+    from tpfuse.inference.loading import inference_config
     from tpfuse.models import build_model, make_gpt_model_provider
     from tpfuse.parallel import parallel_state
 

@@ -37,12 +37,12 @@ TRAIN = [  # a GQA / rope / RMSNorm / SwiGLU / untied model, trained 3 steps at 
 
 
 def _pretrain(argv):
-    from tpfuse.pretrain_gpt import (forward_step, model_provider,
+    from tpfuse.pretrain_gpt import (forward_step, model_provider, sample_func,
                                      train_valid_test_datasets_provider)
     from tpfuse.training.pretrain import pretrain
 
     result = pretrain(train_valid_test_datasets_provider, model_provider, forward_step,
-                      argv=argv)
+                      argv=argv, sample_func=sample_func)
     return result.sample
 
 
@@ -140,8 +140,8 @@ def test_eos_stops_a_sequence():
 def test_load_model_holds_the_checkpoint_weights(trained):
     """Single process from a tp2 pp2 vpp2 checkpoint: every tensor equal (resharding moves
     values)."""
-    from tpfuse.inference.loading import checkpoint_folder
-    from tpfuse.training.reshard import assemble_global_state
+    from tpfuse.checkpoint.reading import checkpoint_folder
+    from tpfuse.checkpoint.reshard import assemble_global_state
 
     (model,) = load_model(trained)
     saved = assemble_global_state(*checkpoint_folder(trained))
@@ -219,6 +219,20 @@ def test_training_ends_with_a_sample_of_the_trained_model(trained_run):
     _, other_seed = _greedy_text(root, "def ", 6, temperature=0.8, top_k=5, seed=8)
     _, greedy = _greedy_text(root, "def ", 6)
     assert len({text, other_seed, greedy}) > 1     # the settings reach the decoder
+
+
+def test_trainer_given_no_sample_function_refuses_sample_prompt_before_any_group():
+    """The trainer imports no inference: --sample-prompt needs the function pretrain_gpt passes,
+    and without it the run fails at once, before torch.distributed is touched."""
+    import torch.distributed as dist
+
+    from tpfuse.pretrain_gpt import (forward_step, model_provider,
+                                     train_valid_test_datasets_provider)
+    from tpfuse.training.pretrain import pretrain
+
+    with pytest.raises(ValueError, match="--sample-prompt 'def ' needs a sample function"):
+        pretrain(train_valid_test_datasets_provider, model_provider, forward_step, argv=TRAIN)
+    assert not dist.is_initialized()
 
 
 def test_generate_cli_in_process_and_on_two_ranks(trained, monkeypatch, capsys):

@@ -91,7 +91,7 @@ def test_layer_freq_expressions_are_parsed_safely():
 
 
 def test_world_that_expert_layout_cannot_split_is_a_value_error(monkeypatch):
-    from tpfuse.training import initialize
+    from tpfuse.runtime import initialize
 
     monkeypatch.setattr(initialize.dist, "get_world_size", lambda: 6)
     with pytest.raises(ValueError, match=re.escape(

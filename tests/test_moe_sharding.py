@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from tpfuse.tp_layers.init import shard
-from tpfuse.training.sharding import full_tensor, local_part
+from tpfuse.checkpoint.sharding import full_tensor, local_part
 
 E, H, F = 4, 6, 8
 

@@ -191,7 +191,7 @@ def test_recv_ahead_refuses_bad_settings(requested, backend, words):
 
 def test_trainer_refuses_receiving_ahead_off_gloo_before_any_group(monkeypatch):
     from tpfuse.models import TransformerConfig
-    from tpfuse.training import initialize
+    from tpfuse.runtime import initialize
 
     monkeypatch.setattr(initialize.dist, "get_world_size", lambda: 2)
     monkeypatch.setattr(initialize.dist, "get_backend", lambda group=None: "nccl")

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from tpfuse.training import checkpoint as ckpt
+from tpfuse.checkpoint import format as ckpt
 
 TINY = ["--num-layers", "2", "--hidden-size", "16", "--num-attention-heads", "2",
         "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "4",

@@ -9,7 +9,7 @@ import sys
 import textwrap
 import time
 
-from tpfuse.training.launcher import signal_name
+from tpfuse.runtime.launcher import signal_name
 
 # a rank: behaves as its mode says, after writing <dir>/ready<RANK>
 RANK = textwrap.dedent("""
@@ -23,15 +23,15 @@ RANK = textwrap.dedent("""
     if mode == "die" and rank == "1":
         os.kill(os.getpid(), signal.SIGKILL)
     if mode == "raise" and rank == "1":
-        from tpfuse.training.launcher import report_failure
+        from tpfuse.runtime.launcher import report_failure
         try:
             raise ValueError("rank one cannot go on")
         except ValueError as error:
             report_failure(error)
             sys.exit(1)
     if mode == "echo":   # rank 0 stops at once on an agreement; rank 1 reports the cause later
-        from tpfuse.training.checkpoint import OtherRankFailed
-        from tpfuse.training.launcher import report_failure
+        from tpfuse.checkpoint.format import OtherRankFailed
+        from tpfuse.runtime.launcher import report_failure
         error = (OtherRankFailed("saving failed on another rank") if rank == "0"
                  else ValueError("rank one's disk is full"))
         time.sleep(0.0 if rank == "0" else 0.5)
@@ -42,7 +42,7 @@ RANK = textwrap.dedent("""
             sys.exit(1)
     time.sleep(120)
 """)
-LAUNCHER = ("import sys; from tpfuse.training.launcher import run_local; "
+LAUNCHER = ("import sys; from tpfuse.runtime.launcher import run_local; "
             "sys.exit(run_local(2, sys.argv[1:], program=[sys.executable, '-c', {rank!r}]))")
 
 
@@ -140,7 +140,7 @@ def _listening_addresses(port):
 
 def test_rendezvous_listens_on_loopback_only(monkeypatch):
     from tpfuse.parallel.launch import free_port
-    from tpfuse.training.initialize import rendezvous_store
+    from tpfuse.runtime.initialize import rendezvous_store
 
     port = free_port()
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")

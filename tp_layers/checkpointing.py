@@ -27,6 +27,10 @@ import torch.distributed as dist
 
 from .random import get_rng_tracker
 
+# the selective-recompute modules the layers implement (``TransformerLayer(recompute_modules=)``,
+# Megatron's ``--recompute-modules`` names); TransformerConfig validates against the same tuple
+RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp")
+
 
 # ----------------------------------------------------------------------------- random state
 

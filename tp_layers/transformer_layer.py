@@ -35,14 +35,12 @@ from torch import nn
 
 from . import _deps
 from ._group import resolve_cp_group, resolve_tp_group
-from .checkpointing import DiscardedOutput, checkpoint
+from .checkpointing import RECOMPUTE_MODULES, DiscardedOutput, checkpoint
 from .attention import ParallelAttention
 from .mlp import ParallelMLP
 from .norm import Norm
 from .qkv_layout import batch_first_attention
 from .random import partitioned_region_rng
-
-from tpfuse.models.recompute_config import RECOMPUTE_MODULES   # one definition, beside the config
 
 
 class TransformerLayer(nn.Module):

@@ -3,11 +3,12 @@
 The three callbacks of Megatron's pretrain_gpt.py, written for tpfuse: the model provider builds
 a :class:`tpfuse.models.GPTModel` from the config ``build_model`` passes, the datasets come from
 the indexed files of ``--data-path`` (or ``--mock-data``), and ``forward_step`` returns the
-per-token losses with a loss function that averages them over the loss mask. Settings arrive as
-keyword-only parameters that ``pretrain`` binds (``data``: the DataSettings, ``config``: the
-TransformerConfig, ``tokenizer``), so the schedules still call ``forward_step(data_iterator,
-model)`` and nothing reads a global. Without flags the ``stdlib-demo`` preset
-(``training/presets.py``) runs.
+per-token losses with a loss function that averages them over the loss mask; the fourth,
+``sample_func``, continues ``--sample-prompt`` after training with ``tpfuse.inference``. Settings
+arrive as keyword-only parameters that ``pretrain`` binds (``data``: the DataSettings,
+``config``: the TransformerConfig, ``tokenizer``), so the schedules still call
+``forward_step(data_iterator, model)`` and nothing reads a global. Without flags the
+``stdlib-demo`` preset (``training/presets.py``) runs.
 """
 from __future__ import annotations
 
@@ -97,6 +98,14 @@ def train_valid_test_datasets_provider(train_val_test_num_samples, *, data, conf
                                          lambda: True, dataset_config).build()
 
 
+def sample_func(model_chunks, tokenizer, prompt: str, max_new_tokens: int, state, **decoding):
+    """``--sample-prompt``'s continuation after training: inference's ``training_sample`` (the
+    trainer is given it, it does not import inference)."""
+    from tpfuse.inference.sample import training_sample
+
+    return training_sample(model_chunks, tokenizer, prompt, max_new_tokens, state, **decoding)
+
+
 def main(argv=None) -> int:
     """Without any flag, the default preset (the README's main job) runs."""
     from tpfuse.training.arguments import parse_args
@@ -112,9 +121,10 @@ def main(argv=None) -> int:
             print(f"tpfuse.pretrain_gpt: error: {error}", file=sys.stderr)
         return 2
     try:
-        pretrain(train_valid_test_datasets_provider, model_provider, forward_step, argv=argv)
+        pretrain(train_valid_test_datasets_provider, model_provider, forward_step, argv=argv,
+                 sample_func=sample_func)
     except Exception as error:  # noqa: BLE001 — reported once per job by tpfuse-train
-        from tpfuse.training.launcher import report_failure
+        from tpfuse.runtime.launcher import report_failure
 
         report_failure(error)
         return 1

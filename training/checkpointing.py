@@ -17,9 +17,9 @@ import os
 
 import torch.distributed as dist
 
-from tpfuse.training import checkpoint as ckpt
-from tpfuse.training import checkpoint_io
-from tpfuse.training.async_checkpoint import AsyncCheckpointSaver
+from tpfuse.checkpoint import file_io as checkpoint_io
+from tpfuse.checkpoint import format as ckpt
+from tpfuse.checkpoint.async_save import AsyncCheckpointSaver
 from tpfuse.training.exit_conditions import ExitConditions
 
 

@@ -35,14 +35,14 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from tpfuse.checkpoint import format as ckpt
 from tpfuse.parallel import parallel_state
 from tpfuse.parallel.devices import collective_device
 from tpfuse.parallel.microbatches import MicrobatchCalculator
-from tpfuse.training import checkpoint as ckpt
+from tpfuse.runtime.initialize import check_layout, initialize_distributed
 from tpfuse.training.arguments import parse_args
 from tpfuse.training.checkpointing import (Checkpointing, describe_exit, prepare_save_dir,
                                            resume_point)
-from tpfuse.training.initialize import check_layout, initialize_distributed
 from tpfuse.training.logging_utils import TrainingLogger
 from tpfuse.training.observability import RunMonitor
 from tpfuse.training.memory import memory_record, memory_report
@@ -360,10 +360,21 @@ def bind_settings(callback, settings, config):
 
 
 def pretrain(train_valid_test_datasets_provider, model_provider, forward_step,
-             args_defaults: dict | None = None, argv=None) -> TrainingResult:
+             args_defaults: dict | None = None, argv=None, sample_func=None) -> TrainingResult:
     """Parse flags, set up every group, train; returns this rank's TrainingResult. The callbacks
-    receive settings through ``bind_settings`` (see the module docstring)."""
+    receive settings through ``bind_settings`` (see the module docstring).
+
+    ``sample_func(model_chunks, tokenizer, prompt, max_new_tokens, state, **decoding) -> str |
+    None`` continues ``--sample-prompt`` once training is done, on every rank (None where a rank
+    takes no part); ``tpfuse.pretrain_gpt`` passes ``tpfuse.inference.sample.training_sample``.
+    The trainer imports no inference: without ``sample_func`` a ``--sample-prompt`` is refused
+    before any process group exists."""
     config, settings = parse_args(argv, args_defaults)
+    prompt = settings.sample.sample_prompt
+    if prompt and sample_func is None:
+        raise ValueError(f"--sample-prompt {prompt!r} needs a sample function: "
+                         "pretrain(..., sample_func=...) (python -m tpfuse.pretrain_gpt and "
+                         "tpfuse-train pass tpfuse.inference.sample.training_sample)")
     callbacks = [bind_settings(callback, settings, config) for callback in
                  (train_valid_test_datasets_provider, model_provider, forward_step)]
     distributed = settings.distributed
@@ -396,15 +407,14 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step,
     if run.is_logger:
         run_banner(run)
     result = run.train()
-    if settings.sample.sample_prompt:
-        result.sample = print_sample(run)
+    if prompt:
+        result.sample = print_sample(run, sample_func)
     return result
 
 
-def print_sample(run) -> str | None:
-    """The trained model's continuation of ``--sample-prompt`` (printed by rank 0)."""
-    from tpfuse.inference.sample import training_sample
-
+def print_sample(run, training_sample) -> str | None:
+    """The trained model's continuation of ``--sample-prompt`` (printed by rank 0);
+    ``training_sample``: ``pretrain``'s ``sample_func``."""
     run.ddp.finish_param_sync()
     sample = run.settings.sample
     text = training_sample(run.model, run.settings.tokenizer, sample.sample_prompt,

@@ -1,5 +1,5 @@
-"""Checkpoints: every rank saves its own shards; a checkpoint appears only once it is complete and
-verified, and the last good one is never deleted before its replacement is published.
+"""The checkpoint format: every rank saves its own shards; a checkpoint appears only once it is
+complete and verified, and the last good one is never deleted before its replacement is published.
 
 Layout on disk::
 
@@ -12,11 +12,11 @@ Layout on disk::
 
 Saving (a collective over the world): every rank checks its weights are finite (all ranks agree:
 no checkpoint of non-finite weights is ever published), rank 0 creates an exclusive staging folder
-``iter_0000020.staging-XXXX`` (``checkpoint_io.py``), every rank writes its file there (exclusive
+``iter_0000020.staging-XXXX`` (``file_io.py``), every rank writes its file there (exclusive
 temporary name, fsync, rename) and reports the file's hash; rank 0 writes the manifest, renames the
 folder into place and finally replaces the tracker file atomically. A crash at any point leaves the
 last complete checkpoint named by the tracker. With an ``AsyncCheckpointSaver`` the rank files are
-written beside training and published later (``async_checkpoint.py``).
+written beside training and published later (``async_save.py``).
 
 Loading reads the tracker and the manifest, and refuses — with a ValueError naming the file and
 the difference, on every rank — a rank file whose hash or size differs from the manifest, a file
@@ -26,8 +26,13 @@ of another iteration, rank or layout than the manifest says, or a checkpoint of 
 distributed optimizer or not), each rank restores its own file exactly (model, optimizer — with
 the distributed optimizer its own shard of the fp32 main parameters and Adam moments —, loss
 scaler, scheduler, RNG). Written by another layout, the model and optimizer are resharded
-(``training/reshard.py``): weights, fp32 main copies, Adam moments and step, loss scaler,
-scheduler, iteration and consumed samples carry over; RNG states are not restored then. All ranks agree on success before returning, so a failure on one fails them all.
+(``reshard.py``): weights, fp32 main copies, Adam moments and step, loss scaler, scheduler,
+iteration and consumed samples carry over; RNG states are not restored then. All ranks agree on
+success before returning, so a failure on one fails them all.
+
+Every function takes what it works on explicitly (the folder, the model chunks, the optimizer,
+the scheduler, the ParallelState); when to save, where, and which flags asked for it is the
+trainer's policy (``training/checkpointing.py``).
 """
 from __future__ import annotations
 
@@ -38,8 +43,8 @@ import torch
 import torch.distributed as dist
 
 from tpfuse.parallel.devices import collective_device
-from tpfuse.training import checkpoint_io as io
-from tpfuse.training import reshard
+
+from . import file_io, reshard
 
 TRACKER = "latest_checkpointed_iteration.txt"
 MANIFEST = "manifest.json"
@@ -190,13 +195,13 @@ def begin_save(root: str, iteration: int, model_chunks) -> str:
     agree(error, f"saving checkpoint iteration {iteration}")
     staging = None
     if dist.get_rank() == 0:
-        staging = io.make_staging_dir(root, os.path.basename(iteration_dir(root, iteration)))
+        staging = file_io.make_staging_dir(root, os.path.basename(iteration_dir(root, iteration)))
     return _broadcast_from_zero(staging)
 
 
 def write_rank_file(staging: str, payload: dict) -> dict:
     """This rank's file in the staging folder; returns its ``{"sha256", "bytes"}``."""
-    return io.atomic_torch_save(payload, _rank_file(staging, payload["rank"]))
+    return file_io.atomic_torch_save(payload, _rank_file(staging, payload["rank"]))
 
 
 def publish(root: str, iteration: int, staging: str, digest: dict | None,
@@ -210,13 +215,13 @@ def publish(root: str, iteration: int, staging: str, digest: dict | None,
     if dist.get_rank() == 0:
         files = {os.path.basename(_rank_file(staging, r)): d for r, d in enumerate(digests)}
         manifest = dict(header, format_version=FORMAT_VERSION, iteration=iteration, files=files)
-        io.atomic_write_bytes(os.path.join(staging, MANIFEST),
-                              json.dumps(manifest, indent=1).encode())
-        io.publish_dir(staging, final)
-        io.atomic_write_bytes(os.path.join(root, TRACKER), f"{iteration}\n".encode())
-        io.finish_replacement(final)
+        file_io.atomic_write_bytes(os.path.join(staging, MANIFEST),
+                                   json.dumps(manifest, indent=1).encode())
+        file_io.publish_dir(staging, final)
+        file_io.atomic_write_bytes(os.path.join(root, TRACKER), f"{iteration}\n".encode())
+        file_io.finish_replacement(final)
         if keep_last:
-            io.prune(root, keep_last, protected=iteration)
+            file_io.prune(root, keep_last, protected=iteration)
     dist.barrier()
     return final
 
@@ -252,7 +257,7 @@ def latest_iteration(root: str) -> int | None:
 
 def read_manifest(root: str, iteration: int) -> tuple[str, dict]:
     """(folder, manifest) of the checkpoint the tracker names; ValueError when inconsistent."""
-    folder = io.existing_iteration_dir(iteration_dir(root, iteration))
+    folder = file_io.existing_iteration_dir(iteration_dir(root, iteration))
     if folder is None:
         raise FileNotFoundError(f"checkpoint {iteration_dir(root, iteration)} named by "
                                 f"{os.path.join(root, TRACKER)} is missing")
@@ -293,7 +298,7 @@ def verified_reader(manifest: dict):
             raise ValueError(f"checkpoint file {path} is not listed in the manifest")
         if not os.path.exists(path):
             raise FileNotFoundError(f"checkpoint file {path} is missing")
-        found = io.file_digest(path)
+        found = file_io.file_digest(path)
         if found != expected:
             raise ValueError(f"checkpoint file {path} is corrupt: {found['bytes']} bytes with "
                              f"sha256 {found['sha256'][:16]}…, the manifest records "

@@ -19,7 +19,7 @@ the old ranks with dp rank 0 (and cp rank 0).
 Expert parameters (MoE, ``allreduce = False``) stack their ep rank's consecutive block of experts
 on dim 0 and are split over the expert-tensor-parallel group along their partition dim; they are
 read from the old ranks with expert-data-parallel rank 0, keyed by (ep rank, etp rank), and re-cut
-by ``training/sharding.py``.
+by ``sharding.py``.
 
 Optimizer state (``training/optimizer.py``'s ``state_dict``): per model parameter, each rank saved
 the flat elements ``[start, end)`` it optimizes — all of them, or with the distributed optimizer
@@ -37,7 +37,7 @@ Padded vocabulary: ``padded_vocab_size`` is a multiple of make_vocab_size_divisi
 can change with tp. The padding rows of the word embedding and output layer are zero, masked out
 of the loss and never updated (see ``models/embedding.py``), so the vocabulary parameters (and their
 Adam moments / main copies) are refitted: the real ``vocab_size`` rows are kept and zero rows
-appended up to this run's padded size. A different real vocabulary is refused (``checkpoint.py``
+appended up to this run's padded size. A different real vocabulary is refused (``format.py``
 compares the model configurations before any weight is touched).
 
 Not resharded: RNG states (their streams depend on the layout: a resharded run keeps the freshly

@@ -1,5 +1,10 @@
-"""Start-up of a training process: torch.distributed from torchrun's environment, parallel state,
-seeds and device."""
+"""Start-up of a tpfuse process (the trainer's ranks, ``tpfuse-generate``'s): torch.distributed from
+torchrun's environment, and the check that the layout can split the world.
+
+``initialize_distributed`` joins the world (a single-process one without torchrun's variables);
+``check_layout(config)`` refuses, on every rank and before any group is built, sizes that cannot
+split the world. The parallel state itself is built afterwards by the caller
+(``parallel_state.initialize_model_parallel``)."""
 from __future__ import annotations
 
 import datetime

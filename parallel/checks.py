@@ -1,5 +1,7 @@
-"""The field checks and parsers TransformerConfig's validation is written with: each raises
-ValueError naming the field and its value."""
+"""Validators shared by every layer above: the field checks and parsers that TransformerConfig's
+validation, the pipeline's p2p settings and the executor are written with. Each raises ValueError
+naming the field and its value; they read plain values or attributes of any object, nothing else
+(the lowest layer: no tpfuse import)."""
 from __future__ import annotations
 
 

@@ -10,7 +10,7 @@ this rank's state to CPU memory (copies, so training can go on changing the weig
 thread then serialises the snapshot into the staging folder (exclusive temporary file, fsync,
 rename). ``poll`` asks every rank whether its thread is done (one all-reduce of a flag); when all
 are, the checkpoint is published exactly as a synchronous save publishes it (manifest, folder
-rename, tracker replace: ``checkpoint.publish``). So a kill at any moment leaves the tracker naming
+rename, tracker replace: ``format.publish``). So a kill at any moment leaves the tracker naming
 the last complete checkpoint. At most one save is in flight: a new ``save`` first waits for the
 previous one and publishes it. Every rank makes the same calls at the same iterations, so whether a
 save is in flight is the same on every rank and the collectives match.
@@ -23,7 +23,8 @@ import torch
 import torch.distributed as dist
 
 from tpfuse.parallel.devices import collective_device
-from tpfuse.training import checkpoint as ckpt
+
+from . import format as ckpt
 
 
 def cpu_snapshot(obj):
