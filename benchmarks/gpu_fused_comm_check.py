@@ -62,8 +62,9 @@ def _layer(op, tokens, hidden, tp):
 
 
 def _run(op, x, w, dy, backward, mode):
-    from tpfuse.kernels import ag_matmul, comm_gemm_common as common
+    from tpfuse.kernels import ag_matmul
     from tpfuse.kernels.matmul import matmul
+    from tpfuse.parallel.comm_options import CommOptions
 
     group = dist.group.WORLD
     tp = dist.get_world_size()
@@ -72,21 +73,18 @@ def _run(op, x, w, dy, backward, mode):
         dy = torch.cat([dy] * tp) if op == "rs" else dy
         group = None
     x, w = x.detach().requires_grad_(backward), w.detach().requires_grad_(backward)
-    threshold = float("inf") if mode == "sequential" else 0
-    ag_matmul.set_symm_mem(mode == "symm")
-    try:
-        with common.fused_min_flops(threshold), torch.set_grad_enabled(backward):
-            if mode == "gemm":
-                y = matmul(x, w.t(), activation="gelu" if op == "ag" else None)
-            elif op == "ag":
-                y = ag_matmul.all_gather_matmul(x, w, group, activation="gelu")
-            else:
-                from tpfuse.kernels.matmul_rs import matmul_reduce_scatter
-                y = matmul_reduce_scatter(x, w, group)
-            if backward:
-                y.backward(dy)
-    finally:
-        ag_matmul.set_symm_mem(False)
+    options = CommOptions(fused_min_flops=float("inf") if mode == "sequential" else 0,
+                          symm_mem=mode == "symm")
+    with torch.set_grad_enabled(backward):
+        if mode == "gemm":
+            y = matmul(x, w.t(), activation="gelu" if op == "ag" else None)
+        elif op == "ag":
+            y = ag_matmul.all_gather_matmul(x, w, group, activation="gelu", options=options)
+        else:
+            from tpfuse.kernels.matmul_rs import matmul_reduce_scatter
+            y = matmul_reduce_scatter(x, w, group, options=options)
+        if backward:
+            y.backward(dy)
     return y.detach(), (x.grad, w.grad) if backward else ()
 
 

@@ -36,6 +36,7 @@ from tpfuse.kernels import comm_gemm_common as common
 from tpfuse.kernels.ag_matmul import all_gather_matmul
 from tpfuse.kernels.matmul import matmul
 from tpfuse.kernels.matmul_rs import matmul_reduce_scatter
+from tpfuse.parallel.comm_options import CommOptions
 from tpfuse.parallel.launch import WorkerPool
 from tpfuse.parallel.mappings import all_gather_first_dim, reduce_scatter_first_dim
 
@@ -81,9 +82,10 @@ def _step(op, mode, backward, x, w, dy):
         return
     x = x.requires_grad_(backward)
     w = w.requires_grad_(backward)
-    threshold = 0 if mode == "fused" else float("inf")
-    with common.fused_min_flops(threshold), torch.set_grad_enabled(backward):
-        y = all_gather_matmul(x, w, group) if op == "ag" else matmul_reduce_scatter(x, w, group)
+    options = CommOptions(fused_min_flops=0 if mode == "fused" else float("inf"))
+    with torch.set_grad_enabled(backward):
+        y = (all_gather_matmul(x, w, group, options=options) if op == "ag"
+             else matmul_reduce_scatter(x, w, group, options=options))
         if backward:
             y.backward(dy)
 

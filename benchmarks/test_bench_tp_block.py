@@ -12,7 +12,8 @@ fp32. Three implementations, same sizes and FLOPs:
   all-gathering into attention and MLP (the layout of PyTorch's TP tutorial); input/output
   ``(b, s/2, h)``.
 - ``tpfuse_unfused``: the same tpfuse layer with the comm+GEMM fusion switched off (one collective
-  then one GEMM: ``comm_gemm_common.fused_min_flops(inf)``), to show what the ring overlap buys.
+  then one GEMM: ``state.comm_options = CommOptions(fused_min_flops=inf)``), to show what the ring
+  overlap buys.
 - ``dense``: the same plain block in one process (one thread), full sequence.
 
 Each rank is a process with one thread (2 cores for tp=2, 1 for dense). Timing is of one
@@ -140,18 +141,17 @@ def _setup(kind):
 
 def _step(kind):
     """One forward + backward; returns this rank's seconds."""
-    import contextlib
-
-    from tpfuse.kernels.comm_gemm_common import fused_min_flops
+    from tpfuse.parallel.comm_options import CommOptions
     built = "tpfuse" if kind == "tpfuse_unfused" else kind
     if built not in _CACHE:
         _setup(built)
     block, x = _CACHE[built]
-    fusion = fused_min_flops(float("inf")) if kind == "tpfuse_unfused" else contextlib.nullcontext()
+    if built == "tpfuse":                       # the layers read the state's options per call
+        unfused = CommOptions(fused_min_flops=float("inf"))
+        _CACHE["state"].comm_options = unfused if kind == "tpfuse_unfused" else None
     start = time.perf_counter()
-    with fusion:
-        out = block(x)
-        out.backward(torch.ones_like(out))
+    out = block(x)
+    out.backward(torch.ones_like(out))
     elapsed = time.perf_counter() - start
     block.zero_grad(set_to_none=True)
     x.grad = None

@@ -143,7 +143,7 @@ class _SleepScale(torch.autograd.Function):
             grad = (grad_output * x).sum().reshape(weight.shape)
             weight.grad = grad if weight.grad is None else weight.grad + grad
 
-        if not defer_weight_grad(weight_grad):
+        if not defer_weight_grad(weight, weight_grad):
             weight_grad()
         return grad_output * weight, None
 

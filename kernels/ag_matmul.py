@@ -23,16 +23,15 @@ Below the size threshold (``comm_gemm_common.should_fuse``) the same algebra run
 then one GEMM (backward: one GEMM then one reduce-scatter). If the caller uses the returned gathered
 x elsewhere, its gradient is added to ``g @ w`` before the reduce-scatter.
 
-On CUDA with ``set_symm_mem(True)`` (or TPFUSE_SYMM_MEM=1) the forward runs the symmetric-memory
+On CUDA with ``options.symm_mem`` (``CommOptions(symm_mem=True)``) the forward runs the symmetric-memory
 kernel of ``symm_mem_ag_matmul.py`` instead (peer shards staged by the copy engine with per-shard
 signals while the GEMM runs; only when every rank of the group is on this node).
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
+from tpfuse.parallel.comm_options import options_or_default
 from tpfuse.parallel.mappings import (all_gather_first_dim, group_rank, group_size,
                                       reduce_scatter_first_dim)
 
@@ -40,30 +39,21 @@ from . import comm_gemm_common as common
 from .wgrad import accumulate_wgrad, weight_grad, wgrad_accumulator, wgrad_for_autograd
 from .wgrad_deferral import weight_grads_deferred
 
-_use_symm_mem = os.environ.get("TPFUSE_SYMM_MEM", "0") == "1"
-
-
-def set_symm_mem(enabled: bool) -> None:
-    """Use the symmetric-memory Triton forward on CUDA (off by default)."""
-    global _use_symm_mem
-    _use_symm_mem = bool(enabled)
-
-
-def _symm_mem_applies(x_shard, group) -> bool:
-    if not (_use_symm_mem and x_shard.is_cuda):
+def _symm_mem_applies(x_shard, group, options) -> bool:
+    if not (options.symm_mem and x_shard.is_cuda):
         return False
     from . import symm_mem_ag_matmul
     return symm_mem_ag_matmul.available(group)
 
 
-def _forward_chunks(x_shard, w, bias, group, activation, fused, path):
+def _forward_chunks(x_shard, w, bias, group, activation, fused, path, options):
     """→ (y, saved, x_full): the gathered input and act(x_full @ wᵀ + bias), chunk by chunk, each
     chunk's GEMM writing its rows of y (and of z for gelu) in place."""
     if not fused:
         x_full = all_gather_first_dim(x_shard, group)                 # (s, b, h)
         y, saved = common.linear(x_full, w, path, bias, activation)
         return y, saved, x_full
-    if _symm_mem_applies(x_shard, group):
+    if _symm_mem_applies(x_shard, group, options):
         from . import symm_mem_ag_matmul
         return symm_mem_ag_matmul.forward(x_shard, w, bias, group, activation, save_preact=True)
     rows = x_shard.shape[0]
@@ -85,11 +75,12 @@ class _AllGatherMatmul(torch.autograd.Function):
     gathered-x GEMM (wgrad, into main_grad when set), row sum (dbias)."""
 
     @staticmethod
-    def forward(ctx, x_shard, w, bias, group, activation, fused, keep_gathered, path):
-        y, saved, x_full = _forward_chunks(x_shard, w, bias, group, activation, fused, path)
+    def forward(ctx, x_shard, w, bias, group, activation, fused, keep_gathered, path, options):
+        y, saved, x_full = _forward_chunks(x_shard, w, bias, group, activation, fused, path,
+                                           options)
         ctx.save_for_backward(x_full if keep_gathered else x_shard, w, saved)
         ctx.group, ctx.activation, ctx.fused, ctx.path = group, activation, fused, path
-        ctx.keep_gathered, ctx.has_bias = keep_gathered, bias is not None
+        ctx.keep_gathered, ctx.has_bias, ctx.options = keep_gathered, bias is not None, options
         return y, x_full
 
     @staticmethod
@@ -101,7 +92,7 @@ class _AllGatherMatmul(torch.autograd.Function):
             dbias = g.reshape(-1, g.shape[-1]).sum(0, dtype=torch.float32).to(w.dtype)
         run = _backward_fused if ctx.fused else _backward_plain
         dx_shard, dw = run(ctx, g, kept, w, dx_full_extra)
-        return dx_shard, dw, dbias, None, None, None, None, None
+        return dx_shard, dw, dbias, None, None, None, None, None, None
 
 
 def _dgrad_rows(g, w, extra, lo, hi, path):
@@ -118,7 +109,7 @@ def _backward_plain(ctx, g, kept, w, extra):
     if want_dw and not ctx.keep_gathered:
         regather = all_gather_first_dim(kept, group, async_op=True)  # (x_full, work)
     dx_full = _dgrad_rows(g, w, extra, 0, g.shape[0], ctx.path)      # (s, b, h)
-    dx_shard = reduce_scatter_first_dim(dx_full, group)             # (s/tp, b, h)
+    dx_shard = reduce_scatter_first_dim(dx_full, group, ctx.options)  # (s/tp, b, h)
     dw = None
     if want_dw:
         x_full = kept
@@ -137,7 +128,7 @@ def _backward_fused(ctx, g, kept, w, extra):
     tp = group_size(group)
     rows = g.shape[0] // tp
     want_dw = ctx.needs_input_grad[1]
-    defer = want_dw and weight_grads_deferred()   # zero-bubble I pass: dw is W's, in one GEMM
+    defer = want_dw and weight_grads_deferred(w)   # zero-bubble I pass: dw is W's, in one GEMM
     dw = wgrad_accumulator(w) if want_dw and not defer else None  # main_grad or fp32 zeros
     x_full = kept if defer and ctx.keep_gathered else None
     if defer and not ctx.keep_gathered:                             # W needs the gathered x
@@ -168,19 +159,23 @@ def _backward_fused(ctx, g, kept, w, extra):
 
 
 def all_gather_matmul(x_shard, w, group, bias=None, activation=None, return_gathered=False, *,
-                      keep_gathered=True, backend=None):
+                      keep_gathered=True, backend=None, options=None):
     """``act(all_gather_s(x_shard) @ wᵀ + bias)``: x_shard (s/tp, b, h), w (n_local, h) →
     y (s, b, n_local) [, x (s, b, h) gathered when ``return_gathered``].
 
     ``keep_gathered=False`` saves only the shard for backward and re-gathers it there, in the
     dgrad ring (the activation memory of sequence parallelism, Korthikanti et al.). ``backend`` is
-    resolved once for all the op's GEMMs (``tpfuse.kernels.matmul`` paths)."""
+    resolved once for all the op's GEMMs (``tpfuse.kernels.matmul`` paths). ``options``
+    (``parallel.comm_options.CommOptions``, None: the defaults): the fused pipeline's size
+    threshold, the symmetric-memory forward, the plain path's reduce-scatter strategy."""
     common.validate_linear("all_gather_matmul", x_shard, w, bias, activation)
+    options = options_or_default(options)
     tp = group_size(group)
-    fused = common.should_fuse(common.gemm_flops(x_shard, w.shape[0], tp), tp, x_shard.device.type)
+    fused = common.should_fuse(common.gemm_flops(x_shard, w.shape[0], tp), tp, x_shard.device.type,
+                               options)
     path = common.gemm_path(backend, x_shard, w, bias)
     y, x_full = _AllGatherMatmul.apply(x_shard, w, bias, group, activation, fused,
-                                       bool(keep_gathered), path)
+                                       bool(keep_gathered), path, options)
     return (y, x_full) if return_gathered else y
 
 

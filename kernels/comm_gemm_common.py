@@ -17,74 +17,41 @@ compute stream wait on it, so the GEMMs on the compute stream overlap the transf
 """
 from __future__ import annotations
 
-import contextlib
-import os
 import time
 
 import torch
 import torch.distributed as dist
 
+from tpfuse.parallel.comm_options import CommOptions, options_or_default
 from tpfuse.parallel.mappings import group_rank, group_size
 
 ACTIVATIONS = (None, "gelu", "gelu_tanh", "relu")
 
 # ----------------------------------------------------------------------------- size threshold
 
-MIN_FLOPS_ENV = "TPFUSE_FUSED_COMM_MIN_FLOPS"
 # Per-rank forward GEMM FLOPs (2·rows·k·n) from which the overlapped pipeline is used, by device.
 # cpu: measured (gloo, tp=2, 1 thread per rank, fp32; benchmarks/test_bench_fused_comm_cpu.py::
 #      test_threshold_sweep, numbers in benchmarks/FUSED_COMM_RESULTS.md): the fused pipeline was
 #      slower at every size <= 2.1e9 (seq/fused 0.41-0.90) and on par from 4.3e9 (0.79-1.23).
 # cuda: not measured here (no GPU in this session): Triton-distributed's published crossover,
 #      ~100 GFLOP per GPU; benchmarks/gpu_fused_comm_check.py measures it on a GPU node.
-# One number set by ``set_fused_min_flops`` or the env var overrides both.
+# ``CommOptions.fused_min_flops`` (the trainer's --fused-comm-min-flops) overrides both.
 DEFAULT_MIN_FLOPS = {"cpu": 4e9, "cuda": 1e11}
 
 
-def _parse_min_flops(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise ValueError(f"{MIN_FLOPS_ENV} must be a number of FLOPs, got {text!r}") from None
-    if value < 0:
-        raise ValueError(f"{MIN_FLOPS_ENV} must be >= 0, got {text!r}")
-    return value
-
-
-_min_flops = (_parse_min_flops(os.environ[MIN_FLOPS_ENV]) if MIN_FLOPS_ENV in os.environ
-              else None)                                             # None: per-device default
-
-
-def set_fused_min_flops(flops: float | None) -> None:
-    """Set the threshold (per-rank GEMM FLOPs) from which the fused pipeline runs on every
-    device; 0 = always, ``inf`` = never, None = back to the per-device defaults."""
-    global _min_flops
-    if flops is not None and (not isinstance(flops, (int, float)) or flops < 0):
-        raise ValueError(f"fused_min_flops must be a number >= 0 or None, got {flops!r}")
-    _min_flops = None if flops is None else float(flops)
-
-
-def get_fused_min_flops(device_type: str = "cpu") -> float:
-    """The threshold in force for tensors on ``device_type`` ("cpu", "cuda", ...)."""
-    if _min_flops is not None:
-        return _min_flops
+def get_fused_min_flops(device_type: str = "cpu", options: CommOptions | None = None) -> float:
+    """The threshold in force for tensors on ``device_type`` ("cpu", "cuda", ...): the one of
+    ``options`` (a ``parallel.comm_options.CommOptions``), else the per-device default."""
+    flops = options_or_default(options).fused_min_flops
+    if flops is not None:
+        return flops
     return DEFAULT_MIN_FLOPS.get(device_type, DEFAULT_MIN_FLOPS["cuda"])
 
 
-@contextlib.contextmanager
-def fused_min_flops(flops: float | None):
-    """Run the enclosed calls with another threshold (0: always fused; inf: always fallback)."""
-    previous = _min_flops
-    set_fused_min_flops(flops)
-    try:
-        yield
-    finally:
-        set_fused_min_flops(previous)
-
-
-def should_fuse(flops: float, tp: int, device_type: str = "cpu") -> bool:
+def should_fuse(flops: float, tp: int, device_type: str = "cpu",
+                options: CommOptions | None = None) -> bool:
     """Fused pipeline for a GEMM of ``flops`` per rank over ``tp`` ranks on ``device_type``?"""
-    return tp > 1 and flops >= get_fused_min_flops(device_type)
+    return tp > 1 and flops >= get_fused_min_flops(device_type, options)
 
 
 def gemm_flops(x: torch.Tensor, n: int, tp_rows: int = 1) -> float:

@@ -23,8 +23,8 @@ One query row per head (a decode step) runs the flash-decoding forward (kernels/
 keys split over programs, partial (out, lse) merged), any other s_q the tiled forward.
 
 File shape: Triton kernels and launchers (kernels/flash_attention_fwd.py, _decode.py, _bwd.py) → the torch path
-(kernels/flash_attention_torch.py, the CPU default) → the plain-torch reference here → autograd Function →
-public ops. ``attention_reference`` is the explicit masked softmax every path is tested against.
+(kernels/flash_attention_torch.py, the CPU default) → the plain-torch reference (kernels/flash_attention_reference.py,
+checked here) → autograd Function → public ops. ``attention_reference`` is the explicit masked softmax every path is tested against.
 """
 from __future__ import annotations
 
@@ -35,6 +35,7 @@ from .flash_attention_bwd import attention_backward_triton
 from .flash_attention_decode import attention_decode_triton
 from .flash_attention_fwd import attention_forward_triton
 from .flash_attention_mask import build_mask, check_softmax_scale
+from .flash_attention_reference import explicit_forward
 from .flash_attention_torch import attention_backward_torch, attention_forward_torch
 
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 128
@@ -74,7 +75,8 @@ def _settings(q, k, v, causal, softmax_scale, masks, dtypes=_DTYPES):
 
 def attention_reference(q, k, v, causal=True, softmax_scale=None, *, window_size=None, q_document_ids=None,
                         k_document_ids=None, q_offset=0, k_offset=0, return_lse=False):
-    """Explicit masked softmax(scale · Q Kᵀ + M) V in fp32 (float64 stays float64), materialising s_q×s_k.
+    """Explicit masked softmax(scale · Q Kᵀ + M) V in fp32 (float64 stays float64), materialising s_q×s_k
+    (``flash_attention_reference.explicit_forward`` after the checks of ``flash_attention``).
 
     The arguments of ``flash_attention``. Returns ``out`` in q's dtype, and with ``return_lse`` also
     ``lse (b, h, s_q)`` in the compute dtype. Empty rows: out 0, lse −inf, gradients 0.
@@ -82,18 +84,7 @@ def attention_reference(q, k, v, causal=True, softmax_scale=None, *, window_size
     mask, scale = _settings(q, k, v, causal, softmax_scale, dict(
         window_size=window_size, q_document_ids=q_document_ids, k_document_ids=k_document_ids,
         q_offset=q_offset, k_offset=k_offset), _DTYPES + (torch.float64,))
-    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
-    group = q.shape[1] // k.shape[1]
-    k_full = k.to(compute).repeat_interleave(group, dim=1)                        # (b, h, s_k, d)
-    v_full = v.to(compute).repeat_interleave(group, dim=1)
-    scores = scale * q.to(compute) @ k_full.transpose(-1, -2)                     # (b, h, s_q, s_k)
-    visible = mask.visible(q.shape[2], k.shape[2], q.device)                      # (b | 1, 1, s_q, s_k)
-    empty = ~visible.any(dim=-1)                                                  # (b | 1, 1, s_q)
-    scores = scores.masked_fill(~visible, float("-inf"))
-    lse = torch.logsumexp(scores.masked_fill(empty[..., None], 0.0), dim=-1)      # finite everywhere
-    probs = torch.exp(scores - lse[..., None])                                    # 0 on masked entries
-    out = (probs @ v_full).to(q.dtype)
-    lse = lse.masked_fill(empty, float("-inf"))
+    out, lse = explicit_forward(q, k, v, scale, mask.visible(q.shape[2], k.shape[2], q.device))
     return (out, lse) if return_lse else out
 
 

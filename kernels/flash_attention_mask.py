@@ -45,6 +45,24 @@ class AttentionMask:
     def has_documents(self) -> bool:
         return self.q_document_ids is not None
 
+    def simplified(self, s_q: int, s_k: int) -> "AttentionMask":
+        """The same visibility over s_q queries × s_k keys in the form the aligned-mask tile loops
+        take where there is one: no causal rule when every key precedes every query, a plain
+        causal mask when queries and keys sit at the same positions."""
+        if self.window_size is not None or self.has_documents:
+            return self
+        if not self.causal or self.shift >= s_k - 1:
+            return AttentionMask(causal=False)
+        if self.shift == 0 and s_q == s_k:
+            return AttentionMask(causal=True)
+        return self
+
+    def keywords(self) -> dict:
+        """The mask keywords of ``flash_attention`` / ``attention_forward`` / ``attention_backward``."""
+        return dict(causal=self.causal, window_size=self.window_size,
+                    q_document_ids=self.q_document_ids, k_document_ids=self.k_document_ids,
+                    q_offset=self.q_offset, k_offset=self.k_offset)
+
     def visible(self, s_q: int, s_k: int, device) -> torch.Tensor:
         """Bool ``(b or 1, 1, s_q, s_k)``: True where query i may attend to key j (dense; references)."""
         rows = torch.arange(s_q, device=device)[:, None] + self.shift           # query positions − k_offset

@@ -19,7 +19,8 @@ uses the op's top-left causal mask (padding keys come after every real query); a
 exact additive 0/−inf bias from the positions.
 
 On CPU each call is ``aten._scaled_dot_product_flash_attention_for_cpu`` (returns the logsumexp) and its
-backward op; elsewhere (``backend="torch"`` on a GPU) an explicit fp32 softmax. The backward takes the
+backward op; elsewhere (``backend="torch"`` on a GPU) the explicit softmax of
+``flash_attention_reference``. The backward takes the
 caller's out and lse — for ring attention the merged global ones — as the flash backward does:
 P = exp(S − lse), δ = rowsum(dO ⊙ O).
 """
@@ -29,6 +30,8 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
+
+from .flash_attention_reference import explicit_backward, explicit_forward
 
 WINDOW_CHUNK = 256  # query rows per segment under a sliding window (at least the window itself)
 
@@ -211,13 +214,13 @@ def _put(t, call, values, keys=False, accumulate=False):
 
 # ----------------------------------------------------------------------------- one call
 
-def _explicit_scores(q, k, call, scale):
-    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
-    group = q.shape[1] // k.shape[1]
-    scores = scale * q.to(compute) @ k.to(compute).repeat_interleave(group, 1).transpose(-1, -2)
-    if call.causal:
-        scores = scores.masked_fill(torch.ones_like(scores[0, 0], dtype=torch.bool).triu(1), float("-inf"))
-    return scores if call.bias is None else scores + call.bias
+def _call_visible(call, s_q: int, s_k: int, device):
+    """The call's mask as the explicit path's bool ``visible`` (None: every key): the top-left
+    causal rule and the 0 / −inf bias."""
+    keep = torch.ones(s_q, s_k, dtype=torch.bool, device=device).tril() if call.causal else None
+    if call.bias is not None:
+        keep = call.bias == 0 if keep is None else keep & (call.bias == 0)
+    return keep
 
 
 def _call_forward(q, k, v, call, scale):
@@ -227,10 +230,7 @@ def _call_forward(q, k, v, call, scale):
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, call.causal, attn_mask=call.bias, scale=scale)
     else:
-        scores = _explicit_scores(q, k, call, scale)                          # (n, h, Lq, Lk)
-        lse = torch.logsumexp(scores, dim=-1)
-        v_full = v.to(scores.dtype).repeat_interleave(q.shape[1] // k.shape[1], 1)
-        out = (torch.exp(scores - lse[..., None]) @ v_full).to(q.dtype)
+        out, lse = explicit_forward(q, k, v, scale, _call_visible(call, q.shape[2], k.shape[2], q.device))
     if call.bias is not None and call.bias.shape[-2] > 1:
         empty = torch.isinf(call.bias).all(-1)                                # (n | 1, 1, Lq)
         out, lse = out.masked_fill(empty[..., None], 0.0), lse.masked_fill(empty, float("-inf"))
@@ -241,23 +241,14 @@ def _call_backward(dout, q, k, v, out, lse, call, scale):
     """(dq, dk, dv) of one call given the (global) out and lse of its query rows. Only a call with
     a bias can hold a row that sees no key (lse −inf); without one every row sees a key of this
     call, so its lse, and the global lse ≥ it, is finite."""
+    if q.device.type != "cpu":
+        return explicit_backward(dout, q, k, v, out, lse, scale,
+                                 _call_visible(call, q.shape[2], k.shape[2], q.device))
     if call.bias is not None:  # empty rows: P = exp(−inf − 0) = 0, and O = 0 ⇒ δ = 0
         lse = lse.masked_fill(torch.isinf(lse), 0.0)
-    if q.device.type == "cpu":
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout, q, k, v, out, lse.to(q.dtype if q.dtype == torch.float64 else torch.float32),
-            0.0, call.causal, attn_mask=call.bias, scale=scale)
-    scores = _explicit_scores(q, k, call, scale)
-    group, compute = q.shape[1] // k.shape[1], scores.dtype
-    dout_c, q_c = dout.to(compute), q.to(compute)
-    p = torch.exp(scores - lse.to(compute)[..., None])                       # (n, h, Lq, Lk)
-    dp = dout_c @ v.to(compute).repeat_interleave(group, 1).transpose(-1, -2)
-    ds = p * (dp - (dout_c * out.to(compute)).sum(-1, keepdim=True))
-    dq = scale * ds @ k.to(compute).repeat_interleave(group, 1)
-    grouped = (k.shape[0], k.shape[1], group, k.shape[2], k.shape[3])
-    dk = (scale * ds.transpose(-1, -2) @ q_c).reshape(grouped).sum(2)
-    dv = (p.transpose(-1, -2) @ dout_c).reshape(grouped).sum(2)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dout, q, k, v, out, lse.to(q.dtype if q.dtype == torch.float64 else torch.float32),
+        0.0, call.causal, attn_mask=call.bias, scale=scale)
 
 
 # ----------------------------------------------------------------------------- whole attention

@@ -257,7 +257,7 @@ class _GroupedGemm(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             dx = gemm(dy, w.transpose(1, 2), ctx.sizes, offsets)   # (M, N) @ (N, K) per group
         if ctx.needs_input_grad[1]:
-            if weight_grads_deferred():                            # zero-bubble I: wgrad in W
+            if weight_grads_deferred(w):                            # zero-bubble I: wgrad in W
                 defer_grad_of(w, functools.partial(_deferred_wgrad, w, x, dy, ctx.sizes,
                                                    offsets, ctx.path))
             else:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from tpfuse.parallel.comm_options import options_or_default
 from tpfuse.parallel.mappings import (all_gather_first_dim, check_divisible, group_size,
                                       reduce_scatter_first_dim)
 
@@ -32,14 +33,14 @@ class _MatmulReduceScatter(torch.autograd.Function):
     """forward: GEMM then reduce-scatter s; backward: all-gather s then GEMMs (dgrad, wgrad)."""
 
     @staticmethod
-    def forward(ctx, x, w, group, fused, path):
+    def forward(ctx, x, w, group, fused, path, options):
         tp = group_size(group)
         rows = x.shape[0] // tp
         if fused:
             y_shard = common.ring_reduce_scatter(                   # (s/tp, b, n)
                 lambda dst: common.linear(x[dst * rows:(dst + 1) * rows], w, path)[0], group)
         else:
-            y_shard = reduce_scatter_first_dim(common.linear(x, w, path)[0], group)
+            y_shard = reduce_scatter_first_dim(common.linear(x, w, path)[0], group, options)
         ctx.save_for_backward(x, w)
         ctx.group, ctx.fused, ctx.path = group, fused, path
         return y_shard
@@ -49,7 +50,7 @@ class _MatmulReduceScatter(torch.autograd.Function):
         x, w = ctx.saved_tensors
         run = _backward_fused if ctx.fused else _backward_plain
         dx, dw = run(ctx, dy_shard, x, w)
-        return dx, dw, None, None, None
+        return dx, dw, None, None, None, None
 
 
 def _backward_plain(ctx, dy_shard, x, w):
@@ -64,7 +65,7 @@ def _backward_fused(ctx, dy_shard, x, w):
     accumulated in place (fp32, into main_grad when set)."""
     rows = dy_shard.shape[0]
     want_dw = ctx.needs_input_grad[1]
-    defer = want_dw and weight_grads_deferred()   # zero-bubble I pass: dw is W's, in one GEMM
+    defer = want_dw and weight_grads_deferred(w)   # zero-bubble I pass: dw is W's, in one GEMM
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)       # (s, b, k_local)
     dw = wgrad_accumulator(w) if want_dw and not defer else None  # main_grad or fp32 zeros
 
@@ -80,14 +81,17 @@ def _backward_fused(ctx, dy_shard, x, w):
     return dx, (wgrad_for_autograd(w, dw) if want_dw else None)
 
 
-def matmul_reduce_scatter(x, w, group, *, backend=None):
+def matmul_reduce_scatter(x, w, group, *, backend=None, options=None):
     """``reduce_scatter_s(x @ wᵀ)``: x (s, b, k_local), w (n, k_local) → (s/tp, b, n).
-    ``backend`` is resolved once for all the op's GEMMs (``tpfuse.kernels.matmul`` paths)."""
+    ``backend`` is resolved once for all the op's GEMMs (``tpfuse.kernels.matmul`` paths);
+    ``options`` (``parallel.comm_options.CommOptions``, None: the defaults) gives the fused
+    pipeline's size threshold and the plain path's reduce-scatter strategy."""
     common.validate_linear("matmul_reduce_scatter", x, w)
+    options = options_or_default(options)
     tp = group_size(group)
     check_divisible(x, 0, tp, "matmul_reduce_scatter")
-    fused = common.should_fuse(common.gemm_flops(x, w.shape[0]), tp, x.device.type)
-    return _MatmulReduceScatter.apply(x, w, group, fused, common.gemm_path(backend, x, w))
+    fused = common.should_fuse(common.gemm_flops(x, w.shape[0]), tp, x.device.type, options)
+    return _MatmulReduceScatter.apply(x, w, group, fused, common.gemm_path(backend, x, w), options)
 
 
 def matmul_reduce_scatter_reference(x, w, group):

@@ -181,7 +181,7 @@ def weight_grad(weight: torch.Tensor, grad_output: torch.Tensor, input: torch.Te
 
     Inside a zero-bubble I pass (``wgrad_deferral``) the GEMM is queued for the W action instead
     and autograd gets None; W then accumulates into ``main_grad``, or into ``weight.grad``."""
-    if weight_grads_deferred():
+    if weight_grads_deferred(weight):
         defer_grad_of(weight, functools.partial(deferred_weight_grad, weight, grad_output, input,
                                                 backend))
         return None

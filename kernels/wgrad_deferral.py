@@ -1,27 +1,27 @@
 """Weight-gradient GEMMs held back from a backward pass until a pipeline schedule's W action.
 
 Zero-bubble schedules split a stage's backward into I (the gradient w.r.t. the stage input, which
-the previous stage waits for) and W (the weight gradients, which nobody waits for). The executor
-runs I as an ordinary autograd backward inside :func:`deferring_weight_grads`; while it is open,
-the weight-gradient helper of the TP linear layers (``kernels/wgrad.weight_grad``, also reached
-by the ring comm-GEMMs' backward) and the MoE experts' grouped GEMM (``kernels/grouped_gemm``)
-call :func:`defer_grad_of` with a closure that computes and accumulates the gradient, and the
-closure is queued instead of run. The W action later runs the queue of that I pass
-(:meth:`WeightGradQueue.run`), in the order the closures were queued.
+the previous stage waits for) and W (the weight gradients, which nobody waits for). The I action
+opens a :class:`WeightGradQueue` on the model chunk it runs (:func:`deferring_weight_grads`):
+every parameter of the chunk holds the queue in ``param.wgrad_queue`` for the duration of that
+backward pass. The weight-gradient helper of the TP linear layers (``kernels/wgrad.weight_grad``,
+also reached by the ring comm-GEMMs' backward) and the MoE experts' grouped GEMM
+(``kernels/grouped_gemm``) ask the weight they compute the gradient of
+(:func:`weight_grads_deferred`, :func:`defer_grad_of`); a weight with an open queue gets a
+closure that computes and accumulates the gradient queued instead of run. The W action later
+runs the queue of that I pass (:meth:`WeightGradQueue.run`), in the order the closures were
+queued.
 
 Everything autograd computes itself (norm weights, biases, embeddings) still happens in I; only
 code that asks to be deferred moves to W, so a model without such layers runs correctly with an
-empty W. The open queue is execution state of the running I pass (like autograd's grad mode),
-visible to the autograd engine's worker threads; outside an I pass nothing is deferred.
+empty W. The queue travels with the weights, explicitly: nothing outside the chunk an I pass
+runs is deferred, and the autograd engine's worker threads see it as the weights do.
 """
 from __future__ import annotations
 
 import contextlib
 
 import torch
-
-_open_queue = None     # the WeightGradQueue of the I pass now running (None: compute at once)
-
 
 class WeightGradQueue:
     """The deferred weight-gradient closures of one I pass, run by its W action."""
@@ -45,30 +45,42 @@ class WeightGradQueue:
         return len(closures)
 
 
+def _parameters(chunk) -> list:
+    """The tensors a queue is opened on: a module's parameters, or the given tensors."""
+    if isinstance(chunk, torch.nn.Module):
+        return list(chunk.parameters())
+    return list(chunk)
+
+
 @contextlib.contextmanager
-def deferring_weight_grads(queue: WeightGradQueue):
-    """Queue the weight gradients of the enclosed backward pass in ``queue``."""
-    global _open_queue
-    if _open_queue is not None:
-        raise RuntimeError("deferring_weight_grads is already open (I passes do not nest)")
-    _open_queue = queue
+def deferring_weight_grads(queue: WeightGradQueue, chunk):
+    """Queue the weight gradients of the enclosed backward pass in ``queue``: opened on the
+    model chunk ``chunk`` (an ``nn.Module``, or an iterable of its weights) for the duration."""
+    weights = _parameters(chunk)
+    if any(getattr(w, "wgrad_queue", None) is not None for w in weights):
+        raise RuntimeError("deferring_weight_grads is already open on this chunk "
+                           "(I passes do not nest)")
+    for w in weights:
+        w.wgrad_queue = queue
     try:
         yield queue
     finally:
-        _open_queue = None
+        for w in weights:
+            w.wgrad_queue = None
 
 
-def weight_grads_deferred() -> bool:
-    """True inside an I pass (weight gradients asked for now will be queued)."""
-    return _open_queue is not None
+def weight_grads_deferred(weight: torch.Tensor) -> bool:
+    """True inside an I pass opened on ``weight`` (its gradient asked for now will be queued)."""
+    return getattr(weight, "wgrad_queue", None) is not None
 
 
-def defer_weight_grad(closure) -> bool:
-    """Queue ``closure`` when an I pass defers weight gradients (returns True), else return
+def defer_weight_grad(weight: torch.Tensor, closure) -> bool:
+    """Queue ``closure`` when an I pass defers ``weight``'s gradient (returns True), else return
     False and leave it to the caller to compute the gradient now."""
-    if _open_queue is None:
+    queue = getattr(weight, "wgrad_queue", None)
+    if queue is None:
         return False
-    _open_queue.append(closure)
+    queue.append(closure)
     return True
 
 
@@ -78,8 +90,8 @@ def defer_grad_of(weight: torch.Tensor, closure) -> None:
     """Queue ``closure`` (W's part of ``weight``'s gradient; it ends with
     :func:`deferred_grad_done`) and count it in ``weight.deferred_wgrads``: the data-parallel
     hooks take the weight's contribution for complete only when W has run every such closure.
-    Only inside an I pass (``weight_grads_deferred()``)."""
-    if not defer_weight_grad(closure):
+    Only inside an I pass opened on ``weight`` (``weight_grads_deferred(weight)``)."""
+    if not defer_weight_grad(weight, closure):
         raise RuntimeError("defer_grad_of outside an I pass: compute the weight gradient now")
     weight.deferred_wgrads = getattr(weight, "deferred_wgrads", 0) + 1
 

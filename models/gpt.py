@@ -78,16 +78,9 @@ def seeded(seed):
 
 def resolve_state(state=None):
     """``state``, else the default ParallelState; None only in a plain single process."""
-    if state is not None:
-        return state
-    from tpfuse.parallel.state import get_default_state
+    from tpfuse.parallel.state import resolve_state_or_none
 
-    try:
-        return get_default_state()
-    except RuntimeError:
-        if dist.is_available() and dist.is_initialized():
-            raise
-        return None
+    return resolve_state_or_none(state)
 
 
 def check_layout_matches(config, state):

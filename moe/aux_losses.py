@@ -75,9 +75,10 @@ def all_reduce_counts(tokens_per_expert, group):
     return tokens_per_expert
 
 
-def gather_sequence(probs, group):
-    """(S_local, B, E) → (S, B, E) over the sequence partition group; backward reduce-scatters."""
-    return gather_from_sequence_parallel_region(probs, group)
+def gather_sequence(probs, group, options=None):
+    """(S_local, B, E) → (S, B, E) over the sequence partition group; backward reduce-scatters
+    (as ``options`` says)."""
+    return gather_from_sequence_parallel_region(probs, group, options=options)
 
 
 # ----------------------------------------------------------------------------- backward injection

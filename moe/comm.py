@@ -37,35 +37,35 @@ def _all_gather_v(x, group, sizes):
     return torch.cat([block[:rows] for block, rows in zip(blocks, sizes)])
 
 
-def _reduce_scatter_v(x, group, sizes):
+def _reduce_scatter_v(x, group, sizes, options=None):
     largest = max(sizes)
     if largest == 0:
         return x.detach().clone()
     blocks = x.detach().split(list(sizes))
     padded = torch.cat([_pad_rows(block, largest) for block in blocks])
-    return reduce_scatter_first_dim(padded, group)[:sizes[group_rank(group)]]
+    return reduce_scatter_first_dim(padded, group, options)[:sizes[group_rank(group)]]
 
 
 class _AllGatherV(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group, sizes):
-        ctx.group, ctx.sizes = group, sizes
+    def forward(ctx, x, group, sizes, options):
+        ctx.group, ctx.sizes, ctx.options = group, sizes, options
         return _all_gather_v(x, group, sizes)
 
     @staticmethod
     def backward(ctx, dy):
-        return _reduce_scatter_v(dy, ctx.group, ctx.sizes), None, None
+        return _reduce_scatter_v(dy, ctx.group, ctx.sizes, ctx.options), None, None, None
 
 
 class _ReduceScatterV(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group, sizes):
+    def forward(ctx, x, group, sizes, options):
         ctx.group, ctx.sizes = group, sizes
-        return _reduce_scatter_v(x, group, sizes)
+        return _reduce_scatter_v(x, group, sizes, options)
 
     @staticmethod
     def backward(ctx, dy):
-        return _all_gather_v(dy, ctx.group, ctx.sizes), None, None
+        return _all_gather_v(dy, ctx.group, ctx.sizes), None, None, None
 
 
 def all_to_all(x, group, out_splits, in_splits):
@@ -73,15 +73,16 @@ def all_to_all(x, group, out_splits, in_splits):
     return all_to_all_region(x, group, list(out_splits), list(in_splits))
 
 
-def all_gather_v(x, group, sizes):
-    """``(sizes[me], ...)`` → ``(Σ sizes, ...)``."""
+def all_gather_v(x, group, sizes, options=None):
+    """``(sizes[me], ...)`` → ``(Σ sizes, ...)``; ``options``: how backward reduce-scatters."""
     if group_size(group) == 1:
         return x
-    return _AllGatherV.apply(x, group, tuple(sizes))
+    return _AllGatherV.apply(x, group, tuple(sizes), options)
 
 
-def reduce_scatter_v(x, group, sizes):
-    """``(Σ sizes, ...)`` → ``(sizes[me], ...)`` summed over the group."""
+def reduce_scatter_v(x, group, sizes, options=None):
+    """``(Σ sizes, ...)`` → ``(sizes[me], ...)`` summed over the group (reduce-scatter as
+    ``options``, a ``parallel.comm_options.CommOptions``, says)."""
     if group_size(group) == 1:
         return x
-    return _ReduceScatterV.apply(x, group, tuple(sizes))
+    return _ReduceScatterV.apply(x, group, tuple(sizes), options)

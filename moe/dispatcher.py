@@ -89,8 +89,9 @@ class AllGatherDispatcher:
     def dispatch(self, tokens, probs, routing_map):
         group = self.groups.etp_ep
         if self.groups.etp_ep_size > 1:
-            tokens = gather_from_sequence_parallel_region(tokens, group)         # (T·G, h)
-            probs = gather_from_sequence_parallel_region(probs, group)
+            options = self.groups.options                       # tokens become (T·G, h)
+            tokens = gather_from_sequence_parallel_region(tokens, group, options=options)
+            probs = gather_from_sequence_parallel_region(probs, group, options=options)
             routing_map = all_gather_first_dim(routing_map.to(torch.uint8), group).bool()
         mine = slice(self.first_expert, self.first_expert + self.num_local)
         row_map, slot_probs, rows_per_expert = routing_row_map(
@@ -101,7 +102,8 @@ class AllGatherDispatcher:
     def combine(self, expert_rows, plan):
         out = unpermute_tokens(expert_rows, plan.row_map, plan.slot_probs)      # (T·G, h)
         if self.groups.etp_ep_size > 1:
-            out = reduce_scatter_to_sequence_parallel_region(out, self.groups.etp_ep)
+            out = reduce_scatter_to_sequence_parallel_region(out, self.groups.etp_ep,
+                                                             options=self.groups.options)
         return out                                                              # (T, h)
 
 
@@ -143,7 +145,7 @@ class AlltoAllDispatcher:
         out_splits = [sum(sent(g.etp_rank, r)) for r in range(g.ep_size)]
         rows = all_to_all(rows, g.ep, out_splits, in_splits)                  # [ep src][expert]
         etp_sizes = [sum(sum(sent(q, r)) for r in range(g.ep_size)) for q in range(g.etp_size)]
-        rows = all_gather_v(rows, g.etp, etp_sizes)                     # [etp src][ep src][expert]
+        rows = all_gather_v(rows, g.etp, etp_sizes, g.options)           # [etp src][ep src][expert]
         chunk_sizes = [n for q in range(g.etp_size) for r in range(g.ep_size) for n in sent(q, r)]
         order = [(q * g.ep_size + r) * L + local for local in range(L)
                  for q in range(g.etp_size) for r in range(g.ep_size)]
@@ -159,6 +161,6 @@ class AlltoAllDispatcher:
     def combine(self, expert_rows, plan):
         g = self.groups
         rows = unpermute_tokens(expert_rows, plan.sort_map)             # [etp][ep src][expert]
-        rows = reduce_scatter_v(rows, g.etp, plan.etp_sizes)            # [ep src][expert], Σ etp
+        rows = reduce_scatter_v(rows, g.etp, plan.etp_sizes, g.options)  # [ep src][expert], Σ etp
         rows = all_to_all(rows, g.ep, plan.in_splits, plan.out_splits)  # back by global expert
         return unpermute_tokens(rows, plan.row_map, plan.slot_probs)    # (T, h)

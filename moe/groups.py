@@ -15,6 +15,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tpfuse.parallel.comm_options import DEFAULT_COMM_OPTIONS, CommOptions
+from tpfuse.parallel.state import resolve_state_or_none
+
 
 @dataclass(frozen=True)
 class MoEGroups:
@@ -31,13 +34,11 @@ class MoEGroups:
     etp_ep: object = None
     etp_ep_size: int = 1
     etp_ep_coords: tuple = field(default=((0, 0),))   # (etp rank, ep rank) per etp_ep position
+    options: CommOptions = DEFAULT_COMM_OPTIONS        # how the groups' reduce-scatters run
 
     @classmethod
     def from_state(cls, state=None) -> "MoEGroups":
-        if state is None:
-            from tpfuse.tp_layers._group import _default_state_or_none
-
-            state = _default_state_or_none()
+        state = resolve_state_or_none(state)
         if state is None:
             return cls()
         layout = state.layout
@@ -48,4 +49,4 @@ class MoEGroups:
                    ep=state.ep_group, ep_size=state.ep_size, ep_rank=state.ep_rank,
                    etp=state.etp_group, etp_size=state.etp_size, etp_rank=state.etp_rank,
                    etp_ep=state.group("etp-ep"), etp_ep_size=len(members),
-                   etp_ep_coords=coords)
+                   etp_ep_coords=coords, options=state.comm_options)

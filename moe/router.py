@@ -89,7 +89,7 @@ class TopKRouter(nn.Module):
                 scores, counts, self._total_tokens(scores.shape[0]), self.topk, coeff)
         else:  # seq_aux_loss
             scores_full = aux_losses.gather_sequence(scores.view(-1, batch, scores.shape[1]),
-                                                     group)
+                                                     group, self.groups.options)
             loss = aux_losses.sequence_load_balancing_loss(
                 scores_full, topk_map.view(-1, batch, scores.shape[1]), batch, self.topk, coeff)
         return aux_losses.attach_loss(probs, loss, self.tracker, "load_balancing_loss",

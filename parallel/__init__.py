@@ -8,6 +8,7 @@ from tpfuse._lazy import lazy_exports
 _EXPORTS = {
     "RankLayout": "layout",
     "ParallelState": "state", "get_default_state": "state", "set_default_state": "state",
+    "has_default_state": "state", "resolve_state": "state", "resolve_state_or_none": "state",
     "collective_device": "devices",
     "MicrobatchCalculator": "microbatches", "bubble_fraction": "microbatches",
     "WorkerPool": "launch", "WorkerError": "launch", "spawn": "launch",

@@ -18,8 +18,9 @@ transposed operation, so that ``y = f(x)`` and ``dx = fᵀ(dy)``:
     reduce_scatter_last_dim_region          forward: reduce-scatter h  backward: all-gather h
     all_to_all_region                       forward: all-to-all rows  backward: the reverse
 
-Every one takes its process group explicitly (``None`` is torch's world group) and is the
-identity at group size 1 (or when ``torch.distributed`` is not initialised). A dim that does not
+Every one takes its process group explicitly (``None`` is torch's world group); those that
+reduce-scatter also take ``options`` (a ``parallel.comm_options.CommOptions``: native
+reduce-scatter or all-reduce + own slice; None = the defaults). Each is the identity at group size 1 (or when ``torch.distributed`` is not initialised). A dim that does not
 divide by the group size raises ``ValueError`` before any collective is entered. Megatron's names,
 argument order and default group (the default ParallelState's TP group) are in
 ``tpfuse.megatron_compat.tensor_parallel.mappings``; ``default_tensor_parallel_group(group)``
@@ -30,28 +31,10 @@ public too: the fused comm+GEMM kernels use them for their unfused fallback.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.distributed as dist
 
-# gloo in torch >= 2.x implements reduce_scatter_tensor; "all_reduce" (all-reduce, keep own slice)
-# is kept as a fallback for backends without it. Override with TPFUSE_REDUCE_SCATTER=all_reduce.
-REDUCE_SCATTER_STRATEGIES = ("native", "all_reduce")
-_reduce_scatter_strategy = os.environ.get("TPFUSE_REDUCE_SCATTER", "native")
-
-
-def set_reduce_scatter_strategy(name: str) -> None:
-    """Choose how reduce-scatter runs: ``"native"`` (reduce_scatter_tensor) or ``"all_reduce"``."""
-    global _reduce_scatter_strategy
-    if name not in REDUCE_SCATTER_STRATEGIES:
-        raise ValueError(f"reduce-scatter strategy must be one of {REDUCE_SCATTER_STRATEGIES}, "
-                         f"got {name!r}")
-    _reduce_scatter_strategy = name
-
-
-def get_reduce_scatter_strategy() -> str:
-    return _reduce_scatter_strategy
+from .comm_options import REDUCE_SCATTER_STRATEGIES, CommOptions, options_or_default  # noqa: F401
 
 
 # ----------------------------------------------------------------------------- group arithmetic
@@ -100,16 +83,17 @@ def all_gather_first_dim(x: torch.Tensor, group, async_op: bool = False):
     return (out, work) if async_op else out
 
 
-def reduce_scatter_first_dim(x: torch.Tensor, group) -> torch.Tensor:
-    """Sum ``x`` over the ranks and keep this rank's dim-0 slice: ``(s, ...) -> (s/tp, ...)``.
-    Not differentiable (the autograd Functions below are)."""
+def reduce_scatter_first_dim(x: torch.Tensor, group, options: CommOptions | None = None):
+    """Sum ``x`` over the ranks and keep this rank's dim-0 slice: ``(s, ...) -> (s/tp, ...)``,
+    by ``options.reduce_scatter`` ("native" reduce_scatter_tensor, or "all_reduce" then the own
+    slice). Not differentiable (the autograd Functions below are)."""
     size = group_size(group)
     if size == 1:
         return x
     check_divisible(x, 0, size, "reduce_scatter_first_dim")
     x = x.detach().contiguous()
     rows = x.shape[0] // size
-    if _reduce_scatter_strategy == "all_reduce":
+    if options_or_default(options).reduce_scatter == "all_reduce":
         total = x.clone()
         dist.all_reduce(total, group=group)
         rank = group_rank(group)
@@ -213,29 +197,30 @@ class _GatherFromSequenceParallelRegion(torch.autograd.Function):
     """forward: all-gather dim 0; backward: reduce-scatter dim 0 (split if the grad is replicated)."""
 
     @staticmethod
-    def forward(ctx, x, group, tensor_parallel_output_grad):
-        ctx.group = group
+    def forward(ctx, x, group, tensor_parallel_output_grad, options):
+        ctx.group, ctx.options = group, options
         ctx.tensor_parallel_output_grad = tensor_parallel_output_grad
         return all_gather_first_dim(x, group)
 
     @staticmethod
     def backward(ctx, dy):
         if ctx.tensor_parallel_output_grad:
-            return reduce_scatter_first_dim(dy, ctx.group), None, None
-        return _split_along(dy, 0, ctx.group, "gather_from_sequence_parallel_region"), None, None
+            return reduce_scatter_first_dim(dy, ctx.group, ctx.options), None, None, None
+        return (_split_along(dy, 0, ctx.group, "gather_from_sequence_parallel_region"), None, None,
+                None)
 
 
 class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
     """forward: reduce-scatter dim 0; backward: all-gather dim 0."""
 
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(ctx, x, group, options):
         ctx.group = group
-        return reduce_scatter_first_dim(x, group)
+        return reduce_scatter_first_dim(x, group, options)
 
     @staticmethod
     def backward(ctx, dy):
-        return all_gather_first_dim(dy, ctx.group), None
+        return all_gather_first_dim(dy, ctx.group), None, None
 
 
 # ----------------------------------------------------------------------------- public functions
@@ -271,38 +256,40 @@ def scatter_to_sequence_parallel_region(x, group):
     return _ScatterToSequenceParallelRegion.apply(x, group)
 
 
-def gather_from_sequence_parallel_region(x, group, tensor_parallel_output_grad=True):
+def gather_from_sequence_parallel_region(x, group, tensor_parallel_output_grad=True, *,
+                                         options: CommOptions | None = None):
     """forward: all-gather the sequence dim 0, backward: reduce-scatter it (split it if
     ``tensor_parallel_output_grad=False``, i.e. the output's grad is the same on every rank).
-    ``(s/tp, b, h) -> (s, b, h)``."""
+    ``(s/tp, b, h) -> (s, b, h)``; ``options``: how the reduce-scatter runs."""
     if isinstance(group, bool):
         raise TypeError("gather_from_sequence_parallel_region(x, group, tensor_parallel_output_grad)"
                         f": got the bool {group} as group; Megatron's argument order (x, "
                         "tensor_parallel_output_grad, group) is tpfuse.megatron_compat's")
     if group_size(group) == 1:
         return x
-    return _GatherFromSequenceParallelRegion.apply(x, group, bool(tensor_parallel_output_grad))
+    return _GatherFromSequenceParallelRegion.apply(x, group, bool(tensor_parallel_output_grad),
+                                                   options)
 
 
-def reduce_scatter_to_sequence_parallel_region(x, group):
-    """forward: reduce-scatter the sequence dim 0, backward: all-gather it.
-    ``(s, b, h) -> (s/tp, b, h)``."""
+def reduce_scatter_to_sequence_parallel_region(x, group, *, options: CommOptions | None = None):
+    """forward: reduce-scatter the sequence dim 0 (as ``options`` says), backward: all-gather
+    it. ``(s, b, h) -> (s/tp, b, h)``."""
     if group_size(group) == 1:
         return x
     check_divisible(x, 0, group_size(group), "reduce_scatter_to_sequence_parallel_region")
-    return _ReduceScatterToSequenceParallelRegion.apply(x, group)
+    return _ReduceScatterToSequenceParallelRegion.apply(x, group, options)
 
 
 # ----------------------------------------------------------------------------- hidden-dim pair, all-to-all
 
-def _reduce_scatter_last_dim(x: torch.Tensor, group) -> torch.Tensor:
+def _reduce_scatter_last_dim(x: torch.Tensor, group, options=None) -> torch.Tensor:
     """Sum over the ranks and keep this rank's slice of the last dim: (..., h) -> (..., h/tp)."""
     size = group_size(group)
     if size == 1:
         return x
     check_divisible(x, -1, size, "reduce_scatter_last_dim")
     stacked = torch.stack(x.chunk(size, dim=-1))                     # (tp, ..., h/tp)
-    return reduce_scatter_first_dim(stacked, group)[0]               # (..., h/tp)
+    return reduce_scatter_first_dim(stacked, group, options)[0]      # (..., h/tp)
 
 
 def _all_to_all(x: torch.Tensor, group, output_split_sizes, input_split_sizes):
@@ -321,26 +308,26 @@ class _AllGatherLastDim(torch.autograd.Function):
     per rank, unlike gather_from_region's)."""
 
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
+    def forward(ctx, x, group, options):
+        ctx.group, ctx.options = group, options
         return _all_gather_last_dim(x, group)
 
     @staticmethod
     def backward(ctx, dy):
-        return _reduce_scatter_last_dim(dy, ctx.group), None
+        return _reduce_scatter_last_dim(dy, ctx.group, ctx.options), None, None
 
 
 class _ReduceScatterLastDim(torch.autograd.Function):
     """forward: reduce-scatter the last dim; backward: all-gather it."""
 
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(ctx, x, group, options):
         ctx.group = group
-        return _reduce_scatter_last_dim(x, group)
+        return _reduce_scatter_last_dim(x, group, options)
 
     @staticmethod
     def backward(ctx, dy):
-        return _all_gather_last_dim(dy, ctx.group), None
+        return _all_gather_last_dim(dy, ctx.group), None, None
 
 
 class _AllToAll(torch.autograd.Function):
@@ -359,19 +346,19 @@ class _AllToAll(torch.autograd.Function):
         return dx, None, None, None
 
 
-def all_gather_last_dim_region(x, group):
-    """forward: all-gather the hidden (last) dim, backward: reduce-scatter it.
-    ``(s, b, h/tp) -> (s, b, h)``."""
-    return x if group_size(group) == 1 else _AllGatherLastDim.apply(x, group)
+def all_gather_last_dim_region(x, group, *, options: CommOptions | None = None):
+    """forward: all-gather the hidden (last) dim, backward: reduce-scatter it (as ``options``
+    says). ``(s, b, h/tp) -> (s, b, h)``."""
+    return x if group_size(group) == 1 else _AllGatherLastDim.apply(x, group, options)
 
 
-def reduce_scatter_last_dim_region(x, group):
-    """forward: reduce-scatter the hidden (last) dim, backward: all-gather it.
-    ``(s, b, h) -> (s, b, h/tp)``."""
+def reduce_scatter_last_dim_region(x, group, *, options: CommOptions | None = None):
+    """forward: reduce-scatter the hidden (last) dim (as ``options`` says), backward:
+    all-gather it. ``(s, b, h) -> (s, b, h/tp)``."""
     if group_size(group) == 1:
         return x
     check_divisible(x, -1, group_size(group), "reduce_scatter_last_dim_region")
-    return _ReduceScatterLastDim.apply(x, group)
+    return _ReduceScatterLastDim.apply(x, group, options)
 
 
 def all_to_all_region(x, group, output_split_sizes=None, input_split_sizes=None):
@@ -389,8 +376,7 @@ def default_tensor_parallel_group(group=None):
     is called without a group); None in a plain process without torch.distributed."""
     if group is not None:
         return group
-    from tpfuse.parallel.state import get_default_state, has_default_state
+    from tpfuse.parallel.state import resolve_state_or_none
 
-    if not has_default_state() and not (dist.is_available() and dist.is_initialized()):
-        return None
-    return get_default_state().tp_group
+    state = resolve_state_or_none()
+    return None if state is None else state.tp_group

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import warnings
 
-from .state import get_default_state, has_default_state
+from .state import has_default_state, resolve_state
 
 
 class ModelParallelNotInitializedError(RuntimeError, AssertionError):
@@ -49,7 +49,7 @@ def state():
         raise ModelParallelNotInitializedError(
             "model parallel state is not initialized: call "
             "parallel_state.initialize_model_parallel(...) first")
-    return get_default_state()
+    return resolve_state()
 
 
 def _read(name: str, group: str, what: str):
@@ -218,14 +218,14 @@ def get_all_ranks():
 def get_virtual_pipeline_model_parallel_rank():
     """The running model chunk; None when no virtual pipeline is set (Megatron's default)."""
     if has_default_state():
-        return get_default_state().vpp_rank
+        return resolve_state().vpp_rank
     return OVERRIDES.get("vpp_rank")
 
 
 def get_virtual_pipeline_model_parallel_world_size():
     """Model chunks per pipeline rank; None without a virtual pipeline (Megatron's default)."""
     if has_default_state():
-        return get_default_state().vpp_size
+        return resolve_state().vpp_size
     return OVERRIDES.get("vpp_size")
 
 
@@ -241,7 +241,7 @@ def set_virtual_pipeline_model_parallel_rank(rank):
         raise ValueError(f"virtual pipeline rank must be in [0, {size}) (vpp_size={size}), "
                          f"got {rank!r}")
     if has_default_state():
-        get_default_state().vpp_rank = rank
+        resolve_state().vpp_rank = rank
     else:
         OVERRIDES.set("vpp_rank", rank)
 
@@ -252,7 +252,7 @@ def set_virtual_pipeline_model_parallel_world_size(world_size):
         raise ValueError(f"virtual pipeline world size must be an integer >= 1 or None, "
                          f"got {world_size!r}")
     if has_default_state():
-        get_default_state().vpp_size = world_size
+        resolve_state().vpp_size = world_size
     else:
         OVERRIDES.set("vpp_size", world_size)
 

@@ -29,6 +29,7 @@ import zlib
 import torch
 import torch.distributed as dist
 
+from .comm_options import CommOptions, options_or_default
 from .devices import collective_device
 from .layout import DEFAULT_ORDER, GROUP_NAMES, RankLayout, check_vpp
 
@@ -74,12 +75,15 @@ class ParallelState:
     """The process groups of ``layout`` on this rank, plus pipeline-stage helpers.
 
     ``.group(name)`` / ``.ranks(name)`` / ``.size(name)`` / ``.rank_in(name)`` for every name in
-    ``layout.GROUP_NAMES``; shortcuts ``tp_* pp_* dp_* cp_* dp_cp_* ep_* etp_* edp_*`` (``_group``,
-    ``_rank``, ``_size``); ``dp`` excludes context parallelism, ``dp_cp`` includes it.
+    ``layout.GROUP_NAMES``; properties ``tp_* pp_* dp_* cp_* dp_cp_* ep_* etp_* edp_* embedding_*
+    position_embedding_*`` (``_group``, ``_rank``, ``_size``) for the common ones; ``dp`` excludes
+    context parallelism, ``dp_cp`` includes it. Code that may run without an explicit state takes
+    it through ``resolve_state`` / ``resolve_state_or_none`` (the one reader of the default).
     """
 
     def __init__(self, layout: RankLayout, vpp_size: int | None = None,
-                 timeout: datetime.timedelta | None = None):
+                 timeout: datetime.timedelta | None = None,
+                 comm_options: CommOptions | None = None):
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("ParallelState needs an initialised torch.distributed "
                                "(call torch.distributed.init_process_group first)")
@@ -90,6 +94,7 @@ class ParallelState:
             raise ValueError(f"layout.world_size={layout.world_size} does not match the "
                              f"torch.distributed world size {world_size}")
         self.layout = layout
+        self.comm_options = comm_options
         self.vpp_size = check_vpp(vpp_size, layout.pp)
         check_same_layout_on_every_rank(layout, self.vpp_size)
         self.vpp_rank = 0 if self.vpp_size is not None else None
@@ -103,11 +108,13 @@ class ParallelState:
     @classmethod
     def initialize(cls, tp: int = 1, pp: int = 1, vpp: int | None = None, cp: int = 1,
                    ep: int = 1, etp: int | None = None, order: str = DEFAULT_ORDER,
-                   set_default: bool = False) -> "ParallelState":
+                   set_default: bool = False,
+                   comm_options: CommOptions | None = None) -> "ParallelState":
         """Build the layout from the current world size and create its groups.
 
         All settings are validated (ValueError) before any group is created. With
         ``set_default=True`` the state also becomes the default (``get_default_state()``).
+        ``comm_options``: how the layers' communication runs (``state.comm_options``).
         """
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("ParallelState.initialize needs an initialised torch.distributed "
@@ -115,10 +122,21 @@ class ParallelState:
         layout = RankLayout(dist.get_world_size(), tp=tp, pp=pp, cp=cp, ep=ep, etp=etp,
                             order=order)
         check_vpp(vpp, pp)
-        state = cls(layout, vpp_size=vpp)
+        options_or_default(comm_options)
+        state = cls(layout, vpp_size=vpp, comm_options=comm_options)
         if set_default:
             set_default_state(state)
         return state
+
+    @property
+    def comm_options(self) -> CommOptions:
+        """How the layers built on this state communicate (``parallel.comm_options``); layers
+        read it at every call, so a new value takes effect at the next forward."""
+        return self._comm_options
+
+    @comm_options.setter
+    def comm_options(self, options: CommOptions | None) -> None:
+        self._comm_options = options_or_default(options)
 
     # ---------------------------------------------------------------- group creation / teardown
     def _build_groups(self, timeout) -> None:
@@ -232,32 +250,162 @@ class ParallelState:
         ranks = self.ranks("pp")
         return ranks[(ranks.index(self.rank) - 1) % len(ranks)]
 
+    # ---------------------------------------------------------------- named shortcuts
+    # ``<kind>_group`` / ``<kind>_rank`` / ``<kind>_size`` = group(name) / rank_in(name) / size(name)
+
+    @property
+    def tp_group(self):
+        """This rank's tensor-parallel ProcessGroup (tp)."""
+        return self.group("tp")
+
+    @property
+    def tp_rank(self) -> int | None:
+        """This rank's position in its tensor-parallel group (tp)."""
+        return self.rank_in("tp")
+
+    @property
+    def tp_size(self) -> int:
+        """Ranks in this rank's tensor-parallel group (tp)."""
+        return self.size("tp")
+
+    @property
+    def pp_group(self):
+        """This rank's pipeline-parallel ProcessGroup (pp)."""
+        return self.group("pp")
+
+    @property
+    def pp_rank(self) -> int | None:
+        """This rank's position in its pipeline-parallel group (pp)."""
+        return self.rank_in("pp")
+
+    @property
+    def pp_size(self) -> int:
+        """Ranks in this rank's pipeline-parallel group (pp)."""
+        return self.size("pp")
+
+    @property
+    def dp_group(self):
+        """This rank's data-parallel (without cp) ProcessGroup (dp)."""
+        return self.group("dp")
+
+    @property
+    def dp_rank(self) -> int | None:
+        """This rank's position in its data-parallel (without cp) group (dp)."""
+        return self.rank_in("dp")
+
+    @property
+    def dp_size(self) -> int:
+        """Ranks in this rank's data-parallel (without cp) group (dp)."""
+        return self.size("dp")
+
+    @property
+    def cp_group(self):
+        """This rank's context-parallel ProcessGroup (cp)."""
+        return self.group("cp")
+
+    @property
+    def cp_rank(self) -> int | None:
+        """This rank's position in its context-parallel group (cp)."""
+        return self.rank_in("cp")
+
+    @property
+    def cp_size(self) -> int:
+        """Ranks in this rank's context-parallel group (cp)."""
+        return self.size("cp")
+
+    @property
+    def dp_cp_group(self):
+        """This rank's data-parallel × context-parallel ProcessGroup (dp-cp)."""
+        return self.group("dp-cp")
+
+    @property
+    def dp_cp_rank(self) -> int | None:
+        """This rank's position in its data-parallel × context-parallel group (dp-cp)."""
+        return self.rank_in("dp-cp")
+
+    @property
+    def dp_cp_size(self) -> int:
+        """Ranks in this rank's data-parallel × context-parallel group (dp-cp)."""
+        return self.size("dp-cp")
+
+    @property
+    def ep_group(self):
+        """This rank's expert-parallel ProcessGroup (ep)."""
+        return self.group("ep")
+
+    @property
+    def ep_rank(self) -> int | None:
+        """This rank's position in its expert-parallel group (ep)."""
+        return self.rank_in("ep")
+
+    @property
+    def ep_size(self) -> int:
+        """Ranks in this rank's expert-parallel group (ep)."""
+        return self.size("ep")
+
+    @property
+    def etp_group(self):
+        """This rank's expert tensor-parallel ProcessGroup (etp)."""
+        return self.group("etp")
+
+    @property
+    def etp_rank(self) -> int | None:
+        """This rank's position in its expert tensor-parallel group (etp)."""
+        return self.rank_in("etp")
+
+    @property
+    def etp_size(self) -> int:
+        """Ranks in this rank's expert tensor-parallel group (etp)."""
+        return self.size("etp")
+
+    @property
+    def edp_group(self):
+        """This rank's expert data-parallel ProcessGroup (edp)."""
+        return self.group("edp")
+
+    @property
+    def edp_rank(self) -> int | None:
+        """This rank's position in its expert data-parallel group (edp)."""
+        return self.rank_in("edp")
+
+    @property
+    def edp_size(self) -> int:
+        """Ranks in this rank's expert data-parallel group (edp)."""
+        return self.size("edp")
+
+    @property
+    def embedding_group(self):
+        """This rank's embedding (first and last stage) ProcessGroup (embedding)."""
+        return self.group("embedding")
+
+    @property
+    def embedding_rank(self) -> int | None:
+        """This rank's position in its embedding (first and last stage) group (embedding)."""
+        return self.rank_in("embedding")
+
+    @property
+    def embedding_size(self) -> int:
+        """Ranks in this rank's embedding (first and last stage) group (embedding)."""
+        return self.size("embedding")
+
+    @property
+    def position_embedding_group(self):
+        """This rank's position-embedding (first stage) ProcessGroup (position-embedding)."""
+        return self.group("position-embedding")
+
+    @property
+    def position_embedding_rank(self) -> int | None:
+        """This rank's position in its position-embedding (first stage) group (position-embedding)."""
+        return self.rank_in("position-embedding")
+
+    @property
+    def position_embedding_size(self) -> int:
+        """Ranks in this rank's position-embedding (first stage) group (position-embedding)."""
+        return self.size("position-embedding")
+
     def __repr__(self) -> str:
         status = "destroyed" if self.destroyed else f"rank {self.rank}"
         return f"ParallelState({self.layout!r}, vpp_size={self.vpp_size}; {status})"
-
-
-def _shortcuts(prefix: str, name: str):
-    def group(self):
-        return self.group(name)
-
-    def rank(self):
-        return self.rank_in(name)
-
-    def size(self):
-        return self.size(name)
-
-    for suffix, fn, what in (("group", group, "ProcessGroup"), ("rank", rank, "rank in"),
-                             ("size", size, "size of")):
-        fn.__name__ = f"{prefix}_{suffix}"
-        fn.__doc__ = f"{what} this rank's {name!r} group"
-        setattr(ParallelState, fn.__name__, property(fn))
-
-
-for _prefix, _name in (("tp", "tp"), ("pp", "pp"), ("dp", "dp"), ("cp", "cp"),
-                       ("dp_cp", "dp-cp"), ("ep", "ep"), ("etp", "etp"), ("edp", "edp"),
-                       ("embedding", "embedding"), ("position_embedding", "position-embedding")):
-    _shortcuts(_prefix, _name)
 
 
 # -------------------------------------------------------------------- the default instance
@@ -276,14 +424,37 @@ def destroy_all_states() -> None:
     set_default_state(None)
 
 
-def get_default_state() -> ParallelState:
-    """The default ParallelState (set by ``initialize_model_parallel``)."""
+def _distributed_running() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def resolve_state(state: ParallelState | None = None) -> ParallelState:
+    """The one place the default ParallelState is read: ``state`` when given, else the default
+    (set by ``initialize_model_parallel`` / ``set_default_state``); RuntimeError naming the fix
+    when neither exists."""
+    if state is not None:
+        return state
     if _DEFAULT_STATE is None:
         raise RuntimeError(
             "model parallel state is not initialized: call "
             "tpfuse.parallel.parallel_state.initialize_model_parallel(...) (or "
             "set_default_state(ParallelState.initialize(...))) first, or pass state= explicitly")
     return _DEFAULT_STATE
+
+
+def resolve_state_or_none(state: ParallelState | None = None) -> ParallelState | None:
+    """``resolve_state(state)``, except that a plain single process (no default state and
+    torch.distributed not initialised) gets None: every parallel size is 1 there, so layers work
+    as ordinary modules. A distributed run without a state still raises: it must say which
+    groups it means."""
+    if state is None and _DEFAULT_STATE is None and not _distributed_running():
+        return None
+    return resolve_state(state)
+
+
+def get_default_state() -> ParallelState:
+    """The default ParallelState (``resolve_state()``: RuntimeError before one is set)."""
+    return resolve_state(None)
 
 
 def set_default_state(state: ParallelState | None) -> None:
@@ -296,4 +467,5 @@ def set_default_state(state: ParallelState | None) -> None:
 
 
 def has_default_state() -> bool:
+    """Whether a default ParallelState is set (Megatron's ``model_parallel_is_initialized``)."""
     return _DEFAULT_STATE is not None

@@ -41,18 +41,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from tpfuse.parallel.state import resolve_state
+
 from .p2p import PipelineP2P, recv_ahead_for
 from .plan import SCHEDULE_KINDS, rank_plan
 from .schedules import build_no_pipelining_schedule, forward_only as forward_only_actions
 from .stage_actions import NO_TIMERS, StageRun, execute
-
-
-def _default_state(state):
-    if state is not None:
-        return state
-    from tpfuse.parallel.state import get_default_state
-
-    return get_default_state()
 
 
 def get_forward_backward_func(state=None, pipeline_schedule: str | None = None):
@@ -70,7 +64,7 @@ def get_forward_backward_func(state=None, pipeline_schedule: str | None = None):
         pipeline_schedule = pipeline_schedule or getattr(state, "pipeline_schedule", None)
         bound_state = None
     else:
-        bound_state = _default_state(state)
+        bound_state = resolve_state(state)
         pp_size, vpp_size = bound_state.pp_size, bound_state.vpp_size
     if pp_size == 1:
         if vpp_size not in (None, 1):
@@ -194,7 +188,7 @@ def forward_backward_pipelining_without_interleaving(
         forward_only=False, state=None, tensor_shape=None, timers=None):
     """Plain 1F1B over the pp group: warm-up min(pp − rank − 1, m) forwards."""
     _check_counts(num_microbatches)
-    state = _default_state(state)
+    state = resolve_state(state)
     chunks = _as_chunks(model)
     if len(chunks) != 1:
         raise ValueError(f"1F1B without interleaving runs one model chunk per rank, got "
@@ -213,7 +207,7 @@ def forward_backward_pipelining_with_interleaving(
     present, else pp.
     """
     _check_counts(num_microbatches)
-    state = _default_state(state)
+    state = resolve_state(state)
     chunks = _as_chunks(model)
     state_vpp = getattr(state, "vpp_size", None)
     if state_vpp is not None and state_vpp != len(chunks):
@@ -234,7 +228,7 @@ def forward_backward_pipelining_zb_h1(
     into I (input gradient, sent upstream at once) and W (the weight gradients the I pass
     deferred, run where 1F1B would idle). Same results as 1F1B."""
     _check_counts(num_microbatches)
-    state = _default_state(state)
+    state = resolve_state(state)
     chunks = _as_chunks(model)
     if len(chunks) != 1:
         raise ValueError(f"ZB-H1 runs one model chunk per rank, got {len(chunks)}")

@@ -177,7 +177,7 @@ def _backward(run: StageRun, mb: int, chunk: int, recv_index, send_index) -> Non
 def _input_grad(run: StageRun, mb: int, chunk: int, recv_index, send_index) -> None:
     """ZB's I: B with the deferring layers' weight gradients queued for W."""
     queue = run.deferred[(mb, chunk)] = WeightGradQueue()
-    with deferring_weight_grads(queue):
+    with deferring_weight_grads(queue, run.chunks[chunk]):   # opened on this chunk's weights
         _backward(run, mb, chunk, recv_index, send_index)
 
 

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from tpfuse.kernels import ag_matmul, comm_gemm_common as common, matmul_rs
 from tpfuse.kernels.ag_matmul import all_gather_matmul, all_gather_matmul_reference
 from tpfuse.kernels.matmul_rs import matmul_reduce_scatter, matmul_reduce_scatter_reference
+from tpfuse.parallel.comm_options import CommOptions
 
 S, B, H, N = 12, 3, 37, 53           # sequence divisible by tp = 1, 2, 4; other dims odd
 TOL = dict(rtol=2e-5, atol=2e-5)     # see the module docstring
@@ -58,26 +59,29 @@ def _forbid(module, name):
         setattr(module, name, original)
 
 
+ALWAYS_FUSED = CommOptions(fused_min_flops=0)
+NEVER_FUSED = CommOptions(fused_min_flops=float("inf"))
+
+
 def _path(fused, keep_gathered):
-    """Threshold for the path, and the functions only the other path calls."""
+    """Options (threshold) for the path, and the functions only the other path calls."""
     if fused:
         # also without the kept x: the fused backward re-gathers it inside the dgrad ring, never
         # with a separate all-gather
         plain = [(ag_matmul, "reduce_scatter_first_dim"), (matmul_rs, "reduce_scatter_first_dim"),
                  (matmul_rs, "all_gather_first_dim"), (ag_matmul, "all_gather_first_dim")]
-        return common.fused_min_flops(0), plain
-    return common.fused_min_flops(float("inf")), [(common, "ring_all_gather"),
-                                                  (common, "ring_reduce_scatter")]
+        return ALWAYS_FUSED, plain
+    return NEVER_FUSED, [(common, "ring_all_gather"), (common, "ring_reduce_scatter")]
 
 
 def _run(fn, fused, tp, keep_gathered=True):
-    threshold, forbidden = _path(fused, keep_gathered)
+    """``fn(options)`` with the options of the path, the other path's calls refused."""
+    options, forbidden = _path(fused, keep_gathered)
     with contextlib.ExitStack() as stack:
-        stack.enter_context(threshold)
         if tp > 1:
             for module, name in forbidden:
                 stack.enter_context(_forbid(module, name))
-        return fn()
+        return fn(options)
 
 
 # ----------------------------------------------------------------------------- all_gather_matmul
@@ -122,9 +126,10 @@ def _ag_case(tp, r, group, bias, act, fused, keep, gathered_grad, backend=None):
         loss.backward()
         return y.detach(), x_shard.grad, w_.grad, (b_.grad if b_ is not None else None)
 
-    fused_op = lambda x, w_, b_: all_gather_matmul(                   # noqa: E731
-        x, w_, group, b_, act, return_gathered=True, keep_gathered=keep, backend=backend)
-    got = _run(lambda: grads_of(fused_op), fused, tp, keep)
+    fused_op = lambda options: lambda x, w_, b_: all_gather_matmul(   # noqa: E731
+        x, w_, group, b_, act, return_gathered=True, keep_gathered=keep, backend=backend,
+        options=options)
+    got = _run(lambda options: grads_of(fused_op(options)), fused, tp, keep)
     expected = _ag_dense_reference(tp, r, bias, act, gathered_grad)
     name = (f"ag tp={tp} bias={bias} act={act} fused={fused} keep={keep} dxf={gathered_grad} "
             f"backend={backend}")
@@ -191,8 +196,8 @@ def _rs_case(tp, r, fused, backend=None):
         (y * dy_shard).sum().backward()
         return y.detach(), x_.grad, w_.grad
 
-    got = _run(lambda: grads_of(lambda x_, w_: matmul_reduce_scatter(x_, w_, None, backend=backend)),
-               fused, tp)
+    got = _run(lambda options: grads_of(lambda x_, w_: matmul_reduce_scatter(
+        x_, w_, None, backend=backend, options=options)), fused, tp)
     comp = grads_of(lambda x_, w_: matmul_reduce_scatter_reference(x_, w_, None))
     expected = _rs_dense_reference(tp, r)
     name = f"rs tp={tp} fused={fused} backend={backend}"
@@ -242,31 +247,30 @@ def bf16_worker():
     check = lambda got, want, what: _close_scaled(got.float(), want, what)   # noqa: E731
     x_full, w, b, dy = bf(_randn(7, S, B, H)), bf(_randn(100 + r, N, H)), bf(_randn(200 + r, N)), \
         bf(_randn(300 + r, S, B, N))
-    with common.fused_min_flops(0):
-        x_shard = x_full[r * rows:(r + 1) * rows].clone().requires_grad_(True)
-        w_, b_ = w.clone().requires_grad_(True), b.clone().requires_grad_(True)
-        y = all_gather_matmul(x_shard, w_, None, b_, "gelu")
-        y.backward(dy)
-        ref_x = x_full.float().requires_grad_(True)                  # every rank's loss
-        for q in range(tp):
-            ref_w = bf(_randn(100 + q, N, H)).float().requires_grad_(True)
-            ref_b = bf(_randn(200 + q, N)).float().requires_grad_(True)
-            ref_y = F.gelu(F.linear(ref_x, ref_w, ref_b))
-            ref_y.backward(bf(_randn(300 + q, S, B, N)).float())
-            if q == r:
-                check(y, ref_y.detach(), "bf16 ag y")
-                check(w_.grad, ref_w.grad, "bf16 ag dw")
-                check(b_.grad, ref_b.grad, "bf16 ag dbias")
-        check(x_shard.grad, ref_x.grad[r * rows:(r + 1) * rows], "bf16 ag dx")
-        x, w2, dy2 = (bf(t) for t in _rs_tensors(r))
-        x_ = x.clone().requires_grad_(True)
-        y2 = matmul_reduce_scatter(x_, w2, None)
-        y2.backward(dy2[r * rows:(r + 1) * rows])
-        y_full = sum(F.linear(*(t.to(torch.bfloat16).float() for t in _rs_tensors(q)[:2]))
-                     for q in range(tp))
-        check(y2, y_full[r * rows:(r + 1) * rows], "bf16 rs y")
-        dy_full = torch.cat([bf(_rs_tensors(q)[2])[q * rows:(q + 1) * rows] for q in range(tp)])
-        check(x_.grad, dy_full.float() @ w2.float(), "bf16 rs dx")
+    x_shard = x_full[r * rows:(r + 1) * rows].clone().requires_grad_(True)
+    w_, b_ = w.clone().requires_grad_(True), b.clone().requires_grad_(True)
+    y = all_gather_matmul(x_shard, w_, None, b_, "gelu", options=ALWAYS_FUSED)
+    y.backward(dy)
+    ref_x = x_full.float().requires_grad_(True)                  # every rank's loss
+    for q in range(tp):
+        ref_w = bf(_randn(100 + q, N, H)).float().requires_grad_(True)
+        ref_b = bf(_randn(200 + q, N)).float().requires_grad_(True)
+        ref_y = F.gelu(F.linear(ref_x, ref_w, ref_b))
+        ref_y.backward(bf(_randn(300 + q, S, B, N)).float())
+        if q == r:
+            check(y, ref_y.detach(), "bf16 ag y")
+            check(w_.grad, ref_w.grad, "bf16 ag dw")
+            check(b_.grad, ref_b.grad, "bf16 ag dbias")
+    check(x_shard.grad, ref_x.grad[r * rows:(r + 1) * rows], "bf16 ag dx")
+    x, w2, dy2 = (bf(t) for t in _rs_tensors(r))
+    x_ = x.clone().requires_grad_(True)
+    y2 = matmul_reduce_scatter(x_, w2, None, options=ALWAYS_FUSED)
+    y2.backward(dy2[r * rows:(r + 1) * rows])
+    y_full = sum(F.linear(*(t.to(torch.bfloat16).float() for t in _rs_tensors(q)[:2]))
+                 for q in range(tp))
+    check(y2, y_full[r * rows:(r + 1) * rows], "bf16 rs y")
+    dy_full = torch.cat([bf(_rs_tensors(q)[2])[q * rows:(q + 1) * rows] for q in range(tp)])
+    check(x_.grad, dy_full.float() @ w2.float(), "bf16 rs dx")
     return y.dtype == y2.dtype == torch.bfloat16
 
 
@@ -289,8 +293,7 @@ def subgroup_worker():
     r = dist.get_rank(group)
     err = _ag_case(2, r, group, True, "gelu", True, True, True)
     x, w, dy = _rs_tensors(r)
-    with common.fused_min_flops(0):
-        y = matmul_reduce_scatter(x, w, group)
+    y = matmul_reduce_scatter(x, w, group, options=ALWAYS_FUSED)
     y_full = sum(F.linear(*_rs_tensors(q)[:2]) for q in range(2))
     return max(err, _close(y, y_full[r * 6:(r + 1) * 6], "rs sub-group y"))
 
@@ -301,30 +304,34 @@ def test_fused_ops_on_sub_groups(run_distributed):
 
 # ----------------------------------------------------------------------------- settings, errors
 
-def test_threshold_setting_and_env_parsing():
-    with common.fused_min_flops(None):                               # the per-device defaults
-        assert common.get_fused_min_flops("cpu") == common.DEFAULT_MIN_FLOPS["cpu"]
-        assert common.get_fused_min_flops("cuda") == common.DEFAULT_MIN_FLOPS["cuda"]
-        assert not common.should_fuse(common.DEFAULT_MIN_FLOPS["cpu"] / 2, 2, "cpu")
-        assert common.should_fuse(common.DEFAULT_MIN_FLOPS["cpu"], 2, "cpu")
-        assert not common.should_fuse(common.DEFAULT_MIN_FLOPS["cpu"], 2, "cuda")
-        assert not common.should_fuse(1e30, 1)                       # nothing to overlap at tp=1
-    with common.fused_min_flops(0):
-        assert common.should_fuse(0, 2, "cuda") and common.should_fuse(0, 2, "cpu")
-    with common.fused_min_flops(float("inf")):
-        assert not common.should_fuse(1e30, 2)
-    assert common._parse_min_flops("1.5e9") == 1.5e9
-    with pytest.raises(ValueError, match="TPFUSE_FUSED_COMM_MIN_FLOPS.*'lots'"):
-        common._parse_min_flops("lots")
+def test_threshold_setting_and_flag_parsing():
+    defaults = CommOptions(fused_min_flops=None)                     # the per-device defaults
+    for options in (None, defaults):
+        assert common.get_fused_min_flops("cpu", options) == common.DEFAULT_MIN_FLOPS["cpu"]
+        assert common.get_fused_min_flops("cuda", options) == common.DEFAULT_MIN_FLOPS["cuda"]
+        assert not common.should_fuse(common.DEFAULT_MIN_FLOPS["cpu"] / 2, 2, "cpu", options)
+        assert common.should_fuse(common.DEFAULT_MIN_FLOPS["cpu"], 2, "cpu", options)
+        assert not common.should_fuse(common.DEFAULT_MIN_FLOPS["cpu"], 2, "cuda", options)
+        assert not common.should_fuse(1e30, 1, "cpu", options)       # nothing to overlap at tp=1
+    assert common.should_fuse(0, 2, "cuda", ALWAYS_FUSED) and common.should_fuse(0, 2, "cpu",
+                                                                                ALWAYS_FUSED)
+    assert not common.should_fuse(1e30, 2, "cpu", NEVER_FUSED)
+    from tpfuse.training.arguments import build_parser, comm_options_from_args
+    parse = lambda *argv: comm_options_from_args(build_parser().parse_args(list(argv)))  # noqa: E731
+    assert parse("--fused-comm-min-flops", "1.5e9").fused_min_flops == 1.5e9
+    assert parse().fused_min_flops is None
+    with pytest.raises(SystemExit):                                  # argparse: not a number
+        parse("--fused-comm-min-flops", "lots")
+    with pytest.raises(ValueError, match="--fused-comm-min-flops.*-1"):
+        parse("--fused-comm-min-flops", "-1")
     with pytest.raises(ValueError, match="fused_min_flops.*-1"):
-        common.set_fused_min_flops(-1)
+        CommOptions(fused_min_flops=-1)
 
 
 def threshold_worker():
     """At the default CPU threshold the tiny test layer takes the fallback (no ring call)."""
     x, w = _randn(1, S // 2, B, H), _randn(2, N, H)
-    with common.fused_min_flops(None), _forbid(common, "ring_all_gather"), \
-            _forbid(common, "ring_reduce_scatter"):
+    with _forbid(common, "ring_all_gather"), _forbid(common, "ring_reduce_scatter"):
         y = all_gather_matmul(x, w, None)
         y_rs = matmul_reduce_scatter(y, _randn(3, H, N), None)
     return tuple(y_rs.shape)

@@ -156,7 +156,7 @@ def ring_worker():
     """Both fused ring paths (forced with min FLOPs 0) accumulate their chunk-wise weight
     gradients into main_grad over two micro-batches; reference: fp64 gᵀ·x_full per micro-batch."""
     from tpfuse.kernels import all_gather_matmul, matmul_reduce_scatter
-    from tpfuse.kernels.comm_gemm_common import fused_min_flops
+    from tpfuse.parallel.comm_options import CommOptions
 
     group, tp, rank = dist.group.WORLD, dist.get_world_size(), dist.get_rank()
     gen = torch.Generator().manual_seed(5)                        # same tensors on every rank
@@ -166,17 +166,18 @@ def ring_worker():
         w.main_grad = torch.zeros(w.shape)
     expected_ag = torch.zeros(6, 8, dtype=torch.float64)
     expected_rs = torch.zeros(8, 6, dtype=torch.float64)
-    with fused_min_flops(0):
-        for _ in range(2):
-            x_full = torch.randn(4 * tp, 2, 8, generator=gen)      # (s, b, h)
-            dy = torch.randn(4 * tp, 2, 6, generator=gen)
-            x_shard = x_full[rank * 4:(rank + 1) * 4].clone().requires_grad_()
-            all_gather_matmul(x_shard, w_ag, group).backward(dy)
-            expected_ag += wgrad_reference(dy, x_full)
-            x_rs = torch.randn(4 * tp, 2, 6, generator=gen).requires_grad_()
-            dy_full = torch.randn(4 * tp, 2, 8, generator=gen)
-            matmul_reduce_scatter(x_rs, w_rs, group).backward(dy_full[rank * 4:(rank + 1) * 4])
-            expected_rs += wgrad_reference(dy_full, x_rs.detach())
+    fused = CommOptions(fused_min_flops=0)
+    for _ in range(2):
+        x_full = torch.randn(4 * tp, 2, 8, generator=gen)      # (s, b, h)
+        dy = torch.randn(4 * tp, 2, 6, generator=gen)
+        x_shard = x_full[rank * 4:(rank + 1) * 4].clone().requires_grad_()
+        all_gather_matmul(x_shard, w_ag, group, options=fused).backward(dy)
+        expected_ag += wgrad_reference(dy, x_full)
+        x_rs = torch.randn(4 * tp, 2, 6, generator=gen).requires_grad_()
+        dy_full = torch.randn(4 * tp, 2, 8, generator=gen)
+        matmul_reduce_scatter(x_rs, w_rs, group, options=fused).backward(
+            dy_full[rank * 4:(rank + 1) * 4])
+        expected_rs += wgrad_reference(dy_full, x_rs.detach())
     return [(w.grad is None, (w.main_grad.double() - e).abs().max().item())
             for w, e in ((w_ag, expected_ag), (w_rs, expected_rs))]
 

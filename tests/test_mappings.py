@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from tpfuse.parallel import mappings as M
+from tpfuse.parallel.comm_options import CommOptions
 
 S, B, H = 12, 3, 8          # sequence and hidden divide by 1, 2, 4; b odd
 
@@ -30,8 +31,9 @@ def _cat(fn, ranks, dim):
     return torch.cat([fn(q) for q in ranks], dim=dim)
 
 
-def _check_all(group, ranks):
-    """Run every primitive on ``group`` (whose members are global ``ranks``, in order)."""
+def _check_all(group, ranks, options=None):
+    """Run every primitive on ``group`` (whose members are global ``ranks``, in order); those
+    that reduce-scatter with ``options``."""
     tp, r = len(ranks), ranks.index(dist.get_rank())
     xs = lambda q, shape=(S, B, H): _rank_tensor(q, shape)           # noqa: E731
     dys = lambda q, shape=(S, B, H): _rank_tensor(q, shape, 0.5)     # noqa: E731
@@ -63,27 +65,27 @@ def _check_all(group, ranks):
 
     for tp_grad in (True, False):
         y, dx = _grad_of(
-            lambda t: M.gather_from_sequence_parallel_region(t, group, tp_grad),
+            lambda t: M.gather_from_sequence_parallel_region(t, group, tp_grad, options=options),
             xs(r, (rows, B, H)), dys(r))
         assert torch.equal(y, _cat(lambda q: xs(q, (rows, B, H)), range(tp), 0)), \
             "gather_from_sequence_parallel_region forward"
         expected = total(dys)[seq] if tp_grad else dys(r)[seq]
         assert torch.equal(dx, expected), f"gather_from_sequence_parallel_region backward {tp_grad}"
 
-    y, dx = _grad_of(lambda t: M.reduce_scatter_to_sequence_parallel_region(t, group), xs(r),
-                     dys(r, (rows, B, H)))
+    y, dx = _grad_of(lambda t: M.reduce_scatter_to_sequence_parallel_region(
+        t, group, options=options), xs(r), dys(r, (rows, B, H)))
     assert torch.equal(y, total(xs)[seq]), "reduce_scatter_to_sequence_parallel_region forward"
     assert torch.equal(dx, _cat(lambda q: dys(q, (rows, B, H)), range(tp), 0)), \
         "reduce_scatter_to_sequence_parallel_region backward"
 
-    y, dx = _grad_of(lambda t: M.all_gather_last_dim_region(t, group), xs(r, (S, B, cols)),
-                     dys(r))
+    y, dx = _grad_of(lambda t: M.all_gather_last_dim_region(t, group, options=options),
+                     xs(r, (S, B, cols)), dys(r))
     assert torch.equal(y, _cat(lambda q: xs(q, (S, B, cols)), range(tp), -1)), \
         "all_gather_last_dim_region forward"
     assert torch.equal(dx, total(dys)[..., hid]), "all_gather_last_dim_region backward"
 
-    y, dx = _grad_of(lambda t: M.reduce_scatter_last_dim_region(t, group), xs(r),
-                     dys(r, (S, B, cols)))
+    y, dx = _grad_of(lambda t: M.reduce_scatter_last_dim_region(t, group, options=options),
+                     xs(r), dys(r, (S, B, cols)))
     assert torch.equal(y, total(xs)[..., hid]), "reduce_scatter_last_dim_region forward"
     assert torch.equal(dx, _cat(lambda q: dys(q, (S, B, cols)), range(tp), -1)), \
         "reduce_scatter_last_dim_region backward"
@@ -111,19 +113,16 @@ def _check_value_errors(group):
 
 
 def mapping_worker(strategy):
-    M.set_reduce_scatter_strategy(strategy)
-    try:
-        world = dist.get_world_size()
-        _check_all(None, list(range(world)))
-        if world > 1:
-            _check_value_errors(None)
-        if world == 4:                              # explicit sub-groups {0, 1} and {2, 3}
-            pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-            mine = [0, 1] if dist.get_rank() < 2 else [2, 3]
-            _check_all(pairs[dist.get_rank() // 2], mine)
-            _check_value_errors(pairs[dist.get_rank() // 2])
-    finally:
-        M.set_reduce_scatter_strategy("native")
+    options = CommOptions(reduce_scatter=strategy)
+    world = dist.get_world_size()
+    _check_all(None, list(range(world)), options)
+    if world > 1:
+        _check_value_errors(None)
+    if world == 4:                              # explicit sub-groups {0, 1} and {2, 3}
+        pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+        mine = [0, 1] if dist.get_rank() < 2 else [2, 3]
+        _check_all(pairs[dist.get_rank() // 2], mine, options)
+        _check_value_errors(pairs[dist.get_rank() // 2])
     return True
 
 
@@ -150,4 +149,4 @@ def test_mappings_are_identity_at_group_size_one(run_distributed):
 
 def test_unknown_reduce_scatter_strategy_is_rejected():
     with pytest.raises(ValueError, match="reduce-scatter strategy.*'ring'"):
-        M.set_reduce_scatter_strategy("ring")
+        CommOptions(reduce_scatter="ring")

@@ -161,6 +161,63 @@ def test_default_state(run_distributed):
     run_distributed(WORLD, _default_state_roundtrip)
 
 
+def _resolver_and_comm_options():
+    from tpfuse.parallel.comm_options import CommOptions
+    from tpfuse.parallel.state import resolve_state, resolve_state_or_none
+    from tpfuse.tp_layers._group import resolve_tp_group
+
+    for resolve in (resolve_state, resolve_state_or_none):   # a distributed run must name one
+        with pytest.raises(RuntimeError, match="initialize_model_parallel"):
+            resolve()
+    options = CommOptions(reduce_scatter="all_reduce", fused_min_flops=0)
+    state = ParallelState.initialize(tp=2, set_default=True, comm_options=options)
+    explicit = ParallelState.initialize(tp=4)
+    try:
+        assert resolve_state() is state and resolve_state_or_none() is state
+        assert resolve_state(explicit) is explicit and resolve_state_or_none(explicit) is explicit
+        assert state.comm_options is options and explicit.comm_options == CommOptions()
+        tp = resolve_tp_group()                                    # from the default state
+        assert tp.options is options
+        state.comm_options = None                                  # back to the defaults, live
+        assert tp.options == CommOptions()
+        with pytest.raises(ValueError, match="CommOptions or None"):
+            state.comm_options = {"fused_min_flops": 0}
+        assert resolve_tp_group(group=state.tp_group).options == CommOptions()
+    finally:
+        explicit.destroy()
+        state.destroy()
+    return True
+
+
+def test_resolver_and_comm_options_of_a_state(run_distributed):
+    assert all(run_distributed(WORLD, _resolver_and_comm_options))
+
+
+def test_plain_process_resolves_to_none_and_default_options():
+    from tpfuse.parallel.comm_options import CommOptions
+    from tpfuse.parallel.state import resolve_state, resolve_state_or_none
+    from tpfuse.tp_layers._group import resolve_tp_group
+
+    assert resolve_state_or_none() is None                     # no default, no torch.distributed
+    with pytest.raises(RuntimeError, match="pass state= explicitly"):
+        resolve_state()
+    assert resolve_tp_group().size == 1 and resolve_tp_group().options == CommOptions()
+    with pytest.raises(ValueError, match="reduce-scatter strategy.*'ring'"):
+        CommOptions(reduce_scatter="ring")
+    with pytest.raises(ValueError, match="symm_mem must be a bool"):
+        CommOptions(symm_mem="yes")
+
+
+def test_shortcut_properties_are_written_out():
+    """Every ``<kind>_group / _rank / _size`` is a real property of the class with a docstring."""
+    kinds = ("tp", "pp", "dp", "cp", "dp_cp", "ep", "etp", "edp", "embedding",
+             "position_embedding")
+    for kind in kinds:
+        for suffix in ("group", "rank", "size"):
+            prop = ParallelState.__dict__[f"{kind}_{suffix}"]
+            assert isinstance(prop, property) and prop.__doc__, f"{kind}_{suffix}"
+
+
 # ----------------------------------------------------------------------------- Megatron facade
 # facade group getter -> layout group name
 FACADE_GROUPS = {

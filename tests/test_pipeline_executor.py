@@ -43,7 +43,7 @@ class _DeferringLinear(torch.autograd.Function):
             weight.grad = grad if weight.grad is None else weight.grad + grad
             ctx.stage.deferred_ran += 1
 
-        if not defer_weight_grad(weight_grad):
+        if not defer_weight_grad(weight, weight_grad):
             weight_grad()
         return dy @ weight, None, dy.sum((0, 1)), None
 
@@ -319,15 +319,18 @@ def test_weight_grad_queue_defers_only_inside_an_open_pass():
     from tpfuse.kernels.wgrad_deferral import WeightGradQueue, deferring_weight_grads
 
     ran = []
-    assert not defer_weight_grad(lambda: ran.append("now"))   # no I pass: caller computes
+    chunk = nn.Linear(2, 2)
+    weight = chunk.weight
+    assert not defer_weight_grad(weight, lambda: ran.append("now"))   # no I pass: caller computes
     queue = WeightGradQueue()
-    with deferring_weight_grads(queue):
-        assert defer_weight_grad(lambda: ran.append(torch.is_grad_enabled()))
-        assert defer_weight_grad(lambda: ran.append("second"))
+    with deferring_weight_grads(queue, chunk):
+        assert defer_weight_grad(weight, lambda: ran.append(torch.is_grad_enabled()))
+        assert defer_weight_grad(weight, lambda: ran.append("second"))
+        assert not defer_weight_grad(torch.zeros(2), lambda: None)   # not a weight of the chunk
         with pytest.raises(RuntimeError, match="do not nest"):
-            with deferring_weight_grads(WeightGradQueue()):
+            with deferring_weight_grads(WeightGradQueue(), chunk):
                 pass
     assert ran == [] and len(queue) == 2
-    assert not defer_weight_grad(lambda: None)                 # closed again
+    assert not defer_weight_grad(weight, lambda: None)                 # closed again
     assert queue.run() == 2 and ran == [False, "second"]       # in order, without a graph
     assert queue.run() == 0

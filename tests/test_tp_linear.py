@@ -4,14 +4,13 @@ One gloo world of 4 ranks; inside each job the TP size loops over 1, 2, 4 (Paral
 tp = 1, 2, 4 and dp = 4 / tp). Outputs, input grads and every weight grad (all-gathered from the
 shards and reassembled) are compared on every rank. Tolerance: see tests/_tp_testing.py.
 """
-import contextlib
 
 import torch
 from torch import nn
 
 from _tp_testing import (assembled, assert_close_fp32, chunk_of, expect_value_error,
                          seeded_randn, tp_layouts, tp_state)
-from tpfuse.kernels.comm_gemm_common import fused_min_flops
+from tpfuse.parallel.comm_options import CommOptions
 from tpfuse.tp_layers import ColumnParallelLinear, RowParallelLinear
 from tpfuse.tp_layers.init import shard
 
@@ -101,11 +100,12 @@ def _linear_against_dense():
     cases = 0
     for tp, state in tp_layouts():
         for sp, min_flops in SP_MODES:
-            with fused_min_flops(min_flops) if min_flops is not None else contextlib.nullcontext():
-                for case in COLUMN_CASES:
-                    _column_case(state, sp, *case)
-                for case in ROW_CASES:
-                    _row_case(state, sp, *case)
+            state.comm_options = CommOptions(fused_min_flops=min_flops)   # the layers' options
+            for case in COLUMN_CASES:
+                _column_case(state, sp, *case)
+            for case in ROW_CASES:
+                _row_case(state, sp, *case)
+            state.comm_options = None                                    # back to the defaults
             cases += len(COLUMN_CASES) + len(ROW_CASES)
         _row_case(state, False, True, False, False)  # scatter the input inside the layer
         cases += 1

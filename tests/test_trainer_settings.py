@@ -36,7 +36,7 @@ def test_a_misspelled_field_fails_at_construction():
     settings = _minimal()
     with pytest.raises(dataclasses.FrozenInstanceError):
         settings.optimizer.weight_decai = 0.1          # no silent new attribute
-    with pytest.raises(TypeError, match="optimizer must be a OptimizerSettings"):
+    with pytest.raises(TypeError, match="optimizer must be OptimizerSettings, got SchedulerSettings"):
         _minimal(optimizer=SchedulerSettings(lr=1.0))
 
 

@@ -34,7 +34,7 @@ def _one_layer_step(layer, x, dy, deferred):
     out = layer(x)
     y = out[0] if isinstance(out, tuple) else out
     queue = WeightGradQueue()
-    with deferring_weight_grads(queue) if deferred else contextlib.nullcontext():
+    with deferring_weight_grads(queue, layer) if deferred else contextlib.nullcontext():
         y.backward(dy)
     weight = layer.weight
     held_back = None
@@ -48,7 +48,7 @@ def _one_layer_step(layer, x, dy, deferred):
 
 
 def _linear_paths_body():
-    from tpfuse.kernels import comm_gemm_common as common
+    from tpfuse.parallel.comm_options import CommOptions
     from tpfuse.parallel.state import ParallelState
     from tpfuse.tp_layers import ColumnParallelLinear, RowParallelLinear
 
@@ -75,9 +75,9 @@ def _linear_paths_body():
                     else:
                         x = chunk_of(full_x, state, 2)              # (s, b, in/tp)
                         dy = chunk_of(dy_full, state, 0) if sp else dy_full
-                    with common.fused_min_flops(0 if fused else float("inf")):
-                        dx, grad, _ = _one_layer_step(build(), x, dy, deferred=False)
-                        dx_d, grad_d, held = _one_layer_step(build(), x, dy, deferred=True)
+                    state.comm_options = CommOptions(fused_min_flops=0 if fused else float("inf"))
+                    dx, grad, _ = _one_layer_step(build(), x, dy, deferred=False)
+                    dx_d, grad_d, held = _one_layer_step(build(), x, dy, deferred=True)
                     assert torch.equal(dx_d, dx), (kind, sp, fused, main_grad)
                     # nothing reached the gradient before W ran
                     assert held is None or not held.any(), (kind, sp, fused, main_grad)
@@ -115,7 +115,7 @@ def test_grouped_expert_weight_grads_are_deferred_to_w(backend, main_grad):
         w.after_deferred_wgrads = lambda: done.append(True)
         x = x0.clone().requires_grad_(True)
         queue = WeightGradQueue()
-        with deferring_weight_grads(queue) if deferred else contextlib.nullcontext():
+        with deferring_weight_grads(queue, [w]) if deferred else contextlib.nullcontext():
             grouped_gemm(x, w, sizes, backend=backend).backward(dy)
         if deferred:
             assert len(queue) == 1 and w.deferred_wgrads == 1 and w.grad is None

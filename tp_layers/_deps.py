@@ -9,6 +9,9 @@ from tpfuse.kernels.cross_entropy import (cross_entropy, cross_entropy_loss_from
                                           cross_entropy_shard_grad, cross_entropy_shard_stats)
 from tpfuse.kernels.flash_attention import (MAX_HEAD_DIM, MIN_HEAD_DIM, attention_backward,
                                            attention_forward, flash_attention, merge_attention)
+from tpfuse.kernels.flash_attention_mask import AttentionMask
+from tpfuse.kernels.flash_attention_reference import (explicit_backward, explicit_forward,
+                                                     explicit_probs, repeat_kv)
 from tpfuse.kernels.layer_norm import layer_norm
 from tpfuse.kernels.matmul import matmul
 from tpfuse.kernels.matmul_rs import matmul_reduce_scatter
@@ -20,7 +23,8 @@ from tpfuse.parallel.mappings import (copy_to_region, gather_from_region,
                                       scatter_to_region, scatter_to_sequence_parallel_region)
 
 __all__ = [
-    "all_gather_matmul", "attention_backward", "attention_forward", "bias_dropout_add",
+    "all_gather_matmul", "AttentionMask", "attention_backward", "explicit_backward",
+    "explicit_forward", "explicit_probs", "repeat_kv", "attention_forward", "bias_dropout_add",
     "cross_entropy", "cross_entropy_loss_from_stats", "cross_entropy_shard_grad",
     "cross_entropy_shard_stats", "MAX_HEAD_DIM", "MIN_HEAD_DIM", "flash_attention", "layer_norm",
     "merge_attention",

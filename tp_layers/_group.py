@@ -1,24 +1,39 @@
 """Which tensor-parallel group a layer works in: an explicit group, a ParallelState, or the default.
 
 Layers take ``group=`` (a ``torch.distributed`` ProcessGroup, the TP group) or ``state=`` (a
-``ParallelState``); with neither they use ``get_default_state()`` set up by
-``parallel_state.initialize_model_parallel``. A plain single process (``torch.distributed`` not
+``ParallelState``); with neither they use the default state
+(``tpfuse.parallel.state.resolve_state_or_none``, set up by
+``parallel_state.initialize_model_parallel``). A plain single process (``torch.distributed`` not
 initialised, no default state) is tensor-parallel size 1, so the layers also work as ordinary
 modules in a notebook.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch.distributed as dist
+
+from tpfuse.parallel.comm_options import DEFAULT_COMM_OPTIONS, CommOptions
+from tpfuse.parallel.state import resolve_state_or_none
+
+
+def _options_of(state) -> CommOptions:
+    return DEFAULT_COMM_OPTIONS if state is None else state.comm_options
 
 
 @dataclass(frozen=True)
 class TPGroup:
-    """The TP ProcessGroup (None for a non-distributed single process), its size and our rank."""
+    """The TP ProcessGroup (None for a non-distributed single process), its size and our rank;
+    ``options``: the communication options of the ParallelState it came from, read at each call
+    (the defaults for a bare group)."""
     group: object
     size: int
     rank: int
+    state: object = field(default=None, compare=False, repr=False)
+
+    @property
+    def options(self) -> CommOptions:
+        return _options_of(self.state)
 
 
 def resolve_tp_group(group=None, state=None, expert: bool = False) -> TPGroup:
@@ -27,25 +42,12 @@ def resolve_tp_group(group=None, state=None, expert: bool = False) -> TPGroup:
         raise ValueError("pass either group= or state=, not both")
     if group is not None:
         return TPGroup(group, dist.get_world_size(group), dist.get_rank(group))
+    state = resolve_state_or_none(state)
     if state is None:
-        state = _default_state_or_none()
-        if state is None:
-            return TPGroup(None, 1, 0)
+        return TPGroup(None, 1, 0)
     if expert:
-        return TPGroup(state.etp_group, state.etp_size, state.etp_rank)
-    return TPGroup(state.tp_group, state.tp_size, state.tp_rank)
-
-
-def _default_state_or_none():
-    """The default ParallelState; None only in a single process without torch.distributed."""
-    from tpfuse.parallel.state import get_default_state
-
-    try:
-        return get_default_state()
-    except RuntimeError:
-        if dist.is_available() and dist.is_initialized():
-            raise  # a distributed run must say which TP group it means
-        return None
+        return TPGroup(state.etp_group, state.etp_size, state.etp_rank, state)
+    return TPGroup(state.tp_group, state.tp_size, state.tp_rank, state)
 
 
 @dataclass(frozen=True)
@@ -56,6 +58,12 @@ class CPGroup:
     group: object
     ranks: tuple
     rank: int
+    state: object = field(default=None, compare=False, repr=False)
+
+    @property
+    def options(self) -> CommOptions:
+        """The communication options of the ParallelState it came from (defaults otherwise)."""
+        return _options_of(self.state)
 
     @property
     def size(self) -> int:
@@ -77,7 +85,7 @@ def resolve_cp_group(cp_group=None, state=None, tp_group=None) -> CPGroup:
         ranks = tuple(dist.get_process_group_ranks(cp_group))
         return CPGroup(cp_group if len(ranks) > 1 else None, ranks, dist.get_rank(cp_group))
     if state is None and tp_group is None:
-        state = _default_state_or_none()
+        state = resolve_state_or_none()
     if state is None or state.cp_size == 1:
         return CPGroup(None, (dist.get_rank() if dist.is_initialized() else 0,), 0)
-    return CPGroup(state.cp_group, tuple(state.ranks("cp")), state.cp_rank)
+    return CPGroup(state.cp_group, tuple(state.ranks("cp")), state.cp_rank, state)

@@ -240,24 +240,18 @@ class ParallelAttention(nn.Module):
 
     def _explicit_attention(self, q, k, v, dropout: float, q_offset: int = 0,
                             q_document_ids=None, k_document_ids=None):
-        """softmax(q kᵀ/√d + mask) → dropout (TP stream) → @ v, in fp32 (flash has no dropout).
+        """softmax(q kᵀ/√d + mask) → dropout (TP stream) → @ v, in fp32 (flash has no dropout):
+        the kernels' explicit path (``kernels.flash_attention_reference.explicit_probs``).
 
         q [b, h_l, s_q, d], k/v [b, g_l, s_k, d]; query i sits at position q_offset + i, key j
         at j; masked: key_pos > query_pos, keys outside the sliding window (query_pos − key_pos
         ≥ window_size), and keys of another document ((b, s_q) / (b, s_k) ids, when given)."""
-        k = k.repeat_interleave(self.heads_per_group, dim=1)     # [b, h_l, s_k, d]
-        v = v.repeat_interleave(self.heads_per_group, dim=1)
-        scores = (q.float() @ k.float().transpose(-1, -2)) / math.sqrt(self.head_dim)
-        s_q, s_k = scores.shape[-2:]
-        query_pos = torch.arange(s_q, device=q.device) + q_offset
-        key_pos = torch.arange(s_k, device=q.device)[None, :]
-        masked = key_pos > query_pos[:, None]                                     # (s_q, s_k)
-        if self.window_size is not None:
-            masked = masked | (query_pos[:, None] - key_pos >= self.window_size)
-        if q_document_ids is not None:
-            masked = masked | (q_document_ids[:, None, :, None] != k_document_ids[:, None, None, :])
-        probs = scores.masked_fill(masked, float("-inf")).softmax(dim=-1)
+        mask = _deps.AttentionMask(causal=True, window_size=self.window_size,
+                                   q_document_ids=q_document_ids, k_document_ids=k_document_ids,
+                                   q_offset=q_offset)
+        visible = mask.visible(q.shape[2], k.shape[2], q.device)                # (b | 1, 1, s_q, s_k)
+        probs, _ = _deps.explicit_probs(q, k, 1.0 / math.sqrt(self.head_dim), visible)
         if dropout > 0:
             with get_rng_tracker().fork():
                 probs = F.dropout(probs, dropout, training=True)
-        return (probs @ v.float()).to(q.dtype)
+        return (probs @ _deps.repeat_kv(v, self.heads_per_group, probs.dtype)).to(q.dtype)

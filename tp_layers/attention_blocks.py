@@ -2,11 +2,12 @@
 
 ``block_forward`` → ``(out, lse)`` and ``block_backward`` → ``(dq, dk, dv)`` are
 ``kernels.flash_attention``'s ``attention_forward`` / ``attention_backward`` (the same mask
-keywords: causal, ``window_size``, document ids, position offsets), with two additions:
+keywords: causal, ``window_size``, document ids, position offsets, held in the kernels'
+``AttentionMask``), with two additions:
 
-- head dims outside the kernels' 16..128 (tiny test models) run ``explicit_forward`` /
-  ``explicit_backward``, the fp32 masked softmax with the same algebra and the same empty-row
-  convention (out 0, lse −inf);
+- head dims outside the kernels' 16..128 (tiny test models) run the explicit masked softmax of
+  ``kernels.flash_attention_reference`` (``explicit_forward`` / ``explicit_backward``: the same
+  algebra and the same empty-row convention, out 0, lse −inf);
 - a pair whose every key is visible to every query (no window, no documents) is passed as a full,
   unshifted mask and a diagonal pair as an aligned causal one (the kernels' cheapest tile loops).
 
@@ -28,48 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from . import _deps
-
-
-@dataclass(frozen=True)
-class BlockMask:
-    """Mask keywords of one block call (kernels.flash_attention's, query i at q_offset + i)."""
-    causal: bool = True
-    window_size: int | None = None
-    q_document_ids: torch.Tensor | None = None      # (b, s_q)
-    k_document_ids: torch.Tensor | None = None      # (b, s_k)
-    q_offset: int = 0
-    k_offset: int = 0
-
-    def simplified(self, s_q: int, s_k: int) -> "BlockMask":
-        """The same visibility in the form aligned-mask kernels take, where there is one."""
-        if self.window_size is not None or self.q_document_ids is not None:
-            return self
-        shift = self.q_offset - self.k_offset
-        if not self.causal or shift >= s_k - 1:    # no causal rule / every key precedes every query
-            return BlockMask(causal=False)
-        if shift == 0 and s_q == s_k:
-            return BlockMask(causal=self.causal)
-        return self
-
-    def keywords(self) -> dict:
-        return dict(causal=self.causal, window_size=self.window_size,
-                    q_document_ids=self.q_document_ids, k_document_ids=self.k_document_ids,
-                    q_offset=self.q_offset, k_offset=self.k_offset)
-
-    def visible(self, s_q: int, s_k: int, device) -> torch.Tensor:
-        """Bool ``(b or 1, 1, s_q, s_k)``, True where key j is visible to query i."""
-        rows = torch.arange(s_q, device=device)[:, None] + (self.q_offset - self.k_offset)
-        cols = torch.arange(s_k, device=device)[None, :]
-        keep = torch.ones(s_q, s_k, dtype=torch.bool, device=device)
-        if self.causal:
-            keep &= cols <= rows
-        if self.window_size is not None:
-            keep &= rows - cols < self.window_size
-        keep = keep[None, None]
-        if self.q_document_ids is not None:
-            same = self.q_document_ids[:, :, None] == self.k_document_ids[:, None, :]
-            keep = keep & same[:, None]
-        return keep
+from ._deps import AttentionMask
 
 
 def kernel_takes(head_dim: int) -> bool:
@@ -80,55 +40,21 @@ def default_scale(head_dim: int, softmax_scale: float | None) -> float:
     return 1.0 / math.sqrt(head_dim) if softmax_scale is None else softmax_scale
 
 
-# ------------------------------------------------------------------------ explicit (any head dim)
-
-def _scores(q, k, scale, mask):
-    """fp32 masked scores ``(b, h, s_q, s_k)`` and the visibility, kv heads repeated per group."""
-    group = q.shape[1] // k.shape[1]
-    keys = k.float().repeat_interleave(group, dim=1)                         # (b, h, s_k, d)
-    scores = scale * q.float() @ keys.transpose(-1, -2)
-    keep = mask.visible(q.shape[2], k.shape[2], q.device)
-    return scores.masked_fill(~keep, float("-inf")), group
-
-
-def explicit_forward(q, k, v, scale, mask):
-    """``(out in q's dtype, lse fp32)`` by an explicit masked softmax; empty rows: 0, −inf."""
-    scores, group = _scores(q, k, scale, mask)
-    lse = torch.logsumexp(scores, dim=-1)                                    # (b, h, s_q)
-    probs = torch.exp(scores - lse.masked_fill(torch.isinf(lse), 0.0)[..., None])
-    out = probs @ v.float().repeat_interleave(group, dim=1)
-    return out.to(q.dtype), lse
-
-
-def explicit_backward(dout, q, k, v, out, lse, scale, mask):
-    """``(dq, dk, dv)`` of this key block given the whole attention's out and lse (fp32 math)."""
-    scores, group = _scores(q, k, scale, mask)
-    probs = torch.exp(scores - lse.float().masked_fill(torch.isinf(lse), 0.0)[..., None])
-    dout32 = dout.float()
-    values = v.float().repeat_interleave(group, dim=1)
-    delta = (dout32 * out.float()).sum(-1, keepdim=True)                     # (b, h, s_q, 1)
-    dscores = probs * (dout32 @ values.transpose(-1, -2) - delta)             # (b, h, s_q, s_k)
-    dq = scale * dscores @ k.float().repeat_interleave(group, dim=1)
-    b, g, s_k, d = k.shape
-    dk = (scale * dscores.transpose(-1, -2) @ q.float()).view(b, g, group, s_k, d).sum(2)
-    dv = (probs.transpose(-1, -2) @ dout32).view(b, g, group, s_k, d).sum(2)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
-
-
 # ----------------------------------------------------------------------------- dispatch
 
-def block_forward(q, k, v, scale: float, mask: BlockMask):
+def block_forward(q, k, v, scale: float, mask: AttentionMask):
     """``(out (b, h, s_q, d), lse (b, h, s_q) fp32)`` of q over these keys only."""
     if not kernel_takes(q.shape[-1]):
-        return explicit_forward(q, k, v, scale, mask)
+        return _deps.explicit_forward(q, k, v, scale, mask.visible(q.shape[2], k.shape[2], q.device))
     mask = mask.simplified(q.shape[2], k.shape[2])
     return _deps.attention_forward(q, k, v, softmax_scale=scale, **mask.keywords())
 
 
-def block_backward(dout, q, k, v, out, lse, scale: float, mask: BlockMask):
+def block_backward(dout, q, k, v, out, lse, scale: float, mask: AttentionMask):
     """``(dq, dk, dv)``: this key block's part of the gradient (dq sums over blocks)."""
     if not kernel_takes(q.shape[-1]):
-        return explicit_backward(dout, q, k, v, out, lse, scale, mask)
+        return _deps.explicit_backward(dout, q, k, v, out, lse, scale,
+                                       mask.visible(q.shape[2], k.shape[2], q.device))
     mask = mask.simplified(q.shape[2], k.shape[2])
     return _deps.attention_backward(dout, q, k, v, out, lse, softmax_scale=scale,
                                     **mask.keywords())
@@ -190,16 +116,16 @@ class ChunkPlan:
         return cp_rank, 2 * self.cp_size - 1 - cp_rank
 
     def pairs(self, k_chunks):
-        """``(qi, ki, BlockMask)`` for every visible (local query chunk qi, key chunk
+        """``(qi, ki, AttentionMask)`` for every visible (local query chunk qi, key chunk
         ``k_chunks[ki]``) pair."""
         q_chunks = self.chunks_of(self.cp_rank)
         for qi, ki in chunk_pairs(q_chunks, k_chunks, self.chunk_len, self.causal,
                                   self.window_size):
             yield qi, ki, self.mask(q_chunks[qi], k_chunks[ki])
 
-    def mask(self, q_chunk: int, k_chunk: int) -> BlockMask:
+    def mask(self, q_chunk: int, k_chunk: int) -> AttentionMask:
         c, ids = self.chunk_len, self.document_ids
-        return BlockMask(
+        return AttentionMask(
             causal=self.causal, window_size=self.window_size, q_offset=q_chunk * c,
             k_offset=k_chunk * c,
             q_document_ids=None if ids is None else ids[:, q_chunk * c:(q_chunk + 1) * c],

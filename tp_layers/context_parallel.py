@@ -34,7 +34,8 @@ from tpfuse.parallel.context_split import (CP_COMM_TYPE_ALIASES, CP_COMM_TYPES, 
                                            natural_to_rank_order, rank_order_to_natural)
 from tpfuse.parallel.mappings import all_gather_first_dim, reduce_scatter_first_dim
 
-from .attention_blocks import (BlockAttention, BlockMask, ChunkPlan, attend_key_chunks,
+from ._deps import AttentionMask
+from .attention_blocks import (BlockAttention, ChunkPlan, attend_key_chunks,
                                attend_key_chunks_backward, default_scale)
 from .ring_attention import ring_attention
 
@@ -83,7 +84,8 @@ class AllGatherAttention(torch.autograd.Function):
         attend_key_chunks_backward(dout.contiguous(), q, kv, out, lse, plan, range(2 * cp.size),
                                    dq, dkv)
         rank_order = natural_to_rank_order(dkv, cp.size, 3).movedim(3, 0)
-        local = reduce_scatter_first_dim(rank_order, cp.group).movedim(0, 3)  # (2, b, g, 2c, d)
+        local = reduce_scatter_first_dim(rank_order, cp.group,  # (2, b, g, 2c, d)
+                                         cp.options).movedim(0, 3)
         return dq.to(q.dtype), local[0].to(k.dtype), local[1].to(v.dtype), None, None
 
 
@@ -132,7 +134,7 @@ def _sequence_to_heads(x, cp):
 def ulysses_attention(q, k, v, cp, scale, causal, window_size, ids):
     """All-to-all to (h/cp heads, whole sequence), one attention call, all-to-all back."""
     q_full, k_full, v_full = (_heads_to_sequence(t, cp) for t in (q, k, v))
-    mask = BlockMask(causal=causal, window_size=window_size, q_document_ids=ids,
+    mask = AttentionMask(causal=causal, window_size=window_size, q_document_ids=ids,
                      k_document_ids=ids)
     out = BlockAttention.apply(q_full, k_full, v_full, scale, mask)          # (b, h/cp, s, d)
     return _sequence_to_heads(out, cp)
@@ -152,7 +154,7 @@ def context_parallel_attention(q, k, v, cp, comm_type: str = "p2p", *, causal: b
     comm_type = canonical_comm_type(comm_type)
     scale = default_scale(q.shape[-1], softmax_scale)
     if cp.size == 1:
-        mask = BlockMask(causal=causal, window_size=window_size, q_document_ids=document_ids,
+        mask = AttentionMask(causal=causal, window_size=window_size, q_document_ids=document_ids,
                          k_document_ids=document_ids)
         return BlockAttention.apply(q, k, v, scale, mask)
     if q.shape[2] % 2:

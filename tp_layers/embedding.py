@@ -87,7 +87,8 @@ class VocabParallelEmbedding(nn.Module):
         out = out.transpose(0, 1).contiguous()                              # (s, b, h) partial
         if tp == 1:
             return out
-        return _deps.reduce_scatter_to_sequence_parallel_region(out, group)  # (s/tp, b, h)
+        return _deps.reduce_scatter_to_sequence_parallel_region(  # (s/tp, b, h)
+            out, group, options=self.tp.options)
 
     def extra_repr(self) -> str:
         return (f"{self.num_embeddings}, {self.embedding_dim} (tp={self.tp.size}), "

@@ -151,7 +151,7 @@ class ColumnParallelLinear(nn.Module):
             # (s/tp, b, in) -> (s, b, out/tp): gather over s fused with the GEMM; only the shard
             # is kept for backward, which re-gathers it inside the dgrad ring (Korthikanti et al.)
             y = _deps.all_gather_matmul(x, weight, group, bias=bias, activation=self.activation,
-                                        keep_gathered=False)
+                                        keep_gathered=False, options=self.tp.options)
         else:
             if tp > 1:
                 x = _deps.copy_to_region(x, group)  # backward: all-reduce dx
@@ -229,7 +229,8 @@ class RowParallelLinear(nn.Module):
             return (y, None) if self.skip_bias_add else y
         if self.sequence_parallel and tp > 1:
             check_sequence_divisible(x.shape[0], tp)
-            y = _deps.matmul_reduce_scatter(x, self.weight, group)  # (s/tp, b, out)
+            y = _deps.matmul_reduce_scatter(x, self.weight, group,  # (s/tp, b, out)
+                                            options=self.tp.options)
         else:
             y = _deps.linear_with_grad_accumulation(x, self.weight)  # (s, b, out) partial sum
             if tp > 1:

@@ -18,7 +18,9 @@ import warnings
 
 import torch
 
-from ._group import TPGroup, _default_state_or_none
+from tpfuse.parallel.state import resolve_state_or_none
+
+from ._group import TPGroup
 
 
 def layer_settings(config, sequence_parallel, params_dtype, tp_size: int):
@@ -49,7 +51,7 @@ def expert_parallel(config, state, is_expert: bool) -> bool:
         return False
     size = getattr(config, "expert_model_parallel_size", None)
     if size is None:
-        state = state if state is not None else _default_state_or_none()
+        state = resolve_state_or_none(state)
         size = state.ep_size if state is not None else 1
     return size > 1
 

@@ -30,6 +30,8 @@ import contextlib
 
 import torch
 
+from tpfuse.parallel.state import resolve_state_or_none
+
 from ._group import resolve_tp_group
 
 MODEL_PARALLEL_RNG = "model-parallel-rng"
@@ -160,9 +162,7 @@ def model_parallel_seed(seed: int, state=None, group=None, *, ep_rank: int | Non
     TP group; then ep_rank 0 and etp_rank = tp_rank unless given)."""
     tp = resolve_tp_group(group, state)
     if state is None and group is None:
-        from ._group import _default_state_or_none
-
-        state = _default_state_or_none()
+        state = resolve_state_or_none()
     if ep_rank is None:
         ep_rank = state.ep_rank if state is not None else 0
     if etp_rank is None:

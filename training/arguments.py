@@ -18,8 +18,8 @@ available (gloo otherwise), and the trainer's own additions (``--preset``, ``--m
 ``--keep-last-checkpoints``, ``--peak-tflops``, ...) are listed by ``tpfuse-train --help-trainer``.
 
 Validation happens here, on every rank before any process group exists, each error naming the
-flag: every float flag finite (the model's too), then each settings group at construction, the
-rules across groups, the tokenizer, the model config.
+flag: the model's float flags finite, then each settings group at construction (its own fields
+finite, in range, ...), the rules across groups, the tokenizer, the model config.
 
 The tokenizer (``--tokenizer-type``) is built here, because it fixes the model's vocabulary:
 ``config.vocab_size`` is the tokenizer's size (EOD included), as Megatron pads
@@ -40,7 +40,10 @@ from tpfuse.training import presets
 from tpfuse.training.precision_args import check_model_precision
 from tpfuse.training.sample_args import check_sample_prompt
 from tpfuse.training.settings import (DEFAULT_SPLIT, GROUPS, DataSettings, TrainerSettings,
-                                      field_owners)
+                                      comm_options_from_args, field_owners)
+
+__all__ = ["build_parser", "parse_args", "parse_namespace", "settings_from_namespace",
+           "build_tokenizer", "comm_options_from_args"]
 from tpfuse.training.settings_fields import add_group_arguments, unknown_setting_error
 
 
@@ -116,9 +119,10 @@ def _known_defaults(values: dict, source: str) -> dict:
 
 
 def _check_finite(namespace) -> None:
-    """Every float flag, the model's included, is a finite number."""
+    """Every float flag of the model is a finite number (the settings groups check their own)."""
+    model = {f.name for f in config_fields()}
     for name, value in sorted(vars(namespace).items()):
-        if isinstance(value, float) and not math.isfinite(value):
+        if name in model and isinstance(value, float) and not math.isfinite(value):
             raise ValueError(f"{_flag(name)} must be a finite number, got {value}")
 
 

@@ -25,13 +25,10 @@ from tpfuse.parallel.context_split import split_sequence
 
 
 def _cp_size_rank(state):
-    if state is None:
-        from tpfuse.parallel.state import get_default_state, has_default_state
+    from tpfuse.parallel.state import resolve_state_or_none
 
-        if not has_default_state():
-            return 1, 0
-        state = get_default_state()
-    return state.cp_size, state.cp_rank
+    state = resolve_state_or_none(state)
+    return (1, 0) if state is None else (state.cp_size, state.cp_rank)
 
 
 def get_batch_on_this_cp_rank(batch: dict, state=None) -> dict:
@@ -61,10 +58,9 @@ def sequence_mean_loss(losses: torch.Tensor, loss_mask: torch.Tensor, state=None
     if cp_size == 1:
         loss = total / mask.sum().clamp(min=1.0)
         return loss, loss.detach()
-    if state is None:
-        from tpfuse.parallel.state import get_default_state
+    from tpfuse.parallel.state import resolve_state
 
-        state = get_default_state()
+    state = resolve_state(state)
     sums = torch.stack([total.detach(), mask.sum()])
     dist.all_reduce(sums, group=state.cp_group)
     count = sums[1].clamp(min=1.0)

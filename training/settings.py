@@ -13,7 +13,7 @@ trainer reads is here, one group per concern, each field a Megatron flag by unde
 ``logging``              LoggingSettings: log line, metrics file, progress bar, layout table
 ``checkpoint``           CheckpointSettings: save / load and the early exits (each saves first)
 ``observability``        ObservabilitySettings: TensorBoard, wandb, throughput, profiler
-``distributed``          DistributedSettings: backend and collective timeout
+``distributed``          DistributedSettings: backend, collective timeout, TP comm options
 ``precision``            PrecisionSettings (``precision_args.py``): loss scaling, gradient dtype
 ``data_parallel``        DataParallelSettings (``precision_args.py``): DP reduction, ZeRO-1
 ``sample``               SampleSettings (``sample_args.py``): the end-of-training sample
@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import typing
 from dataclasses import dataclass, field, fields
+
+from tpfuse.parallel.comm_options import REDUCE_SCATTER_STRATEGIES, CommOptions
 
 from .garbage_collection import GarbageCollectionSettings
 from .precision_args import DataParallelSettings, PrecisionSettings
@@ -258,7 +260,8 @@ class ObservabilitySettings(SettingsGroup):
 
 @dataclass(frozen=True, kw_only=True)
 class DistributedSettings(SettingsGroup):
-    """The process group's backend and how long a collective may wait."""
+    """The process group's backend, how long a collective may wait, and how tensor-parallel
+    communication runs (``comm_options()``: the ParallelState's CommOptions)."""
     TITLE = "distributed"
 
     distributed_backend: str | None = setting(
@@ -267,6 +270,33 @@ class DistributedSettings(SettingsGroup):
     distributed_timeout_minutes: float = setting(
         10.0, "a collective waiting longer than this fails the job",
         bounds=(0.0, False, None, False))
+    reduce_scatter_strategy: str = setting(
+        "native", "how tensor-parallel reduce-scatters run: native reduce_scatter_tensor, or "
+                  "all_reduce then keep this rank's slice (for backends without it)",
+        choices=REDUCE_SCATTER_STRATEGIES)
+    fused_comm_min_flops: float | None = setting(
+        None, "per-rank GEMM FLOPs from which sequence-parallel linears run the ring-overlapped "
+              "comm+GEMM pipeline (0: always, inf: never; default: per device, 4e9 on CPU, 1e11 "
+              "on CUDA)", allow_inf=True)
+    symm_mem_all_gather_matmul: bool = setting(
+        False, "on CUDA, the all-gather+GEMM forward through symmetric memory (every rank of the "
+               "TP group on this node)")
+
+    def check(self) -> None:
+        comm_options_from_args(self)
+
+    def comm_options(self) -> CommOptions:
+        return comm_options_from_args(self)
+
+
+def comm_options_from_args(values) -> CommOptions:
+    """The three communication flags as the ParallelState's ``comm_options``; ``values``: the
+    DistributedSettings, or a parsed namespace holding the same fields."""
+    flops = values.fused_comm_min_flops
+    if flops is not None and not flops >= 0:
+        raise ValueError(f"--fused-comm-min-flops must be >= 0 (FLOPs), got {flops}")
+    return CommOptions(reduce_scatter=values.reduce_scatter_strategy, fused_min_flops=flops,
+                       symm_mem=values.symm_mem_all_gather_matmul)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -295,7 +325,7 @@ class TrainerSettings:
     def __post_init__(self):
         for name, cls in GROUPS.items():
             if not isinstance(getattr(self, name), cls):
-                raise TypeError(f"TrainerSettings.{name} must be a {cls.__name__}, got "
+                raise TypeError(f"TrainerSettings.{name} must be {cls.__name__}, got "
                                 f"{type(getattr(self, name)).__name__}")
         check_iterations_or_samples(self.training, self.scheduler)
         check_wsd_arguments(self.training, self.scheduler)

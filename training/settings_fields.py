@@ -17,7 +17,7 @@ negative booleans: ``manual_gc_eval`` ↔ ``--no-manual-gc-eval``).
 
 Validation at construction (``SettingsGroup.__post_init__``), each error a ValueError naming the
 flag: required values given; the value has the annotated type (an int for a float is accepted);
-floats finite; ``minimum`` (``--x must be >= n``); ``bounds`` ``(low, low inclusive, high, high
+floats finite (``allow_inf``: infinity is a value, NaN still refused); ``minimum`` (``--x must be >= n``); ``bounds`` ``(low, low inclusive, high, high
 inclusive)`` (``--x must be in [0.0, 1.0)``); ``choices``; then the group's own ``check()``.
 Unknown fields fail too: a misspelled keyword is a TypeError from the dataclass, a misspelled
 attribute assignment an error from the frozen instance.
@@ -34,11 +34,11 @@ _SCALARS = {"int": int, "float": float, "str": str, "bool": bool}
 
 
 def setting(default, help: str, *, flag: str | None = None, required: bool = False,
-            minimum: int | None = None, bounds: tuple | None = None, nargs=None, choices=None,
-            metavar=None):
+            minimum: int | None = None, bounds: tuple | None = None, allow_inf: bool = False,
+            nargs=None, choices=None, metavar=None):
     """A settings field: its default, one-line doc, flag and checks (see the module docstring)."""
     metadata = {"help": help, "flag": flag, "required": required, "minimum": minimum,
-                "bounds": bounds, "nargs": nargs,
+                "bounds": bounds, "allow_inf": allow_inf, "nargs": nargs,
                 "choices": None if choices is None else tuple(choices), "metavar": metavar}
     if isinstance(default, list):               # a mutable default: a fresh copy per instance
         return field(default_factory=lambda: list(default), metadata=metadata)
@@ -92,7 +92,8 @@ def _range_error(f, value) -> str | None:
     flag, metadata = flag_of(f), f.metadata
     items = value if isinstance(value, (list, tuple)) else [value]
     for item in items:
-        if isinstance(item, float) and not math.isfinite(item):
+        if isinstance(item, float) and (math.isnan(item) or (
+                math.isinf(item) and not metadata.get("allow_inf"))):
             return f"{flag} must be a finite number, got {item}"
     minimum = metadata.get("minimum")
     if minimum is not None and any(item < minimum for item in items):
