@@ -63,6 +63,13 @@ def annotation_of(f: dataclasses.Field) -> tuple[str, bool]:
 
 
 # ---------------------------------------------------------------------------- validation
+def _is_a(item, expected: type) -> bool:
+    """``isinstance`` where a bool is no number and an int is a float."""
+    if isinstance(item, bool):
+        return expected is bool
+    return isinstance(item, expected) or (expected is float and isinstance(item, int))
+
+
 def _type_error(f, value) -> str | None:
     kind, optional = annotation_of(f)
     if value is None:
@@ -75,10 +82,7 @@ def _type_error(f, value) -> str | None:
     if expected is None:
         return None
     for item in values:
-        ok = isinstance(item, expected) and not (expected is not bool and isinstance(item, bool))
-        if expected is float and isinstance(item, int) and not isinstance(item, bool):
-            ok = True
-        if not ok:
+        if not _is_a(item, expected):
             return f"{flag_of(f)} must be {element or kind}, got {item!r}"
     return None
 
