@@ -206,9 +206,10 @@ def _layers_vs_native(config):
     native_row = RowParallelLinear(32, 16, init_method=init, skip_bias_add=True)
     (y, b), (ny, nb) = row(out), native_row(out)
     assert torch.equal(y, ny) and torch.equal(b, nb) and b.shape == (16,)
-    # the native constructors take Megatron's keyword forms too
+    # Megatron's keyword forms (config=, skip_bias_add=) build the native layer's weights
     torch.manual_seed(4)
-    kw_col = ColumnParallelLinear(16, 32, config=config, init_method=init, skip_bias_add=True)
+    kw_col = tensor_parallel.ColumnParallelLinear(16, 32, config=config, init_method=init,
+                                                  skip_bias_add=True)
     assert torch.equal(kw_col.weight, native_col.weight) and kw_col(x)[1] is kw_col.bias
     lazy = ModelParallelConfig(tensor_model_parallel_size=2, perform_initialization=False)
     assert not tensor_parallel.ColumnParallelLinear(16, 32, config=lazy, init_method=init
@@ -289,16 +290,21 @@ def _cross_entropy_and_broadcast():
 
 
 def _expert_layers():
-    from tpfuse.tp_layers import ColumnParallelLinear, RowParallelLinear
+    from tpfuse.tp_layers.init import normal_init
 
+    config = ModelParallelConfig(tensor_model_parallel_size=2, expert_model_parallel_size=2,
+                                 expert_tensor_parallel_size=1)
+    common = dict(config=config, init_method=normal_init(0.02), is_expert=True)
     x = _rank_input((4, 1, 8), 50)
-    col = ColumnParallelLinear(8, 16, is_expert=True)        # etp 1, ep 2: local shard only
-    row = RowParallelLinear(16, 8, is_expert=True, skip_bias_add=True)
+    col = tensor_parallel.ColumnParallelLinear(8, 16, **common)   # etp 1, ep 2: local shard only
+    row = tensor_parallel.RowParallelLinear(16, 8, bias=True, input_is_parallel=True,
+                                            skip_bias_add=True, **common)
     assert col.tp.size == mpu.get_expert_tensor_parallel_world_size() == 1
     assert col.weight.allreduce is False and row.bias.allreduce is False
-    assert torch.equal(col(x), x @ col.weight.t() + col.bias)
+    assert torch.equal(col(x)[0], x @ col.weight.t() + col.bias)
     with pytest.raises(ValueError, match="skip_bias_add"):
-        RowParallelLinear(16, 8, is_expert=True)
+        tensor_parallel.RowParallelLinear(16, 8, bias=True, input_is_parallel=True,
+                                          skip_bias_add=False, **common)
     return True
 
 

@@ -1,8 +1,12 @@
-"""ParallelState and the Megatron-style facade, in a world of 8 gloo processes.
+"""ParallelState and the module-level parallel_state facade, in a world of 8 gloo processes.
 
 Every getter is compared with the pure RankLayout (itself hand-checked in test_layout.py), and
 every group is exercised with a real all-reduce so a wrong group cannot hide behind right numbers.
+Megatron's own parallel_state (setters, extra groups, Megatron-only options) is tested in
+test_parallel_state_megatron.py; here its getters are checked to equal the facade's.
 """
+import importlib
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -259,7 +263,9 @@ def _layout_of(config) -> RankLayout:
         etp=config.get("expert_tensor_parallel_size"), order=config.get("order", "tp-cp-ep-dp-pp"))
 
 
-def _check_facade(config):
+def _check_facade(config, mpu=mpu):
+    """Every getter of ``mpu`` (the facade, or a module offering the same functions) against
+    the layout."""
     rank = dist.get_rank()
     layout = _layout_of(config)
     for getter, name in FACADE_GROUPS.items():
@@ -330,27 +336,21 @@ def test_facade_getters_match_layout_then_reinitialize(run_distributed):
     assert run_distributed(WORLD, _facade_matches_layout, FACADE_CONFIGS) == [1] * WORLD
 
 
-def _virtual_pipeline_via_facade():
-    mpu.initialize_model_parallel(tensor_model_parallel_size=2, pipeline_model_parallel_size=4,
-                                  virtual_pipeline_model_parallel_size=2)
-    stage = mpu.get_pipeline_model_parallel_rank()
-    with pytest.warns(DeprecationWarning, match="vp_stage"):
-        mpu.set_virtual_pipeline_model_parallel_rank(1)
-    assert mpu.get_virtual_pipeline_model_parallel_rank() == 1
-    assert not mpu.is_pipeline_first_stage(ignore_virtual=False)
-    assert mpu.is_pipeline_last_stage(ignore_virtual=False) == (stage == 3)
-    assert mpu.is_pipeline_first_stage(ignore_virtual=False, vp_stage=0) == (stage == 0)
-    assert mpu.is_rank_in_embedding_group(ignore_virtual=False, vp_stage=1) == (stage == 3)
-    assert mpu.is_rank_in_embedding_group(ignore_virtual=False, vp_stage=0) == (stage == 0)
-    with pytest.raises(ValueError, match="virtual pipeline rank"), \
-            pytest.warns(DeprecationWarning):
-        mpu.set_virtual_pipeline_model_parallel_rank(2)
-    mpu.set_virtual_pipeline_model_parallel_world_size(4)
-    assert mpu.get_virtual_pipeline_model_parallel_world_size() == 4
+def _megatron_module_equals_facade(configs):
+    """megatron_compat.parallel_state's getters (no override set) return what the facade's do."""
+    megatron = importlib.import_module("tpfuse.megatron_compat.parallel_state")
+    for config in configs:
+        assert megatron.initialize_model_parallel(**config) is None   # Megatron returns None
+        _check_facade(config, megatron)
+        _check_facade(config, mpu)
+        assert megatron.get_virtual_pipeline_model_parallel_world_size() == \
+            mpu.get_virtual_pipeline_model_parallel_world_size()
+        megatron.destroy_model_parallel()
+    return len(dist.distributed_c10d._world.pg_map)
 
 
-def test_virtual_pipeline_via_facade(run_distributed):
-    run_distributed(WORLD, _virtual_pipeline_via_facade)
+def test_megatron_module_getters_equal_the_facade(run_distributed):
+    assert run_distributed(WORLD, _megatron_module_equals_facade, FACADE_CONFIGS) == [1] * WORLD
 
 
 GETTERS_BEFORE_INIT = [
@@ -361,7 +361,7 @@ GETTERS_BEFORE_INIT = [
     ("get_expert_model_parallel_world_size", ()), ("get_expert_data_parallel_rank", ()),
     ("get_expert_tensor_parallel_group", ()), ("get_model_parallel_group", ()),
     ("get_embedding_group", ()), ("is_pipeline_first_stage", ()), ("is_pipeline_last_stage", ()),
-    ("is_rank_in_embedding_group", ()), ("get_global_memory_buffer", ()),
+    ("is_rank_in_embedding_group", ()),
     ("get_pipeline_model_parallel_next_rank", ()), ("get_tensor_model_parallel_src_rank", ()),
 ]
 
@@ -373,18 +373,17 @@ def _errors_before_and_around_init():
         with pytest.raises(RuntimeError, match="initialize_model_parallel"):
             getattr(mpu, getter)(*args)
     assert mpu.get_tensor_model_parallel_group(check_initialized=False) is None
+    assert mpu.get_virtual_pipeline_model_parallel_world_size() is None
     with pytest.raises(ValueError, match="tp\\*pp\\*cp=3"):
         mpu.initialize_model_parallel(tensor_model_parallel_size=3)
-    with pytest.raises(ValueError, match="use_sharp=True"):
+    with pytest.raises(TypeError, match="use_sharp"):    # Megatron's options: megatron_compat's
         mpu.initialize_model_parallel(use_sharp=True)
     with pytest.raises(TypeError, match="no_such_option"):
         mpu.initialize_model_parallel(no_such_option=1)
     assert len(dist.distributed_c10d._world.pg_map) == 1  # nothing was created
-    mpu.initialize_model_parallel(tensor_model_parallel_size=2, create_gloo_process_groups=False)
+    mpu.initialize_model_parallel(tensor_model_parallel_size=2)
     with pytest.raises(RuntimeError, match="already initialized"):
         mpu.initialize_model_parallel(tensor_model_parallel_size=2)
-    with pytest.raises(ValueError, match="partial"):
-        mpu.get_data_parallel_group(partial_data_parallel=True)
     # a state the job forgets to destroy is destroyed by destroy_model_parallel too
     ParallelState.initialize(pp=2)
     mpu.destroy_model_parallel()

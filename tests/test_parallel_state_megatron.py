@@ -1,7 +1,9 @@
-"""The parallel_state facade against megatron-core 0.16's parallel_state: every public function
-(its name and parameter names, from the table below), the setters' override semantics, and the
-extra groups (gloo, hierarchical context parallel, hybrid DP×CP, distributed-optimizer
-instances) compared with hand-computed rank lists and exercised with real all-reduces.
+"""tpfuse.megatron_compat.parallel_state against megatron-core 0.16's parallel_state: every public
+function (its name and parameter names, from the table below), the setters' override semantics,
+the Megatron-only options and errors, and the extra groups (gloo, hierarchical context parallel,
+hybrid DP×CP, distributed-optimizer instances) compared with hand-computed rank lists and
+exercised with real all-reduces. (Its layout getters are checked against the facade's in
+test_parallel_state.py.)
 """
 import datetime
 import inspect
@@ -10,7 +12,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tpfuse.parallel import parallel_state as mpu
+from tpfuse.megatron_compat import parallel_state as mpu
+from tpfuse.parallel.state import ParallelState
 
 # megatron-core 0.16 parallel_state: public function -> its parameter names, in order
 MEGATRON_FUNCTIONS = {
@@ -265,3 +268,88 @@ def _extra_groups():
 
 def test_extra_groups_match_hand_computed_ranks(run_distributed):
     assert run_distributed(WORLD, _extra_groups) == [1] * WORLD
+
+
+def _virtual_pipeline_via_facade():
+    mpu.initialize_model_parallel(tensor_model_parallel_size=2, pipeline_model_parallel_size=4,
+                                  virtual_pipeline_model_parallel_size=2)
+    stage = mpu.get_pipeline_model_parallel_rank()
+    with pytest.warns(DeprecationWarning, match="vp_stage"):
+        mpu.set_virtual_pipeline_model_parallel_rank(1)
+    assert mpu.get_virtual_pipeline_model_parallel_rank() == 1
+    assert not mpu.is_pipeline_first_stage(ignore_virtual=False)
+    assert mpu.is_pipeline_last_stage(ignore_virtual=False) == (stage == 3)
+    assert mpu.is_pipeline_first_stage(ignore_virtual=False, vp_stage=0) == (stage == 0)
+    assert mpu.is_rank_in_embedding_group(ignore_virtual=False, vp_stage=1) == (stage == 3)
+    assert mpu.is_rank_in_embedding_group(ignore_virtual=False, vp_stage=0) == (stage == 0)
+    with pytest.raises(ValueError, match="virtual pipeline rank"), \
+            pytest.warns(DeprecationWarning):
+        mpu.set_virtual_pipeline_model_parallel_rank(2)
+    mpu.set_virtual_pipeline_model_parallel_world_size(4)
+    assert mpu.get_virtual_pipeline_model_parallel_world_size() == 4
+
+
+def test_virtual_pipeline_via_facade(run_distributed):
+    run_distributed(WORLD, _virtual_pipeline_via_facade)
+
+
+GETTERS_BEFORE_INIT = [
+    ("get_tensor_model_parallel_rank", ()), ("get_tensor_model_parallel_world_size", ()),
+    ("get_tensor_model_parallel_group", ()), ("get_pipeline_model_parallel_rank", ()),
+    ("get_data_parallel_group", ()), ("get_data_parallel_rank", ()),
+    ("get_data_parallel_world_size", ()), ("get_context_parallel_rank", ()),
+    ("get_expert_model_parallel_world_size", ()), ("get_expert_data_parallel_rank", ()),
+    ("get_expert_tensor_parallel_group", ()), ("get_model_parallel_group", ()),
+    ("get_embedding_group", ()), ("is_pipeline_first_stage", ()), ("is_pipeline_last_stage", ()),
+    ("is_rank_in_embedding_group", ()), ("get_global_memory_buffer", ()),
+    ("get_pipeline_model_parallel_next_rank", ()), ("get_tensor_model_parallel_src_rank", ()),
+]
+
+
+def _errors_before_and_around_init():
+    mpu.destroy_model_parallel()  # safe when nothing is initialised
+    assert not mpu.model_parallel_is_initialized()
+    for getter, args in GETTERS_BEFORE_INIT:
+        with pytest.raises(RuntimeError, match="initialize_model_parallel"):
+            getattr(mpu, getter)(*args)
+    assert mpu.get_tensor_model_parallel_group(check_initialized=False) is None
+    with pytest.raises(ValueError, match="tp\\*pp\\*cp=3"):
+        mpu.initialize_model_parallel(tensor_model_parallel_size=3)
+    with pytest.raises(ValueError, match="use_sharp=True"):
+        mpu.initialize_model_parallel(use_sharp=True)
+    with pytest.raises(TypeError, match="no_such_option"):
+        mpu.initialize_model_parallel(no_such_option=1)
+    assert len(dist.distributed_c10d._world.pg_map) == 1  # nothing was created
+    mpu.initialize_model_parallel(tensor_model_parallel_size=2, create_gloo_process_groups=False)
+    with pytest.raises(RuntimeError, match="already initialized"):
+        mpu.initialize_model_parallel(tensor_model_parallel_size=2)
+    with pytest.raises(ValueError, match="partial"):
+        mpu.get_data_parallel_group(partial_data_parallel=True)
+    # a state the job forgets to destroy is destroyed by destroy_model_parallel too
+    ParallelState.initialize(pp=2)
+    mpu.destroy_model_parallel()
+    mpu.destroy_model_parallel()
+    return len(dist.distributed_c10d._world.pg_map)
+
+
+def test_errors_before_init_and_cleanup(run_distributed):
+    assert run_distributed(WORLD, _errors_before_and_around_init) == [1] * WORLD
+
+
+def _facade_destroy_releases_megatron_groups():
+    """The facade's destroy_model_parallel (what the worker pool calls after a job) also
+    destroys the extra groups and forgets the overrides of megatron_compat's module."""
+    from tpfuse.parallel import parallel_state as facade
+
+    mpu.initialize_model_parallel(2, context_parallel_size=2,
+                                  hierarchical_context_parallel_sizes=[2, 1])
+    mpu.set_tensor_model_parallel_world_size(4)
+    facade.destroy_model_parallel()
+    with pytest.raises(RuntimeError, match="initialize_model_parallel"):
+        mpu.get_tensor_model_parallel_world_size()
+    assert mpu.get_hierarchical_context_parallel_groups(check_initialized=False) is None
+    return len(dist.distributed_c10d._world.pg_map)
+
+
+def test_facade_destroy_releases_megatron_groups(run_distributed):
+    assert run_distributed(WORLD, _facade_destroy_releases_megatron_groups) == [1] * WORLD

@@ -200,3 +200,31 @@ def test_single_process_without_distributed_is_tp1():
     x = torch.randn(3, 2, IN)
     torch.testing.assert_close(layer(x), dense(x), rtol=1e-6, atol=1e-6)
     assert layer.tp.size == 1
+
+
+def test_native_signatures_take_explicit_arguments_only():
+    """The native layers speak tpfuse (group= / state=, explicit flags); Megatron's keywords
+    (config=, is_expert=, tp_group=, reduce_scatter_embeddings=) are megatron_compat's."""
+    import inspect
+
+    from tpfuse.tp_layers import VocabParallelEmbedding
+
+    expected = {
+        ColumnParallelLinear: "input_size output_size bias gather_output sequence_parallel "
+                              "skip_bias_add init_method stride params_dtype activation "
+                              "master_weight master_bias group state",
+        RowParallelLinear: "input_size output_size bias input_is_parallel sequence_parallel "
+                           "skip_bias_add init_method stride params_dtype master_weight "
+                           "master_bias group state",
+        VocabParallelEmbedding: "num_embeddings embedding_dim init_method sequence_parallel "
+                                "params_dtype master_weight group state",
+    }
+    for cls, names in expected.items():
+        assert list(inspect.signature(cls.__init__).parameters)[1:] == names.split(), cls
+    for megatron_keyword in ("config", "is_expert", "tp_group"):
+        try:
+            ColumnParallelLinear(IN, OUT, **{megatron_keyword: None})
+        except TypeError as err:
+            assert megatron_keyword in str(err)
+        else:
+            raise AssertionError(f"{megatron_keyword}= accepted by the native layer")

@@ -21,28 +21,23 @@ from . import _deps
 from ._group import resolve_tp_group
 from .init import check_partitionable, draw_master_weight, shard
 from .linear import check_sequence_divisible
-from .megatron_kwargs import layer_settings
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Also takes Megatron's keywords: ``reduce_scatter_embeddings`` (= ``sequence_parallel``
-    here), ``config`` (``params_dtype``, ``perform_initialization``) and ``tp_group``."""
+    """The table ``[V, h]`` split by rows over the TP group (``group``, else ``state.tp_group``,
+    else the default state's); ``params_dtype`` None is fp32; ``master_weight`` (full ``[V, h]``)
+    replaces the draw from ``init_method``."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int, *, init_method=None,
                  sequence_parallel: bool = False, params_dtype: torch.dtype | None = None,
-                 master_weight: torch.Tensor | None = None, group=None, state=None,
-                 config=None, reduce_scatter_embeddings: bool = False, tp_group=None):
+                 master_weight: torch.Tensor | None = None, group=None, state=None):
         super().__init__()
         for name, value in (("num_embeddings", num_embeddings), ("embedding_dim", embedding_dim)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if group is not None and tp_group is not None:
-            raise ValueError("pass either group= or tp_group= (Megatron's name), not both")
-        self.tp = resolve_tp_group(group if group is not None else tp_group, state)
-        sequence_parallel = bool(sequence_parallel or reduce_scatter_embeddings)
-        _, params_dtype, initialize = layer_settings(config, None, params_dtype, self.tp.size)
-        if master_weight is None and not initialize:   # Megatron's perform_initialization=False
-            master_weight = torch.zeros(num_embeddings, embedding_dim, dtype=params_dtype)
+        self.tp = resolve_tp_group(group, state)
+        sequence_parallel = bool(sequence_parallel)
+        params_dtype = params_dtype or torch.float32
         check_partitionable(num_embeddings, self.tp.size, 1, "num_embeddings (vocab size)")
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.sequence_parallel = sequence_parallel

@@ -35,7 +35,6 @@ from torch import nn
 from . import _deps
 from ._group import resolve_tp_group
 from .init import check_partitionable, draw_master_weight, shard, unshard
-from .megatron_kwargs import communication_group, expert_parallel, layer_settings, mark_allreduce
 
 ACTIVATIONS = (None, "gelu", "gelu_tanh", "relu")
 
@@ -54,12 +53,9 @@ def _check_sizes(input_size: int, output_size: int) -> None:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
-def _master(master_weight, master_bias, rows, cols, init_method, dtype, bias, initialize=True):
-    """The full master weight / bias: given ones (from_dense), a fresh draw (bias zeros), or
-    zeros without drawing (Megatron's ``perform_initialization=False``)."""
-    if master_weight is None and not initialize:
-        master_weight = torch.zeros(rows, cols, dtype=dtype)
-    elif master_weight is None:
+def _master(master_weight, master_bias, rows, cols, init_method, dtype, bias):
+    """The full master weight / bias: given ones (from_dense), or a fresh draw (bias zeros)."""
+    if master_weight is None:
         master_weight = draw_master_weight(rows, cols, init_method, dtype)
     elif tuple(master_weight.shape) != (rows, cols):
         raise ValueError(f"master_weight shape {tuple(master_weight.shape)} != {(rows, cols)}")
@@ -70,13 +66,6 @@ def _master(master_weight, master_bias, rows, cols, init_method, dtype, bias, in
     elif tuple(master_bias.shape) != (rows,):
         raise ValueError(f"master_bias shape {tuple(master_bias.shape)} != {(rows,)}")
     return master_weight.detach().to(dtype), master_bias.detach().to(dtype)
-
-
-def _one_group(group, tp_group):
-    """``tp_group=`` is Megatron's name for ``group=``."""
-    if group is not None and tp_group is not None:
-        raise ValueError("pass either group= or tp_group= (Megatron's name), not both")
-    return group if group is not None else tp_group
 
 
 def _mark(param, partition_dim, stride):
@@ -92,37 +81,31 @@ class ColumnParallelLinear(nn.Module):
 
     ``activation`` (``None | "gelu" | "gelu_tanh" | "relu"``, a tpfuse extension) is fused into the
     GEMM epilogue. Returns a tensor, or ``(output, bias_shard)`` when ``skip_bias_add``.
-    Megatron's keywords ``config=``, ``is_expert=``, ``tp_group=`` are accepted (see
-    ``megatron_kwargs``).
+
+    The TP group is ``group`` (a ProcessGroup), else ``state.tp_group``, else the default
+    state's; ``params_dtype`` None is fp32. ``self.comm`` is the group the forward communicates
+    over (``self.tp``; a subclass whose caller communicates replaces it by a group of one).
     """
 
     def __init__(self, input_size: int, output_size: int, *, bias: bool = True,
-                 gather_output: bool = False, sequence_parallel: bool | None = None,
+                 gather_output: bool = False, sequence_parallel: bool = False,
                  skip_bias_add: bool = False, init_method=None, stride: int = 1,
                  params_dtype: torch.dtype | None = None, activation: str | None = None,
                  master_weight: torch.Tensor | None = None,
-                 master_bias: torch.Tensor | None = None, group=None, state=None,
-                 config=None, is_expert: bool = False, tp_group=None):
+                 master_bias: torch.Tensor | None = None, group=None, state=None):
         super().__init__()
         _check_sizes(input_size, output_size)
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
         if activation is not None and skip_bias_add:
             raise ValueError(f"activation={activation!r} cannot be fused with skip_bias_add=True")
-        self.tp = resolve_tp_group(_one_group(group, tp_group), state, expert=is_expert)
-        sequence_parallel, params_dtype, initialize = layer_settings(
-            config, sequence_parallel, params_dtype, self.tp.size)
-        self.is_expert, ep = is_expert, expert_parallel(config, state, is_expert)
-        self.comm = communication_group(self.tp, is_expert, ep)
-        if gather_output and self.comm is not self.tp:
-            raise ValueError("gather_output=True is not supported for expert layers whose "
-                             "communication happens outside the layer (is_expert=True)")
+        self.tp = self.comm = resolve_tp_group(group, state)
         check_partitionable(output_size, self.tp.size, stride, "output_size")
         self.input_size, self.output_size, self.stride = input_size, output_size, stride
-        self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
+        self.gather_output, self.sequence_parallel = gather_output, bool(sequence_parallel)
         self.skip_bias_add, self.activation = skip_bias_add, activation
         weight, bias_full = _master(master_weight, master_bias, output_size, input_size,
-                                    init_method, params_dtype, bias, initialize)
+                                    init_method, params_dtype or torch.float32, bias)
         rank, size = self.tp.rank, self.tp.size
         self.weight = _mark(nn.Parameter(shard(weight, 0, size, rank, stride)), 0, stride)
         if bias_full is None:
@@ -130,7 +113,6 @@ class ColumnParallelLinear(nn.Module):
         else:
             self.bias = _mark(nn.Parameter(shard(bias_full[:, None], 0, size, rank, stride)[:, 0]),
                               0, stride)
-        mark_allreduce((self.weight, self.bias), is_expert, ep)
 
     @classmethod
     def from_dense(cls, linear: nn.Linear, **kwargs) -> "ColumnParallelLinear":
@@ -172,35 +154,27 @@ class RowParallelLinear(nn.Module):
 
     Returns a tensor, or ``(output, bias)`` when ``skip_bias_add``: the full bias, routed through
     ``copy_to_region`` under sequence parallelism so its gradient is all-reduced over the TP group.
-    Megatron's keywords ``config=``, ``is_expert=``, ``tp_group=`` are accepted (see
-    ``megatron_kwargs``; experts with outside communication need ``skip_bias_add``).
+    Group, ``params_dtype`` and ``self.comm`` as for ``ColumnParallelLinear``.
     """
 
     def __init__(self, input_size: int, output_size: int, *, bias: bool = True,
-                 input_is_parallel: bool = True, sequence_parallel: bool | None = None,
+                 input_is_parallel: bool = True, sequence_parallel: bool = False,
                  skip_bias_add: bool = False, init_method=None, stride: int = 1,
                  params_dtype: torch.dtype | None = None,
                  master_weight: torch.Tensor | None = None,
-                 master_bias: torch.Tensor | None = None, group=None, state=None,
-                 config=None, is_expert: bool = False, tp_group=None):
+                 master_bias: torch.Tensor | None = None, group=None, state=None):
         super().__init__()
         _check_sizes(input_size, output_size)
-        self.tp = resolve_tp_group(_one_group(group, tp_group), state, expert=is_expert)
-        sequence_parallel, params_dtype, initialize = layer_settings(
-            config, sequence_parallel, params_dtype, self.tp.size)
+        self.tp = self.comm = resolve_tp_group(group, state)
+        sequence_parallel = bool(sequence_parallel)
         if sequence_parallel and not input_is_parallel:
             raise ValueError("sequence_parallel=True needs input_is_parallel=True")
-        self.is_expert, ep = is_expert, expert_parallel(config, state, is_expert)
-        self.comm = communication_group(self.tp, is_expert, ep)
-        if self.comm is not self.tp and not skip_bias_add:
-            raise ValueError("an expert RowParallelLinear whose reduction happens outside the "
-                             "layer (is_expert=True) needs skip_bias_add=True, as in Megatron")
         check_partitionable(input_size, self.tp.size, stride, "input_size")
         self.input_size, self.output_size, self.stride = input_size, output_size, stride
         self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
         self.skip_bias_add = skip_bias_add
         weight, bias_full = _master(master_weight, master_bias, output_size, input_size,
-                                    init_method, params_dtype, bias, initialize)
+                                    init_method, params_dtype or torch.float32, bias)
         self.weight = _mark(nn.Parameter(shard(weight, 1, self.tp.size, self.tp.rank, stride)),
                             1, stride)
         if bias_full is None:
@@ -208,7 +182,6 @@ class RowParallelLinear(nn.Module):
         else:
             self.bias = _mark(nn.Parameter(bias_full.clone()), None, 1)
             self.bias.sequence_parallel = sequence_parallel
-        mark_allreduce((self.weight, self.bias), is_expert, ep)
 
     @classmethod
     def from_dense(cls, linear: nn.Linear, **kwargs) -> "RowParallelLinear":

@@ -180,13 +180,14 @@ def _run(native, interleaved, *, forward_step_func, data_iterator, model, num_mi
 
 
 def _tensor_shape(config, state, seq_length, micro_batch_size, decoder_seq_length, adjust):
+    """The one shape sent between stages (``get_tensor_shapes`` over the state's groups), after
+    ``adjust_tensor_shapes_fn``; None in a plain single process or without a sequence length."""
     seq = decoder_seq_length if decoder_seq_length is not None else seq_length
     if state is None or seq is None:
         return None
-    seq //= state.cp_size
-    if config.sequence_parallel:
-        seq //= state.tp_size
-    shape = (seq, micro_batch_size, config.hidden_size)
+    shape, = get_tensor_shapes(seq_length=seq_length, micro_batch_size=micro_batch_size,
+                               decoder_seq_length=decoder_seq_length, config=config,
+                               tp_group=state.tp_group, cp_group=state.cp_group)
     if adjust is not None:
         recv, send = adjust([shape], [shape])
         if len(recv) != 1 or list(recv) != list(send):

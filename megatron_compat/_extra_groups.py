@@ -1,4 +1,5 @@
-"""The parts of Megatron-core's ``parallel_state`` beyond the layout's group kinds.
+"""The parts of Megatron-core's ``parallel_state`` beyond the layout's group kinds (what
+``megatron_compat.parallel_state`` adds to tpfuse's facade).
 
 Rank arithmetic (pure):
 
@@ -28,7 +29,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from .layout import ORDER_TOKENS, orthogonal_groups, parse_order
+from tpfuse.parallel.layout import ORDER_TOKENS, orthogonal_groups, parse_order
 
 
 # ----------------------------------------------------------------------------- rank arithmetic
