@@ -184,7 +184,9 @@ def optimizer_bytes_body(flags):
                                "--train-iters", "1", "--lr", "1e-3"] + flags)
     state = parallel_state.initialize_model_parallel()
     model = build_model(make_gpt_model_provider(config), config)
-    buffers, optimizer = build_buffers_and_optimizer(model, args, config, state)
+    buffers, optimizer = build_buffers_and_optimizer(
+        model, config, state, optimizer=args.optimizer, precision=args.precision,
+        data_parallel=args.data_parallel, lr=args.scheduler.lr)
     padding = sum(b.grad_data.numel() - b.numel_unpadded for b in buffers.buffers)
     return optimizer.memory_bytes(), padding
 

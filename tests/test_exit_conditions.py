@@ -3,16 +3,16 @@ exit interval — every rank stops after the same iteration."""
 import os
 import signal
 import time
-import types
 
 import torch.distributed as dist
 
 from tpfuse.training.exit_conditions import ExitConditions
+from tpfuse.training.settings import CheckpointSettings
 
 
 def _args(**kwargs):
     values = dict(exit_interval=None, exit_duration_in_mins=None, exit_signal_handler=False)
-    return types.SimpleNamespace(**{**values, **kwargs})
+    return CheckpointSettings(**{**values, **kwargs})
 
 
 def _reasons():

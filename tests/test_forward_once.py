@@ -7,8 +7,6 @@
   no batch from its iterator; with --reset-position-ids and rope it reads the batch for the
   position ids only; the first / last chunks copy only what they use.
 """
-from types import SimpleNamespace
-
 import pytest
 import torch
 
@@ -67,19 +65,20 @@ def _batch():
 
 @pytest.mark.parametrize("reset_position_ids, reads", [(False, 0), (True, 1)])
 def test_middle_stage_reads_no_batch(monkeypatch, reset_position_ids, reads):
+    from functools import partial
+
     from tpfuse import pretrain_gpt
-    from tpfuse.training import pretrain as pretrain_module
+    from tpfuse.training.settings import DataSettings
 
     config = _config()
-    monkeypatch.setitem(pretrain_module._GLOBALS, "config", config)
-    monkeypatch.setitem(pretrain_module._GLOBALS, "args",
-                        SimpleNamespace(reset_position_ids=reset_position_ids,
-                                        reset_attention_mask=False))
+    data = DataSettings(mock_data=True, reset_position_ids=reset_position_ids,
+                        reset_attention_mask=False)
+    forward_step = partial(pretrain_gpt.forward_step, data=data, config=config)  # as pretrain binds
     middle = GPTModel(config, pre_process=False, post_process=False)
     hidden = torch.randn(8, 2, 32)
     middle.set_input_tensor(hidden)
     iterator = _Iterator(_batch())
-    output, _ = pretrain_gpt.forward_step(iterator, middle)
+    output, _ = forward_step(iterator, middle)
     assert iterator.reads == reads
     middle.set_input_tensor(hidden)
     assert torch.equal(output, middle(None, _batch()["position_ids"]))   # default positions
@@ -87,7 +86,7 @@ def test_middle_stage_reads_no_batch(monkeypatch, reset_position_ids, reads):
     last = GPTModel(config, pre_process=False, post_process=True)
     last.set_input_tensor(hidden)
     iterator = _Iterator(_batch())
-    output, loss_func = pretrain_gpt.forward_step(iterator, last)
+    output, loss_func = forward_step(iterator, last)
     assert iterator.reads == 1 and output.shape == (2, 8)
     loss, logs = loss_func(output)
     assert torch.equal(loss, output.mean()) and "lm loss" in logs

@@ -2,17 +2,16 @@
 the iterations Megatron's rule names (counted through ``gc.callbacks``), around evaluations, and
 nowhere else; the collector's state is restored afterwards."""
 import gc
-from types import SimpleNamespace
 
 import pytest
 
 from tpfuse.training import arguments
-from tpfuse.training.garbage_collection import ManualGC
+from tpfuse.training.garbage_collection import GarbageCollectionSettings, ManualGC
 
 
 def _settings(manual_gc=True, interval=0, at_eval=True):
-    return SimpleNamespace(manual_gc=manual_gc, manual_gc_interval=interval,
-                           manual_gc_eval=at_eval)
+    return GarbageCollectionSettings(manual_gc=manual_gc, manual_gc_interval=interval,
+                                     manual_gc_eval=at_eval)
 
 
 @pytest.fixture

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from tpfuse.training import arguments
-from tpfuse.training.precision_args import ddp_config_from_args, grad_reduce_in_fp32
+from tpfuse.training.precision_args import ddp_config_from_settings, grad_reduce_in_fp32
 
 TINY = ["--num-layers", "2", "--hidden-size", "16", "--num-attention-heads", "2",
         "--seq-length", "16", "--micro-batch-size", "2", "--train-iters", "6", "--lr", "3e-5",
@@ -36,8 +36,9 @@ def test_precision_flags_default_to_megatron():
 def test_gradient_buffer_dtype_follows_megatron(flags, params_dtype, fp32_grads):
     config, args = arguments.parse_args(TINY + flags)
     assert config.params_dtype == params_dtype
-    assert grad_reduce_in_fp32(args, config) is fp32_grads
-    assert ddp_config_from_args(args, config).grad_reduce_in_fp32 is fp32_grads
+    assert grad_reduce_in_fp32(args.precision, config) is fp32_grads
+    assert ddp_config_from_settings(args.precision, args.data_parallel,
+                                    config).grad_reduce_in_fp32 is fp32_grads
 
 
 @pytest.mark.parametrize("flags, message", [

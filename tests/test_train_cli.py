@@ -71,14 +71,15 @@ def test_preset_is_the_default_job_and_flags_override_it(tmp_path, monkeypatch):
     assert presets.launcher_plan(["--mock-data"], None)[1] == 1   # torchrun's default
     config, args = arguments.parse_args(["--preset", "stdlib-demo", "--train-iters", "27",
                                          "--tensor-model-parallel-size", "1"])
-    assert args.data_path == [str(tmp_path / "stdlib_byte")]     # the preset's data
-    assert (args.train_iters, config.tensor_model_parallel_size, config.num_layers) == (27, 1, 8)
+    assert args.data.data_path == [str(tmp_path / "stdlib_byte")]     # the preset's data
+    assert (args.training.train_iters, config.tensor_model_parallel_size,
+            config.num_layers) == (27, 1, 8)
     assert config.vocab_size == 257 and args.tokenizer.name == "byte"
-    assert args.lr == presets.STDLIB_DEMO.flags["lr"]
+    assert args.scheduler.lr == presets.STDLIB_DEMO.flags["lr"]
     from tpfuse.training.sample_args import sampling_kwargs
 
     # the demo's sample is drawn, seeded (greedy decoding of it repeats spaces)
-    assert sampling_kwargs(args) == {"temperature": 0.8, "top_k": 10, "top_p": 1.0, "seed": 1234}
+    assert sampling_kwargs(args.sample) == {"temperature": 0.8, "top_k": 10, "top_p": 1.0, "seed": 1234}
 
 
 def test_preset_interleaving_yields_to_a_layout_without_room_for_it(capsys):

@@ -64,7 +64,8 @@ def test_iteration_and_sample_forms_do_not_mix(flags, message):
 def test_preset_length_gives_way_to_train_samples(capsys):
     _, args = arguments.parse_args(["--preset", "stdlib-demo", "--mock-data",
                                     "--train-samples", "640", "--lr-warmup-samples", "64"])
-    assert (args.train_iters, args.lr_warmup_iters, args.train_samples) == (None, 0, 640)
+    assert (args.training.train_iters, args.scheduler.lr_warmup_iters,
+            args.training.train_samples) == (None, 0, 640)
     assert "sample-based run, so its --train-iters, --lr-warmup-iters are not used" in \
         capsys.readouterr().out
     with pytest.raises(ValueError, match="are exclusive"):        # the user's own iterations

@@ -109,7 +109,7 @@ def test_weighted_blends_in_megatron_syntax(tmp_path):
         blend_from_cli([a, "0.3", b])
     _, args = arguments.parse_args(TINY + ["--tokenizer-type", "ByteTokenizer", "--data-path",
                                            "0.7", a, "0.3", b])
-    assert args.data_path == ["0.7", a, "0.3", b] and args.split == "969,30,1"
+    assert args.data.data_path == ["0.7", a, "0.3", b] and args.data.split == "969,30,1"
     with pytest.raises(ValueError, match="give one of --mock-data, --data-path or"):
         arguments.parse_args(TINY + ["--mock-data", "--vocab-size", "8", "--train-data-path", a])
 
@@ -150,9 +150,12 @@ def test_sample_decoding_follows_the_flags():
 
     base = TINY + ["--mock-data", "--vocab-size", "128", "--sample-prompt", "1 2"]
     _, args = arguments.parse_args(base)
-    assert sampling_kwargs(args) == {"greedy": True} and describe_sampling(args) == "greedy"
+    assert sampling_kwargs(args.sample) == {"greedy": True} and \
+        describe_sampling(args.sample) == "greedy"
     _, args = arguments.parse_args(base + ["--sample-top-k", "40", "--sample-seed", "5"])
-    assert sampling_kwargs(args) == {"temperature": 1.0, "top_k": 40, "top_p": 1.0, "seed": 5}
+    assert sampling_kwargs(args.sample) == {"temperature": 1.0, "top_k": 40, "top_p": 1.0,
+                                            "seed": 5}
     _, args = arguments.parse_args(base + ["--sample-temperature", "0.7", "--sample-top-p", "0.9"])
-    assert sampling_kwargs(args) == {"temperature": 0.7, "top_k": 0, "top_p": 0.9, "seed": 1234}
-    assert describe_sampling(args) == "temperature 0.7, top-k 0, top-p 0.9, seed 1234"
+    assert sampling_kwargs(args.sample) == {"temperature": 0.7, "top_k": 0, "top_p": 0.9,
+                                            "seed": 1234}
+    assert describe_sampling(args.sample) == "temperature 0.7, top-k 0, top-p 0.9, seed 1234"

@@ -238,4 +238,4 @@ def test_schedule_choice_and_trainer_flags():
     config, _ = parse_args(argv)
     assert config.pipeline_schedule == "zb-h1"
     # overlapped gradient reduction waits for W's deferred weight gradients (test_invariance.py)
-    assert parse_args(argv + ["--overlap-grad-reduce"])[1].overlap_grad_reduce
+    assert parse_args(argv + ["--overlap-grad-reduce"])[1].data_parallel.overlap_grad_reduce
