@@ -12,15 +12,15 @@ batch / loss helpers, each against a reference computed another way:
   dropout, cp not dividing the world) fail through ``pretrain`` with a ValueError naming the
   values on every rank by itself, and the KV cache is refused under context parallelism.
 
-Tolerance: tests/_tp_testing.py (fp32 sums in another order; a wrong mask or offset moves
+Tolerance: tests/support/tp_testing.py (fp32 sums in another order; a wrong mask or offset moves
 outputs by O(1)).
 """
 import pytest
 import torch
 import torch.distributed as dist
 
-from _dense_reference import assembled_grads, dense_attention, master_params
-from _tp_testing import assert_close_fp32, chunk_of, seeded_randn
+from support.dense_reference import assembled_grads, dense_attention, master_params
+from support.tp_testing import assert_close_fp32, chunk_of, seeded_randn
 from tpfuse.parallel.context_split import split_sequence
 
 S, B = 16, 2

@@ -7,7 +7,7 @@ parameter grad (reassembled from the shards) are compared on every rank; replica
 (norm weights, row-parallel biases) must also hold bitwise-identical grads on every TP rank — with
 sequence parallelism that is the layer's TP all-reduce of those grads.
 
-Tolerance: the per-op argument of tests/_tp_testing.py, compounded: a layer chains two norms, four
+Tolerance: the per-op argument of tests/support/tp_testing.py, compounded: a layer chains two norms, four
 GEMMs, a softmax and an activation forward and backward, so a gradient's rounding is the sum of
 several reordered-sum errors of up to ~1e-5 relative each (observed worst ≈ 2e-5 on a QKV weight
 grad). We allow rtol = atol = 5e-5; structural bugs still give errors of order 1e-2 .. 1.
@@ -15,9 +15,9 @@ grad). We allow rtol = atol = 5e-5; structural bugs still give errors of order 1
 import pytest
 import torch
 
-from _dense_reference import (assembled_grads, dense_transformer_layer, master_params)
-from _tp_testing import assert_close_fp32 as _close
-from _tp_testing import (assembled, chunk_of, expect_value_error, gather_tp, seeded_randn,
+from support.dense_reference import (assembled_grads, dense_transformer_layer, master_params)
+from support.tp_testing import assert_close_fp32 as _close
+from support.tp_testing import (assembled, chunk_of, expect_value_error, gather_tp, seeded_randn,
                          tp_layouts, tp_state)
 from tpfuse.kernels import backend as kernel_backend
 from tpfuse.kernels.backend import use_backend

@@ -17,14 +17,10 @@ for the one copy the layer still makes). Besides these: per layer norm the fp32 
 so the gathered SP input (sbh, not sbh/t) may no longer be kept for the weight gradient: the
 fused backward re-gathers it in the dgrad ring.
 """
-import os
-import sys
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
-
-from activation_memory import measure, paper_bytes  # noqa: E402
+from tpfuse.tp_layers.activation_memory import measure, paper_bytes
 
 S, B, H, HEADS = 16, 2, 128, 8      # d = 16 (the flash path), ≥ 2 heads per rank; FFN = 4H as in the paper
 # flash_attention gets q, k, v as views of the fused QKV output, (s, b, h, d)-ordered, and writes its

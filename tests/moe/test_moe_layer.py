@@ -19,8 +19,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from _moe_reference import draw_masters, reference_moe
-from _tp_testing import ATOL, RTOL
+from support.moe_reference import draw_masters, reference_moe
+from support.tp_testing import ATOL, RTOL
 from tpfuse.models.config import TransformerConfig
 from tpfuse.moe import MoELayer, RouterLossTracker
 from tpfuse.parallel.state import ParallelState

@@ -3,14 +3,14 @@
 
 One gloo world of 4 ranks, TP size looping over 1, 2, 4 inside the job (dp = 4 / tp); sequence
 parallelism on and off for the embedding. Outputs, input grads (logits) and the reassembled
-weight grads are compared on every rank. Tolerance: see tests/_tp_testing.py (the loss uses a
+weight grads are compared on every rank. Tolerance: see tests/support/tp_testing.py (the loss uses a
 max / sum-of-exp split over shards, which reorders the log-sum-exp sum: same rounding argument).
 """
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from _tp_testing import (assembled, assert_close_fp32, chunk_of, expect_value_error,
+from support.tp_testing import (assembled, assert_close_fp32, chunk_of, expect_value_error,
                          seeded_randn, tp_layouts, tp_state)
 from tpfuse.tp_layers import VocabParallelEmbedding, vocab_parallel_cross_entropy
 

@@ -25,7 +25,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._device import _device_constructors
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _EXEMPT = tuple(os.path.join(REPO, folder) + os.sep for folder in ("tests", "benchmarks"))
 _CONVERTERS = {torch.as_tensor, torch.asarray}     # keep a tensor argument's own device
 

@@ -8,7 +8,7 @@ so an element a kernel fails to write stays NaN and fails ``assert_close`` (NaN 
 import pytest
 import torch
 import torch.nn.functional as F
-from _attention_cases import (assert_all_close, make_inputs, mask_case, packed_document_ids, run_with_grads,
+from support.attention_cases import (assert_all_close, make_inputs, mask_case, packed_document_ids, run_with_grads,
                               visible_by_loops)
 
 from tpfuse.kernels import flash_attention_fwd

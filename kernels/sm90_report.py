@@ -2,8 +2,8 @@
 without a GPU, and report what ptxas says about each: registers per thread, spill bytes, shared
 memory, and whether the kernel uses TMA (``cp.async.bulk.tensor``) and warp-group MMA (``wgmma``).
 
-    python benchmarks/sm90_report.py            # a table
-    python benchmarks/sm90_report.py --json     # [{"kernel", "config", "registers", "spill_bytes",
+    python -m tpfuse.kernels.sm90_report            # a table
+    python -m tpfuse.kernels.sm90_report --json     # [{"kernel", "config", "registers", "spill_bytes",
                                                 #   "shared_bytes", "tma", "wgmma"}, ...]
 
 Which kernels: every ``@triton.jit`` / ``@triton.autotune`` kernel defined in a ``tpfuse.kernels``
@@ -170,7 +170,7 @@ def discover_kernels():
 
 def cases():
     """(report name, config text, kernel, constexprs, warps, stages, dtype, types) per compile."""
-    from sm90_specs import all_cases  # noqa: E402  (the per-kernel specs, next to this file)
+    from .sm90_specs import all_cases  # the per-kernel specs, next to this file
     return all_cases()
 
 
@@ -195,7 +195,7 @@ def collect(only=None, jobs=1):
         if not only or only in qualified:
             rows.append({"kernel": qualified, "config": "-", "registers": None, "spill_bytes": None,
                          "shared_bytes": None, "tma": None, "wgmma": None,
-                         "error": "no spec in benchmarks/sm90_specs.py"})
+                         "error": "no spec in kernels/sm90_specs.py"})
     return rows
 
 
@@ -231,8 +231,6 @@ def main(argv=None):
         print_table(rows)
     return 1 if problems(rows) else 0
 
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -12,7 +12,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from _tp_testing import assembled, seeded_randn
+from support.tp_testing import assembled, seeded_randn
 from tpfuse.tp_layers.init import shard
 
 

@@ -3,7 +3,7 @@ the plain-torch reference, through Triton's interpreter: odd key counts, grouped
 heads of a group are the rows of one tile), causal with a query offset, windows, documents, empty
 rows, strided KV-cache views, and the split plan itself.
 
-Tolerance: ``_attention_cases.tolerance`` (fp32: summation order only; 16-bit: the output rounding and
+Tolerance: ``support.attention_cases.tolerance`` (fp32: summation order only; 16-bit: the output rounding and
 the rounded P operand, as every flash attention). The merge adds one fp32 rescaling per split, far
 below it. A wrong split bound, merge weight or mask moves the output by O(1).
 """
@@ -12,7 +12,7 @@ import importlib
 import pytest
 import torch
 
-from _attention_cases import make_inputs, mask_case, tolerance
+from support.attention_cases import make_inputs, mask_case, tolerance
 from tpfuse.kernels import flash_attention_decode as decode
 from tpfuse.kernels.flash_attention import attention_forward, attention_reference
 from tpfuse.kernels.flash_attention_mask import build_mask

@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from _moe_reference import load_balancing_loss, route_token, z_loss
-from _tp_testing import ATOL, RTOL
+from support.moe_reference import load_balancing_loss, route_token, z_loss
+from support.tp_testing import ATOL, RTOL
 from tpfuse.models.config import TransformerConfig
 from tpfuse.moe import RouterLossTracker, TopKRouter, apply_capacity, topk_routing
 from tpfuse.moe.groups import MoEGroups

@@ -9,7 +9,7 @@ micro-batch or token count, a bias dropped, a wrong micro-batch count) moves the
 """
 import pytest
 
-from _megatron_style_script import STEPS, both
+from megatron_style_script import STEPS, both
 
 
 def test_megatron_style_script_matches_native_run(run_distributed):

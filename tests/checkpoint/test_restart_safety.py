@@ -2,7 +2,7 @@
 random moments (while asynchronous saves are in flight) and relaunched with the same command
 resumes and reproduces the uninterrupted run's losses, and its SIGKILLed launcher leaves no rank
 behind; SIGTERM with --exit-signal-handler saves at the iteration boundary and returns normally.
-(The launcher's signal handling with several ranks: tests/test_train_launcher.py.)"""
+(The launcher's signal handling with several ranks: tests/training/test_train_launcher.py.)"""
 import json
 import os
 import random
@@ -132,7 +132,7 @@ def _run_pretrain(argv):
 
 
 def test_sigterm_saves_at_the_iteration_boundary_and_returns(run_distributed, tmp_path):
-    """The rank side (the launcher's forwarding and exit 0: tests/test_train_launcher.py)."""
+    """The rank side (the launcher's forwarding and exit 0: tests/training/test_train_launcher.py)."""
     save, metrics = str(tmp_path / "ckpt"), str(tmp_path / "m.jsonl")
     (reason, iterations), = run_distributed(
         1, _train_until_sigterm, TINY + ["--train-iters", "100000", "--save", save,

@@ -21,7 +21,7 @@ import contextlib
 import pytest
 import torch
 
-from _tp_testing import chunk_of, seeded_randn
+from support.tp_testing import chunk_of, seeded_randn
 
 H, OUT, S, B = 8, 12, 8, 2
 

@@ -233,7 +233,7 @@ def _reference_order(result, rank):
 
 
 def _schedule_configs():
-    """Every (p, m, v, g) the schedule tests cover (tests/test_schedules.py::_valid_configs)."""
+    """Every (p, m, v, g) the schedule tests cover (tests/pipeline/test_schedules.py::_valid_configs)."""
     for p, v, m in itertools.product(range(1, 5), range(1, 4), range(1, 11)):
         for g in ([None] if v == 1 else range(p, m + 1)):
             if v > 1 and m % g and m % g < p:

@@ -4,13 +4,13 @@ gloo world of 4, TP size looping over 1, 2, 4 inside the job, sequence paralleli
 Multi-head attention with biases (head dim 4: the explicit-softmax path), grouped-query attention
 with rotary embeddings (head dim 16: the flash_attention path; explicit, shifted position ids),
 gelu MLP and SwiGLU MLP. Outputs, input grads and every parameter grad
-(reassembled from the shards) are compared on every rank; tolerance: tests/_tp_testing.py
+(reassembled from the shards) are compared on every rank; tolerance: tests/support/tp_testing.py
 (attention adds a softmax, whose fp32 rounding is of the same order).
 """
 import torch
 
-from _dense_reference import assembled_grads, dense_attention, dense_mlp, master_params
-from _tp_testing import (assert_close_fp32, chunk_of, expect_value_error, seeded_randn,
+from support.dense_reference import assembled_grads, dense_attention, dense_mlp, master_params
+from support.tp_testing import (assert_close_fp32, chunk_of, expect_value_error, seeded_randn,
                          tp_layouts, tp_state)
 from tpfuse.tp_layers import ParallelAttention, ParallelMLP
 

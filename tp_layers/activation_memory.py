@@ -2,12 +2,12 @@
 (2022, Table 2, flash attention: no 5as/h term), at tp = 1, 2, 4 with and without sequence
 parallelism (gloo processes on CPU; the count does not depend on the device).
 
-    python benchmarks/activation_memory.py [--hidden 256 --heads 8 --seq 256 --batch 2]
+    python -m tpfuse.tp_layers.activation_memory [--hidden 256 --heads 8 --seq 256 --batch 2]
 
 Counted with ``torch.autograd.graph.saved_tensors_hooks`` during one forward: each saved tensor's
 storage once, parameters excluded. The paper's count, in activation elements without dropout masks
 (p = 0): 16·sbh/t with SP, 4·sbh + 12·sbh/t without (layer-norm inputs and outputs replicated);
-plus the fp32 norm statistics and attention log-sum-exp (see tests/test_activation_memory.py, which
+plus the fp32 norm statistics and attention log-sum-exp (see tests/tp_layers/test_activation_memory.py, which
 asserts the equality at a tiny shape; the attention output is already in the projection's layout).
 """
 from __future__ import annotations

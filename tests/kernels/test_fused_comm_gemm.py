@@ -363,11 +363,8 @@ def test_symm_mem_kernel_compiles_for_hopper():
     """The GPU-only kernel type-checks and lowers for sm_90 here: tensor-core GEMM from the locally
     staged input, and the per-shard wait is an acquire (the copy engine's data is visible after
     the signal it wrote)."""
-    import os
-    import sys
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
-    from sm90_specs import symm_mem_cases
-    from sm90_report import compile_sm90
+    from tpfuse.kernels.sm90_specs import symm_mem_cases
+    from tpfuse.kernels.sm90_report import compile_sm90
 
     for _, _, kernel, constexprs, warps, stages, dtype, types in symm_mem_cases():
         ptx, meta = compile_sm90(kernel, constexprs, warps, stages, dtype, types)

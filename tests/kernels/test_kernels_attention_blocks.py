@@ -6,7 +6,7 @@ not just masked: keys / queries a block may not see are filled with NaN, which a
 """
 import pytest
 import torch
-from _attention_cases import assert_all_close, make_inputs, mask_case, run_with_grads
+from support.attention_cases import assert_all_close, make_inputs, mask_case, run_with_grads
 
 from tpfuse.kernels.flash_attention import (attention_backward, attention_forward, attention_reference,
                                             merge_attention)

@@ -11,7 +11,7 @@ with fresh ``torch.Generator``s seeded by hand.
 import pytest
 import torch
 
-from _tp_testing import gather_tp, seeded_randn, tp_layouts
+from support.tp_testing import gather_tp, seeded_randn, tp_layouts
 from tpfuse.tp_layers import TransformerLayer, get_rng_tracker, model_parallel_seed
 from tpfuse.tp_layers.random import RNGStatesTracker
 

@@ -19,7 +19,7 @@ def _module(name):
 
 
 def _case(name, kernel, meta, warps, stages, extra=None, dtype="bf16", types=None, label=None):
-    from sm90_report import config_text
+    from .sm90_report import config_text
     constexprs = dict(meta, **(extra or {}))
     text = label or config_text(meta, warps, stages)
     return (name, text, kernel, constexprs, warps, stages, dtype, types)
@@ -125,7 +125,7 @@ def _example_args(kernel, constexprs):
     """Named arguments an ``early_config_prune`` may read: bf16 / fp32 one-element tensors for
     pointers (dtype only), training-size integers, the constexprs."""
     import torch
-    from sm90_report import _arg_type
+    from .sm90_report import _arg_type
 
     args = {}
     for name in kernel.fn.arg_names:
@@ -141,7 +141,7 @@ def _example_args(kernel, constexprs):
 def generic_cases(covered):
     """Autotuned kernels without a spec above: every config that survives the kernel's own
     ``early_config_prune`` (if any), GENERIC_CONSTEXPRS for the rest."""
-    from sm90_report import autotuned_configs, discover_kernels
+    from .sm90_report import autotuned_configs, discover_kernels
     import triton
 
     out = []
@@ -249,7 +249,7 @@ def wgrad_cases():
 
 
 def config_text_of(config):
-    from sm90_report import config_text
+    from .sm90_report import config_text
     return config_text(config.kwargs, config.num_warps, config.num_stages)
 
 
@@ -298,7 +298,7 @@ def symm_mem_cases():
 
 
 def all_cases():
-    from sm90_report import _jit
+    from .sm90_report import _jit
 
     specific = matmul_cases() + norm_cases() + elementwise_cases() + special_cases()
     covered = {f"{_jit(c[2]).fn.__module__.rsplit('.', 1)[-1]}.{_jit(c[2]).__name__}" for c in specific}

@@ -1,20 +1,17 @@
 """Every tile configuration of every GPU kernel compiles for Hopper (sm_90a) without register
-spills and within one block's shared memory (benchmarks/sm90_report.py: Triton lowers each kernel
+spills and within one block's shared memory (kernels/sm90_report.py: Triton lowers each kernel
 to PTX with its bundled ptxas, no GPU needed). A config that spills or does not fit cannot win the
 autotuner (or, pinned, would run slow), so it must be pruned from the kernel's list, not kept.
 
 Also checks that the report covers every launched kernel of ``tpfuse.kernels`` (a new kernel needs
-an entry in benchmarks/sm90_specs.py or an autotuner the report can read), and that the Hopper
+an entry in kernels/sm90_specs.py or an autotuner the report can read), and that the Hopper
 GEMMs really use warp-group MMA and, for the persistent kernel, TMA.
 """
-import os
-import sys
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 
-import sm90_report  # noqa: E402
+from tpfuse.kernels import sm90_report
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # triton 3.9's FP-fusion notice
 

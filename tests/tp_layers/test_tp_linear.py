@@ -2,13 +2,13 @@
 
 One gloo world of 4 ranks; inside each job the TP size loops over 1, 2, 4 (ParallelState with
 tp = 1, 2, 4 and dp = 4 / tp). Outputs, input grads and every weight grad (all-gathered from the
-shards and reassembled) are compared on every rank. Tolerance: see tests/_tp_testing.py.
+shards and reassembled) are compared on every rank. Tolerance: see tests/support/tp_testing.py.
 """
 
 import torch
 from torch import nn
 
-from _tp_testing import (assembled, assert_close_fp32, chunk_of, expect_value_error,
+from support.tp_testing import (assembled, assert_close_fp32, chunk_of, expect_value_error,
                          seeded_randn, tp_layouts, tp_state)
 from tpfuse.parallel.comm_options import CommOptions
 from tpfuse.tp_layers import ColumnParallelLinear, RowParallelLinear

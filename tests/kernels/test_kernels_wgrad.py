@@ -192,10 +192,7 @@ def test_ring_comm_gemms_accumulate_into_main_grad(run_distributed):
 @pytest.mark.filterwarnings("ignore::UserWarning")     # triton 3.9's FP-fusion default notice
 def test_wgrad_kernel_compiles_for_sm90():
     triton = pytest.importorskip("triton")
-    import os
-    import sys
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
-    from sm90_report import compile_sm90
+    from tpfuse.kernels.sm90_report import compile_sm90
 
     from tpfuse.kernels import wgrad
     config = wgrad._hopper_configs()[0]
