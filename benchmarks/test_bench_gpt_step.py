@@ -128,7 +128,9 @@ def _tpfuse_trainer():
     config, args = parse_args(FLAGS)
     state = ParallelState.initialize()
     model = build_model(make_gpt_model_provider(config), config, state=state)
-    buffers, optimizer = build_buffers_and_optimizer(model, args, config, state)
+    buffers, optimizer = build_buffers_and_optimizer(
+        model, config, state, optimizer=args.optimizer, precision=args.precision,
+        data_parallel=args.data_parallel, lr=args.scheduler.lr)
     forward_backward = get_forward_backward_func(state)
 
     def step(batch):

@@ -104,7 +104,7 @@ def test_prefill(benchmark, models, impl):
         logits = benchmark.pedantic(PREFILL_IMPLS[impl], (ours, hf, ids), rounds=ROUNDS,
                                     warmup_rounds=1)
         expected = hf(ids).logits
-    # fp32, same weights: only the order of operations differs (see tests/test_hf_conversion.py)
+    # fp32, same weights: only the order of operations differs (see tests/convert/test_hf_conversion.py)
     torch.testing.assert_close(logits[..., :VOCAB], expected[:, -logits.shape[1]:], rtol=1e-4,
                                atol=1e-4)
 

@@ -24,7 +24,7 @@ Memory is a count, not a timing: the numbers do not depend on machine load.
 import pytest
 import torch
 
-from activation_memory import paper_bytes
+from tpfuse.tp_layers.activation_memory import paper_bytes
 from tpfuse.parallel.launch import WorkerPool
 
 S, B, H, HEADS = 256, 2, 256, 8

@@ -17,7 +17,7 @@ Two main-loop designs share one epilogue (``y = act(acc + bias)``, optionally al
 
 Epilogue: tiles 256 wide are processed in two 128-column halves (``EPILOGUE_SPLIT``), so the
 bias + gelu + pre-activation store never holds two full fp32 tiles of temporaries (no spills at
-128×256 / 8 warps; ``benchmarks/sm90_report.py`` checks every config).
+128×256 / 8 warps; ``kernels/sm90_report.py`` checks every config).
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, stages, warps)
-# Pruned by benchmarks/sm90_report.py: 128×128 at 4 warps spills in the bias+gelu epilogue (and an
+# Pruned by kernels/sm90_report.py: 128×128 at 4 warps spills in the bias+gelu epilogue (and an
 # 8-warp 128×128 tile does the same work without), so it cannot win.
 TMA_SHAPES = [(128, 256, 64, 3, 8), (128, 128, 64, 4, 8), (64, 128, 64, 4, 4)]
 POINTER_SHAPES = [(128, 256, 64, 3, 8), (128, 128, 64, 4, 8), (128, 64, 64, 4, 4),

@@ -48,7 +48,7 @@ CPU_META = {"BLOCK_N": 16, "BLOCK_K": 32, "BLOCK_M": 32}
 def _hopper_configs():
     """(BLOCK_N, BLOCK_K, BLOCK_M, stages, warps) for sm_90: the reduction dim is the token count M
     (large), the output (n, k) is a weight (large), so big square-ish tiles with deep pipelines."""
-    # pruned by benchmarks/sm90_report.py: with the fp32 main_grad tile loaded in the epilogue,
+    # pruned by kernels/sm90_report.py: with the fp32 main_grad tile loaded in the epilogue,
     # 128×256 / 256×128 at 8 warps and 128×128 at 4 warps spill (192-392 bytes), so cannot win
     shapes = [(128, 128, 64, 4, 8), (64, 128, 64, 4, 4), (64, 64, 32, 5, 2)]
     return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "BLOCK_M": bm}, num_stages=s,

@@ -1,10 +1,11 @@
 """Model providers and ``build_model``: this rank's GPT model chunks.
 
-``gpt_model_provider(pre_process, post_process, vp_stage=None)`` has Megatron's signature and reads
-the config registered with ``set_global_config`` (Megatron reads ``get_args()``);
-``make_gpt_model_provider(config)`` returns the same function closed over an explicit config.
-``build_model`` calls a provider once per virtual stage and passes ``state=`` to a provider that
-accepts it.
+``build_model(provider, config, state)`` calls a provider once per virtual stage and passes
+``config=`` and ``state=`` to a provider that accepts them (Megatron's newer providers take
+``config``), so a provider needs no global to know the model. ``make_gpt_model_provider(config)``
+returns a provider closed over an explicit config. ``gpt_model_provider(pre_process,
+post_process, vp_stage=None, config=None)`` has Megatron's signature; called without ``config``
+(outside ``build_model``) it falls back to the config registered with ``set_global_config``.
 """
 from __future__ import annotations
 
@@ -28,10 +29,12 @@ def get_global_config():
     return _GLOBAL_CONFIG
 
 
-def gpt_model_provider(pre_process=True, post_process=True, vp_stage=None, state=None):
-    """Megatron's model_provider signature, building from the registered global config."""
-    return GPTModel(get_global_config(), pre_process=pre_process, post_process=post_process,
-                    vp_stage=vp_stage, state=state)
+def gpt_model_provider(pre_process=True, post_process=True, vp_stage=None, state=None,
+                       config=None):
+    """Megatron's model_provider signature: a GPTModel of ``config`` (``build_model`` passes
+    it), else of the registered global config."""
+    return GPTModel(get_global_config() if config is None else config, pre_process=pre_process,
+                    post_process=post_process, vp_stage=vp_stage, state=state)
 
 
 def make_gpt_model_provider(config):
@@ -42,12 +45,14 @@ def make_gpt_model_provider(config):
     return provider
 
 
-def _accepts_state(provider):
+def _accepts(provider, name: str) -> bool:
+    """Does ``provider`` take the keyword ``name`` (by name or through ``**kwargs``)?"""
     try:
         params = inspect.signature(provider).parameters.values()
     except (TypeError, ValueError):
         return False
-    return any(p.name == "state" or p.kind is p.VAR_KEYWORD for p in params)
+    return any((p.name == name and p.kind is not p.POSITIONAL_ONLY) or p.kind is p.VAR_KEYWORD
+               for p in params)
 
 
 def build_model(model_provider, config, state=None):
@@ -64,8 +69,10 @@ def build_model(model_provider, config, state=None):
     for c in range(vpp or 1):
         pre, post = pp_rank == 0 and c == 0, pp_rank == pp - 1 and c == (vpp or 1) - 1
         kwargs = dict(pre_process=pre, post_process=post, vp_stage=None if vpp is None else c)
-        if state is not None and _accepts_state(model_provider):
+        if state is not None and _accepts(model_provider, "state"):
             kwargs["state"] = state
+        if _accepts(model_provider, "config"):
+            kwargs["config"] = config
         if vpp is not None:
             resolved.vpp_rank = c        # as Megatron, for providers that read the current chunk
         chunk = model_provider(**kwargs)

@@ -23,7 +23,7 @@ from types import SimpleNamespace
 
 import torch
 
-from _device_audit import REPO, DefaultDeviceRecorder, PretendNccl, built_on_cpu
+from support.device_audit import REPO, DefaultDeviceRecorder, PretendNccl, built_on_cpu
 
 TINY = ["--num-layers", "4", "--hidden-size", "16", "--num-attention-heads", "2",
         "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "8",

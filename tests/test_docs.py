@@ -222,7 +222,14 @@ def command_flags() -> dict[str, set[str]]:
     for script in sorted(os.listdir(os.path.join(ROOT, "benchmarks"))):
         if script.endswith(".py") and not script.startswith("test_"):
             flags[f"benchmarks/{script}"] = script_flags(os.path.join(ROOT, "benchmarks", script))
+    for module, path in MODULE_TOOLS.items():
+        flags[module] = script_flags(os.path.join(ROOT, path))
     return flags
+
+
+# Library modules run as tools (``python3 -m <module>``), read like the benchmark scripts.
+MODULE_TOOLS = {"tpfuse.kernels.sm90_report": "kernels/sm90_report.py",
+                "tpfuse.tp_layers.activation_memory": "tp_layers/activation_memory.py"}
 
 
 def script_flags(path: str) -> set[str]:
@@ -261,7 +268,9 @@ def _command_of(words: list[str], scripts) -> tuple[str | None, int]:
                 return word, i + j + 1
             if word == "-m":
                 module = words[j + 1] if j + 1 < len(words) else None
-                return (TRAINER, i + j + 2) if module == "tpfuse.pretrain_gpt" else (None, 0)
+                if module == "tpfuse.pretrain_gpt":
+                    return TRAINER, i + j + 2
+                return (module, i + j + 2) if module in scripts else (None, 0)
             if not word.startswith("-") and words[0] != "torchrun":
                 break
     return None, 0

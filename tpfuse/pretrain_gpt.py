@@ -1,11 +1,14 @@
 """Pretrain a GPT: ``torchrun --nproc-per-node N -m tpfuse.pretrain_gpt <flags>`` (or ``tpfuse-train``).
 
 The three callbacks of Megatron's pretrain_gpt.py, written for tpfuse: the model provider builds
-a :class:`tpfuse.models.GPTModel` from the parsed config, the datasets come from the indexed files
-of ``--data-path`` (or ``--mock-data``), and ``forward_step`` returns the per-token losses with a
-loss function that averages them over the loss mask; the fourth, ``sample_func``, continues
-``--sample-prompt`` after training with ``tpfuse.inference``. Without flags the ``stdlib-demo``
-preset (``training/presets.py``) runs.
+a :class:`tpfuse.models.GPTModel` from the config ``build_model`` passes, the datasets come from
+the indexed files of ``--data-path`` (or ``--mock-data``), and ``forward_step`` returns the
+per-token losses with a loss function that averages them over the loss mask; the fourth,
+``sample_func``, continues ``--sample-prompt`` after training with ``tpfuse.inference``. Settings
+arrive as keyword-only parameters that ``pretrain`` binds (``data``: the DataSettings,
+``config``: the TransformerConfig, ``tokenizer``), so the schedules still call
+``forward_step(data_iterator, model)`` and nothing reads a global. Without flags the
+``stdlib-demo`` preset (``training/presets.py``) runs.
 """
 from __future__ import annotations
 
@@ -15,7 +18,7 @@ from functools import partial
 
 import torch
 
-from tpfuse.training.pretrain import get_args, get_config, get_tokenizer, pretrain
+from tpfuse.training.pretrain import pretrain
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
@@ -27,23 +30,34 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     return loss, {"lm loss": reported}
 
 
-def forward_step(data_iterator, model):
+def _fields_needed(model, data, config) -> tuple[bool, bool | None]:
+    """(position ids?, document ids?) this chunk takes from its batch. Without the settings (a
+    wrapper calling ``forward_step(data_iterator, model)``): ``(True, None)``, the batch is read
+    and its document ids used where it holds them (the same numbers; a middle stage then reads a
+    batch it could have skipped)."""
+    if data is None:
+        return True, None
+    rope = (model.config if config is None else config).position_embedding_type == "rope"
+    return model.pre_process or (data.reset_position_ids and rope), data.reset_attention_mask
+
+
+def forward_step(data_iterator, model, *, data=None, config=None):
     """One micro-batch through one model chunk: (output, loss function). A chunk copies only
     what it uses: tokens on the first stage, labels on the last, position ids where the first
     stage embeds them or rope needs the sample's own (--reset-position-ids), document ids on every
     chunk with --reset-attention-mask; a middle pipeline stage needing none of them reads no batch
     at all, as in Megatron. With context parallelism the batch is cut to this cp rank's s/cp
-    tokens (chunks r and 2·cp−1−r) first."""
+    tokens (chunks r and 2·cp−1−r) first. ``data`` (the DataSettings) and ``config`` (the
+    TransformerConfig; default the chunk's) are bound by ``pretrain``."""
     from tpfuse.training.context_parallel import get_batch_on_this_cp_rank
 
     first, last = model.pre_process, model.post_process
-    args = get_args()
-    positions_needed = first or (args.reset_position_ids
-                                 and get_config().position_embedding_type == "rope")
-    documents_needed = args.reset_attention_mask
+    positions_needed, documents_needed = _fields_needed(model, data, config)
     if not (first or last or positions_needed or documents_needed):
         return model(None), partial(loss_func, None)
     batch = get_batch_on_this_cp_rank(next(data_iterator))
+    if documents_needed is None:
+        documents_needed = "document_ids" in batch
     device = next(model.parameters()).device
     tokens = batch["tokens"].to(device) if first else None                # (b, s[/cp])
     labels = batch["labels"].to(device) if last else None                 # (b, s[/cp])
@@ -53,29 +67,33 @@ def forward_step(data_iterator, model):
     return output, partial(loss_func, batch["loss_mask"] if last else None)
 
 
-def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage=None):
+def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage=None,
+                   config=None):
+    """This stage's GPTModel of ``config`` (the TransformerConfig ``build_model`` passes)."""
     from tpfuse.models import GPTModel
 
-    return GPTModel(get_config(), pre_process=pre_process, post_process=post_process,
+    if config is None:
+        raise ValueError("model_provider needs config= (build_model passes the TransformerConfig)")
+    return GPTModel(config, pre_process=pre_process, post_process=post_process,
                     vp_stage=vp_stage)
 
 
-def train_valid_test_datasets_provider(train_val_test_num_samples):
+def train_valid_test_datasets_provider(train_val_test_num_samples, *, data, config, tokenizer):
     """Mock or indexed GPT datasets (``--data-path`` blends cut by ``--split``, or the per-split
-    ``--train/valid/test-data-path`` blends), built rank 0 first and cached."""
+    ``--train/valid/test-data-path`` blends), built rank 0 first and cached. ``data``: the
+    DataSettings; ``config``: the TransformerConfig (seed, sequence length)."""
     from tpfuse.data import (BlendedMegatronDatasetBuilder, GPTDataset, GPTDatasetConfig,
                              MockGPTDataset, blend_from_cli)
 
-    args, config = get_args(), get_config()
-    per_split = [args.train_data_path, args.valid_data_path, args.test_data_path]
+    per_split = data.per_split_paths
     dataset_config = GPTDatasetConfig(
         random_seed=config.seed, sequence_length=config.seq_length,
-        reset_position_ids=args.reset_position_ids,
-        reset_attention_mask=args.reset_attention_mask, eod_mask_loss=args.eod_mask_loss,
-        tokenizer=get_tokenizer(), blend=blend_from_cli(args.data_path),
+        reset_position_ids=data.reset_position_ids,
+        reset_attention_mask=data.reset_attention_mask, eod_mask_loss=data.eod_mask_loss,
+        tokenizer=tokenizer, blend=blend_from_cli(data.data_path),
         blend_per_split=[blend_from_cli(p) for p in per_split] if any(per_split) else None,
-        split=args.split, path_to_cache=args.data_cache_path, mock=args.mock_data)
-    dataset_cls = MockGPTDataset if args.mock_data else GPTDataset
+        split=data.split, path_to_cache=data.data_cache_path, mock=data.mock_data)
+    dataset_cls = MockGPTDataset if data.mock_data else GPTDataset
     return BlendedMegatronDatasetBuilder(dataset_cls, train_val_test_num_samples,
                                          lambda: True, dataset_config).build()
 

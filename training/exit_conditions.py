@@ -22,15 +22,16 @@ from tpfuse.parallel.devices import collective_device
 
 
 class ExitConditions:
-    """``reason(iteration)`` → None, or why training stops after this iteration (collective)."""
+    """``reason(iteration)`` → None, or why training stops after this iteration (collective).
+    ``settings``: the CheckpointSettings (its ``exit_*`` fields)."""
 
-    def __init__(self, args, start_time: float | None = None):
-        self.interval = args.exit_interval
-        self.duration_s = None if args.exit_duration_in_mins is None \
-            else 60.0 * args.exit_duration_in_mins
+    def __init__(self, settings, start_time: float | None = None):
+        self.interval = settings.exit_interval
+        self.duration_s = None if settings.exit_duration_in_mins is None \
+            else 60.0 * settings.exit_duration_in_mins
         self.start_time = time.monotonic() if start_time is None else start_time
         self.signal_received = False
-        self.handles_signal = bool(args.exit_signal_handler)
+        self.handles_signal = bool(settings.exit_signal_handler)
         self._previous_handler = None
         if self.handles_signal:
             self._previous_handler = signal.signal(signal.SIGTERM, self._on_signal)

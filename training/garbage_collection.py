@@ -23,31 +23,36 @@ from __future__ import annotations
 
 import contextlib
 import gc
+from dataclasses import dataclass
+
+from .settings_fields import SettingsGroup, setting
 
 
-def add_gc_arguments(parser) -> None:
+@dataclass(frozen=True, kw_only=True)
+class GarbageCollectionSettings(SettingsGroup):
     """Megatron's garbage-collection flags."""
-    group = parser.add_argument_group("garbage collection")
-    group.add_argument("--manual-gc", action="store_true",
-                       help="turn Python's automatic garbage collector off during training and "
-                            "collect at the same iterations on every rank")
-    group.add_argument("--manual-gc-interval", type=int, default=0,
-                       help="with --manual-gc: collect every this many iterations (0: only when "
-                            "training starts and around evaluations)")
-    group.add_argument("--no-manual-gc-eval", action="store_false", dest="manual_gc_eval",
-                       help="with --manual-gc: do not collect before and after each evaluation")
+    TITLE = "garbage collection"
 
+    manual_gc: bool = setting(
+        False, "turn Python's automatic garbage collector off during training and collect at "
+               "the same iterations on every rank")
+    manual_gc_interval: int = setting(
+        0, "with --manual-gc: collect every this many iterations (0: only when training starts "
+           "and around evaluations)")
+    manual_gc_eval: bool = setting(
+        True, "with --manual-gc: do not collect before and after each evaluation",
+        flag="--no-manual-gc-eval")
 
-def check_gc_arguments(args) -> None:
-    if args.manual_gc_interval < 0:
-        raise ValueError(f"--manual-gc-interval must be >= 0 (0: no periodic collection), got "
-                         f"{args.manual_gc_interval}")
+    def check(self) -> None:
+        if self.manual_gc_interval < 0:
+            raise ValueError(f"--manual-gc-interval must be >= 0 (0: no periodic collection), "
+                             f"got {self.manual_gc_interval}")
 
 
 class ManualGC:
     """The collection points of the table above; every method is a no-op without ``--manual-gc``.
 
-        collector = ManualGC(args)
+        collector = ManualGC(settings)          # GarbageCollectionSettings
         try:
             collector.start()
             while training:
@@ -59,10 +64,10 @@ class ManualGC:
             collector.stop()
     """
 
-    def __init__(self, args):
-        self.enabled = bool(args.manual_gc)
-        self.interval = args.manual_gc_interval
-        self.at_evaluation = self.enabled and args.manual_gc_eval
+    def __init__(self, settings: GarbageCollectionSettings):
+        self.enabled = bool(settings.manual_gc)
+        self.interval = settings.manual_gc_interval
+        self.at_evaluation = self.enabled and settings.manual_gc_eval
         self._was_enabled = None
 
     def start(self) -> None:

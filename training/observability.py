@@ -75,28 +75,33 @@ class WandbWriter:
         self.run.finish()
 
 
-def build_writers(args, is_logger: bool) -> list:
-    """The TensorBoard / wandb writers the flags ask for (none off the logging rank)."""
+def build_writers(settings, is_logger: bool, run_values: dict | None = None) -> list:
+    """The TensorBoard / wandb writers ``settings`` (ObservabilitySettings) ask for (none off the
+    logging rank); wandb's run config is the scalars of ``run_values`` (every flag's value)."""
     if not is_logger:
         return []
     writers = []
-    if args.tensorboard_dir:
-        writers.append(TensorBoardWriter(args.tensorboard_dir, args.tensorboard_log_interval))
-    if args.wandb_project:
-        config = {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool))}
-        writers.append(WandbWriter(args.wandb_project, args.wandb_exp_name,
-                                   args.wandb_save_dir, config))
+    if settings.tensorboard_dir:
+        writers.append(TensorBoardWriter(settings.tensorboard_dir,
+                                         settings.tensorboard_log_interval))
+    if settings.wandb_project:
+        config = {k: v for k, v in (run_values or {}).items()
+                  if isinstance(v, (int, float, str, bool))}
+        writers.append(WandbWriter(settings.wandb_project, settings.wandb_exp_name,
+                                   settings.wandb_save_dir, config))
     return writers
 
 
 class StepProfiler:
     """torch.profiler over iterations [start, end) on the chosen ranks; ``step(n)`` before
-    iteration n runs (n counts from 1), ``close()`` at the end writes what was recorded."""
+    iteration n runs (n counts from 1), ``close()`` at the end writes what was recorded;
+    ``settings``: the ObservabilitySettings."""
 
-    def __init__(self, args, rank: int):
-        self.enabled = bool(args.profile) and rank in args.profile_ranks
-        self.start, self.end, self.rank = args.profile_step_start, args.profile_step_end, rank
-        self.folder = args.profile_dir or args.tensorboard_dir or "profile"
+    def __init__(self, settings, rank: int):
+        self.enabled = bool(settings.profile) and rank in settings.profile_ranks
+        self.start, self.end = settings.profile_step_start, settings.profile_step_end
+        self.rank = rank
+        self.folder = settings.profile_dir or settings.tensorboard_dir or "profile"
         self.profiler = None
         self.path = None
 
@@ -165,26 +170,30 @@ def write_loss_curve(metrics_file: str) -> str | None:
 class RunMonitor:
     """Everything above for one rank: ``before_iteration(n)`` (profiler), ``measure(batch,
     seconds)`` (TFLOP/s per rank and MFU for the record), ``sinks`` (the writers, for the
-    logger), ``close()`` (trace, writers, loss curve)."""
+    logger), ``close()`` (trace, writers, loss curve). ``settings``: the ObservabilitySettings;
+    ``metrics_file``: ``--metrics-file`` (its loss curve is drawn at the end); ``run_values``:
+    every flag's value, for wandb's run config."""
 
-    def __init__(self, args, config, is_logger: bool, rank: int, world_size: int):
-        self.args, self.config, self.world_size = args, config, world_size
+    def __init__(self, settings, config, is_logger: bool, rank: int, world_size: int, *,
+                 metrics_file: str | None = None, run_values: dict | None = None):
+        self.config, self.world_size = config, world_size
+        self.peak_tflops, self.metrics_file = settings.peak_tflops, metrics_file
         self.is_logger = is_logger
-        self.sinks = build_writers(args, is_logger)
-        self.profiler = StepProfiler(args, rank)
+        self.sinks = build_writers(settings, is_logger, run_values)
+        self.profiler = StepProfiler(settings, rank)
 
     def before_iteration(self, iteration: int) -> None:
         self.profiler.step(iteration)
 
     def measure(self, global_batch_size: int, seconds: float) -> dict:
         return throughput(self.config, global_batch_size, seconds, self.world_size,
-                          self.args.peak_tflops)
+                          self.peak_tflops)
 
     def close(self) -> None:
         self.profiler.close()
         for sink in self.sinks:
             sink.close()
-        if self.is_logger and self.args.metrics_file:
-            path = write_loss_curve(self.args.metrics_file)
+        if self.is_logger and self.metrics_file:
+            path = write_loss_curve(self.metrics_file)
             if path:
                 print(f"> loss curve written to {path}", flush=True)

@@ -7,7 +7,9 @@ own values, and flags given on the command line override the preset::
     tpfuse-train --preset stdlib-demo --train-iters 20 --nproc-per-node 2 \\
                  --tensor-model-parallel-size 1 --no-sequence-parallel
 
-A preset's pipeline interleaving yields to a command line whose layout has no room for it (see
+A preset acts on argparse's namespace, before the settings are built and validated from it
+(``arguments.parse_args``); its flag names must be settings or TransformerConfig fields. A preset's
+pipeline interleaving yields to a command line whose layout has no room for it (see
 ``fit_interleaving``); sequence parallelism at tp = 1 is switched off by the config, as Megatron
 does.
 
@@ -32,7 +34,7 @@ CORPUS_NAME = "stdlib_byte"
 class Preset:
     name: str
     description: str
-    flags: dict = field(default_factory=dict)   # argparse dest -> value
+    flags: dict = field(default_factory=dict)   # argparse dest (a settings/config field) -> value
     nproc_per_node: int = 1                      # the launcher's process count
     stdlib_corpus: bool = False                  # train on the standard library unless data given
 
@@ -85,7 +87,7 @@ def preset_from_argv(argv) -> Preset | None:
 VPP_FLAG = "--num-layers-per-virtual-pipeline-stage"
 
 
-def fit_interleaving(args, preset: Preset, argv: list[str]) -> str | None:
+def fit_interleaving(namespace, preset: Preset, argv: list[str]) -> str | None:
     """Drop the preset's pipeline interleaving where the command line's layout leaves no room
     for it; returns the note saying so (None when nothing changed).
 
@@ -99,13 +101,13 @@ def fit_interleaving(args, preset: Preset, argv: list[str]) -> str | None:
     value = preset.flags.get("num_layers_per_virtual_pipeline_stage")
     if value is None or any(a.split("=", 1)[0] == VPP_FLAG for a in argv):
         return None
-    pp, layers = args.pipeline_model_parallel_size, args.num_layers
-    own_split = (args.virtual_pipeline_model_parallel_size is not None
-                 or args.decoder_first_pipeline_num_layers is not None
-                 or args.decoder_last_pipeline_num_layers is not None)
+    pp, layers = namespace.pipeline_model_parallel_size, namespace.num_layers
+    own_split = (namespace.virtual_pipeline_model_parallel_size is not None
+                 or namespace.decoder_first_pipeline_num_layers is not None
+                 or namespace.decoder_last_pipeline_num_layers is not None)
     if pp > 1 and layers % pp == 0 and (layers // pp) % value == 0 and not own_split:
         return None
-    args.num_layers_per_virtual_pipeline_stage = None
+    namespace.num_layers_per_virtual_pipeline_stage = None
     return (f"preset {preset.name}: its {VPP_FLAG} {value} does not fit "
             f"--pipeline-model-parallel-size {pp} with --num-layers {layers}"
             f"{' and the given virtual/uneven stages' if own_split else ''}; not interleaving")
@@ -117,7 +119,7 @@ ITERATION_FORM_DEFAULTS = {"train_iters": None, "lr_warmup_iters": 0, "lr_decay_
                            "lr_wsd_decay_iters": None}
 
 
-def fit_run_length(args, preset: Preset, argv: list[str]) -> str | None:
+def fit_run_length(namespace, preset: Preset, argv: list[str]) -> str | None:
     """A command line that makes the run sample-based (``--train-samples`` ...) replaces the
     preset's iteration-based length and schedule (``train_iters``, ``lr_warmup_iters``,
     ``lr_decay_iters`` return to Megatron's defaults) instead of clashing with them; returns the
@@ -130,7 +132,7 @@ def fit_run_length(args, preset: Preset, argv: list[str]) -> str | None:
                if preset.flags.get(name, default) != default
                and "--" + name.replace("_", "-") not in given]
     for name in dropped:
-        setattr(args, name, ITERATION_FORM_DEFAULTS[name])
+        setattr(namespace, name, ITERATION_FORM_DEFAULTS[name])
     if not dropped:
         return None
     return (f"preset {preset.name}: sample-based run, so its "
@@ -146,9 +148,9 @@ def stdlib_source_dir() -> str:
     return sysconfig.get_paths()["stdlib"]
 
 
-def names_data(args) -> bool:
-    return bool(args.mock_data or args.data_path or args.train_data_path
-                or args.valid_data_path or args.test_data_path)
+def names_data(namespace) -> bool:
+    return bool(namespace.mock_data or namespace.data_path or namespace.train_data_path
+                or namespace.valid_data_path or namespace.test_data_path)
 
 
 def ensure_stdlib_corpus(cache_dir: str, announce: bool = True) -> str:
@@ -183,13 +185,13 @@ def _build_corpus(prefix: str, announce: bool) -> None:
     os.replace(staging + ".idx", prefix + ".idx")
 
 
-def fill_preset_data(args, preset: Preset) -> None:
+def fill_preset_data(namespace, preset: Preset) -> None:
     """A preset's data when the flags name none (the stdlib corpus, built if missing)."""
-    if not preset.stdlib_corpus or names_data(args):
+    if not preset.stdlib_corpus or names_data(namespace):
         return
-    cache = default_cache_dir(args.data_cache_path)
-    args.data_path = [ensure_stdlib_corpus(cache, announce=os.environ.get("RANK", "0") == "0")]
-    args.data_cache_path = cache
+    cache = default_cache_dir(namespace.data_cache_path)
+    namespace.data_path = [ensure_stdlib_corpus(cache, announce=os.environ.get("RANK", "0") == "0")]
+    namespace.data_cache_path = cache
 
 
 def launcher_plan(trainer_argv: list[str], nproc_per_node: int | None):

@@ -3,9 +3,16 @@
 The user supplies three callbacks, as in Megatron:
 
 - ``train_valid_test_datasets_provider([n_train, n_valid, n_test]) -> (train, valid, test)``
-  (datasets of sample dicts; ``get_args()`` / ``get_config()`` give the parsed settings);
-- ``model_provider(pre_process, post_process, vp_stage=None) -> nn.Module``;
+  (datasets of sample dicts);
+- ``model_provider(pre_process, post_process, vp_stage=None, config=None) -> nn.Module``
+  (``build_model`` passes ``config``, the TransformerConfig, to a provider that takes it);
 - ``forward_step(data_iterator, model) -> (output_tensor, loss_func)``.
+
+Settings reach a callback explicitly, never through a global (no ``get_args()``): a keyword-only
+parameter named after a settings group (``data``, ``training``, ... of ``TrainerSettings``),
+``config`` (the TransformerConfig) or ``tokenizer`` is bound to this run's value before the
+callback is used (``bind_settings``), e.g. ``def forward_step(data_iterator, model, *, data,
+config)``; the schedules still call ``forward_step(data_iterator, model)``.
 
 One optimizer step::
 
@@ -20,6 +27,8 @@ One optimizer step::
 """
 from __future__ import annotations
 
+import functools
+import inspect
 import time
 from dataclasses import dataclass, field
 
@@ -31,7 +40,7 @@ from tpfuse.parallel import parallel_state
 from tpfuse.parallel.devices import collective_device
 from tpfuse.parallel.microbatches import MicrobatchCalculator
 from tpfuse.runtime.initialize import check_layout, initialize_distributed
-from tpfuse.training.arguments import comm_options_from_args, parse_args
+from tpfuse.training.arguments import parse_args
 from tpfuse.training.checkpointing import (Checkpointing, describe_exit, prepare_save_dir,
                                            resume_point)
 from tpfuse.training.logging_utils import TrainingLogger
@@ -46,27 +55,6 @@ from tpfuse.training.timers import Timers
 from tpfuse.training.train_samples import iterations_for_samples, lr_schedule, wsd_decay_length
 from tpfuse.training.train_step import (NonFinitePolicy, build_buffers_and_optimizer,
                                         loss_nonfinite, loss_scaled)
-
-_GLOBALS: dict = {}
-
-
-def get_args():
-    """The parsed training flags of the running ``pretrain`` (Megatron's ``get_args``)."""
-    if "args" not in _GLOBALS:
-        raise RuntimeError("get_args() called outside pretrain(): no arguments are parsed yet")
-    return _GLOBALS["args"]
-
-
-def get_config():
-    """The TransformerConfig of the running ``pretrain``."""
-    if "config" not in _GLOBALS:
-        raise RuntimeError("get_config() called outside pretrain(): no config is parsed yet")
-    return _GLOBALS["config"]
-
-
-def get_tokenizer():
-    """The tokenizer of ``--tokenizer-type`` (Megatron's ``get_tokenizer``)."""
-    return get_args().tokenizer
 
 
 @dataclass
@@ -84,53 +72,64 @@ class TrainingResult:
     loss_scales: list = field(default_factory=list)    # every rank: the scale after the step
 
 
+@dataclass(frozen=True)
+class RunLength:
+    """What the settings leave to the layout: the global batch (default micro × dp) and the
+    optimizer steps (a sample-based run's follow from its samples and the batch ramp-up)."""
+    global_batch_size: int
+    train_iters: int
+
+
 class _Run:
     """Everything one training process holds; methods are the loop's steps."""
 
-    def __init__(self, config, args, model_provider, forward_step, datasets_provider):
+    def __init__(self, config, settings, length: RunLength, model_provider, forward_step,
+                 datasets_provider):
         from tpfuse.models import build_model
         from tpfuse.pipeline import get_forward_backward_func
 
-        self.config, self.args = config, args
+        self.config, self.settings, self.length = config, settings, length
+        training, checkpoint = settings.training, settings.checkpoint
         self.forward_step = forward_step
         self.state = parallel_state.get_default_state()
         self.device = collective_device()
         self.model = [chunk.to(self.device) for chunk in build_model(model_provider, config)]
-        if args.load and args.finetune and resume_point(args.load, args.exit_on_missing_checkpoint):
-            ckpt.load_weights_only(args.load, self.model, self.state)   # before the optimizer
+        resumes = checkpoint.load and resume_point(checkpoint.load,
+                                                   checkpoint.exit_on_missing_checkpoint)
+        if resumes and checkpoint.finetune:
+            ckpt.load_weights_only(checkpoint.load, self.model, self.state)  # before the optimizer
         self.params = [p for chunk in self.model for p in chunk.parameters() if p.requires_grad]
-        self.ddp, self.optimizer = build_buffers_and_optimizer(self.model, args, config,
-                                                               self.state)
+        self.ddp, self.optimizer = build_buffers_and_optimizer(
+            self.model, config, self.state, optimizer=settings.optimizer,
+            precision=settings.precision, data_parallel=settings.data_parallel,
+            lr=settings.scheduler.lr)
         self.nonfinite = NonFinitePolicy(self.optimizer.grad_scaler is not None,
-                                         args.skip_nonfinite)
-        warmup, decay, unit = lr_schedule(args)
-        self.scheduler = LRScheduler(self.optimizer, args.lr, args.min_lr, warmup, decay,
-                                     args.lr_decay_style, unit,
-                                     wsd_decay_steps=wsd_decay_length(args),
-                                     wsd_decay_style=args.lr_wsd_decay_style)
+                                         settings.precision.skip_nonfinite)
+        self.scheduler = _build_scheduler(self.optimizer, training, settings.scheduler)
         self.forward_backward = get_forward_backward_func(self.state, config.pipeline_schedule)
-        self.timers = Timers(args.timing_log_level, args.timing_log_option, self.device)
+        self.timers = Timers(settings.timing.timing_log_level, settings.timing.timing_log_option,
+                             self.device)
         self.calculator = MicrobatchCalculator(
-            args.global_batch_size, args.micro_batch_size, self.state.dp_size,
-            rampup_batch_size=args.rampup_batch_size)
+            length.global_batch_size, training.micro_batch_size, self.state.dp_size,
+            rampup_batch_size=training.rampup_batch_size)
         self.iteration, self.consumed_samples = 0, 0
         self.is_logger = (self.state.is_pipeline_last_stage() and self.state.tp_rank == 0
                           and self.state.dp_rank == 0 and self.state.rank_in("cp") == 0)
-        if args.load and not args.finetune and resume_point(args.load,
-                                                            args.exit_on_missing_checkpoint):
-            loaded = ckpt.load_checkpoint(args.load, self.model, self.optimizer, self.scheduler,
-                                          self.state)
+        if resumes and not checkpoint.finetune:
+            loaded = ckpt.load_checkpoint(checkpoint.load, self.model, self.optimizer,
+                                          self.scheduler, self.state)
             self.iteration, self.consumed_samples = loaded["iteration"], loaded["consumed_samples"]
         self.train_ds, self.valid_ds = self._build_datasets(datasets_provider)
 
     # ------------------------------------------------------------------ data
     def _build_datasets(self, datasets_provider):
-        args = self.args
+        evaluation, length = self.settings.evaluation, self.length
         # every evaluation reads the same first eval_iters global batches of the validation set,
         # so successive validation losses are comparable
-        evaluates = args.eval_at_start or args.eval_interval <= args.train_iters
-        eval_samples = args.eval_iters * args.global_batch_size if evaluates else 0
-        train_samples = args.train_samples or args.train_iters * args.global_batch_size
+        evaluates = evaluation.eval_at_start or evaluation.eval_interval <= length.train_iters
+        eval_samples = evaluation.eval_iters * length.global_batch_size if evaluates else 0
+        train_samples = (self.settings.training.train_samples
+                         or length.train_iters * length.global_batch_size)
         train, valid, _ = datasets_provider([train_samples, eval_samples, 0])
         return train, valid
 
@@ -139,7 +138,7 @@ class _Run:
         from tpfuse.data.sampler import build_pretraining_data_loader
 
         return [iter(build_pretraining_data_loader(
-            dataset, consumed_samples, self.args.micro_batch_size, self.state.dp_rank,
+            dataset, consumed_samples, self.settings.training.micro_batch_size, self.state.dp_rank,
             self.state.dp_size)) for _ in self.model]
 
     # ------------------------------------------------------------------ one step
@@ -164,12 +163,13 @@ class _Run:
         self.ddp.zero_grad_buffer()
         self.ddp.begin_step(num_microbatches)
         timers = self.timers
-        timers("forward-backward", 1).start(barrier=self.args.barrier_with_L1_time)
+        timers("forward-backward", 1).start(barrier=self.settings.timing.barrier_with_L1_time)
         loss_dicts = self.forward_backward(
             forward_step_func=loss_scaled(self.forward_step, self.optimizer),
             data_iterator=iterators, model=self.model,
             num_microbatches=num_microbatches, seq_length=self.config.seq_length,
-            micro_batch_size=self.args.micro_batch_size, forward_only=False, state=self.state,
+            micro_batch_size=self.settings.training.micro_batch_size, forward_only=False,
+            state=self.state,
             timers=timers if timers.log_level >= 2 else None)
         timers("forward-backward", 1).stop()
         with timers("all-grads-sync", 1):
@@ -185,19 +185,20 @@ class _Run:
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
-        if self.valid_ds is None or self.args.eval_iters == 0:
+        eval_iters = self.settings.evaluation.eval_iters
+        micro_batch_size = self.settings.training.micro_batch_size
+        if self.valid_ds is None or eval_iters == 0:
             return None
         for chunk in self.model:
             chunk.eval()
         iterators = self._iterators(self.valid_ds, 0)
-        num_microbatches = self.args.global_batch_size // (
-            self.args.micro_batch_size * self.state.dp_size)
+        num_microbatches = self.length.global_batch_size // (micro_batch_size * self.state.dp_size)
         losses = []
-        for _ in range(self.args.eval_iters):
+        for _ in range(eval_iters):
             loss_dicts = self.forward_backward(
                 forward_step_func=self.forward_step, data_iterator=iterators, model=self.model,
                 num_microbatches=num_microbatches, seq_length=self.config.seq_length,
-                micro_batch_size=self.args.micro_batch_size, forward_only=True, state=self.state)
+                micro_batch_size=micro_batch_size, forward_only=True, state=self.state)
             losses.append(self._mean_loss(loss_dicts))
         return None if losses[0] is None else sum(losses) / len(losses)
 
@@ -205,31 +206,35 @@ class _Run:
         """Before a checkpoint: parameters complete (distributed optimizer); returns what the
         checkpoint records besides the state (the tokenizer, for inference)."""
         self.ddp.finish_param_sync()
-        return {"tokenizer": tokenizer_spec(self.args.tokenizer)}
+        return {"tokenizer": tokenizer_spec(self.settings.tokenizer)}
 
     # ------------------------------------------------------------------ the loop
     def train(self) -> TrainingResult:
-        args = self.args
+        settings, train_iters = self.settings, self.length.train_iters
+        evaluation, logging, checkpoint = settings.evaluation, settings.logging, settings.checkpoint
         result = TrainingResult(is_logger=self.is_logger)
-        monitor = RunMonitor(args, self.config, self.is_logger, dist.get_rank(),
-                             dist.get_world_size())
-        logger = TrainingLogger(self.is_logger, args.train_iters, self.iteration,
-                                args.metrics_file, progress_bar=not args.no_progress_bar,
-                                sinks=monitor.sinks, show_throughput=args.log_throughput,
-                                evaluates_at_start=args.eval_at_start)
-        checkpointing = Checkpointing(args)
-        collector = ManualGC(args)
+        monitor = RunMonitor(settings.observability, self.config, self.is_logger, dist.get_rank(),
+                             dist.get_world_size(), metrics_file=logging.metrics_file,
+                             run_values=run_values(settings, self.config, self.length))
+        logger = TrainingLogger(self.is_logger, train_iters, self.iteration,
+                                logging.metrics_file, progress_bar=not logging.no_progress_bar,
+                                sinks=monitor.sinks,
+                                show_throughput=settings.observability.log_throughput,
+                                evaluates_at_start=evaluation.eval_at_start)
+        checkpointing = Checkpointing(checkpoint)
+        collector = ManualGC(settings.gc)
         self.calculator.update(self.consumed_samples, consistency_check=True)
         iterators = self._iterators(self.train_ds, self.consumed_samples)
         tokens_per_sample = self.config.seq_length
         logger.write_metrics(memory_record(self.optimizer, self.iteration))
         logger.print(memory_report(self.optimizer, self.config, self.state.dp_size,
-                                   args.micro_batch_size, self.calculator.num_microbatches))
+                                   settings.training.micro_batch_size,
+                                   self.calculator.num_microbatches))
         try:
             collector.start()
-            if args.eval_at_start:
+            if evaluation.eval_at_start:
                 self._evaluate_and_log(logger, result, collector)
-            while self.iteration < args.train_iters:
+            while self.iteration < train_iters:
                 monitor.before_iteration(self.iteration + 1)
                 self.calculator.update(self.consumed_samples, consistency_check=True)
                 batch = self.calculator.current_global_batch_size
@@ -258,15 +263,16 @@ class _Run:
                     result.train_losses.append(loss)
                     result.grad_norms.append(record["grad_norm"])
                 logger.iteration(self.iteration, record,
-                                 log_now=self.iteration % args.log_interval == 0)
-                if timing and self.iteration % args.log_interval == 0:
+                                 log_now=self.iteration % logging.log_interval == 0)
+                if timing and self.iteration % logging.log_interval == 0:
                     logger.print(self.timers.interval_text())
                 collector.after_iteration(self.iteration)
-                if args.eval_interval and self.iteration % args.eval_interval == 0:
+                if evaluation.eval_interval and self.iteration % evaluation.eval_interval == 0:
                     self._evaluate_and_log(logger, result, collector)
                 result.exit_reason = checkpointing.after_iteration(self)
                 if result.exit_reason:
-                    logger.print(describe_exit(result.exit_reason, bool(args.save), args.save))
+                    logger.print(describe_exit(result.exit_reason, bool(checkpoint.save),
+                                               checkpoint.save))
                     break
             checkpointing.finish(self)
         finally:
@@ -295,34 +301,85 @@ def tokenizer_spec(tokenizer) -> str:
     return name[len("hf:"):] if name.startswith("hf:") else name
 
 
-def _fill_batch_defaults(args, dp_size: int) -> None:
+def _build_scheduler(optimizer, training, scheduler) -> LRScheduler:
+    """The LRScheduler of SchedulerSettings, in the run length's unit (TrainingSettings)."""
+    warmup, decay, unit = lr_schedule(training, scheduler)
+    return LRScheduler(optimizer, scheduler.lr, scheduler.min_lr, warmup, decay,
+                       scheduler.lr_decay_style, unit,
+                       wsd_decay_steps=wsd_decay_length(training, scheduler),
+                       wsd_decay_style=scheduler.lr_wsd_decay_style)
+
+
+def run_length(training, dp_size: int) -> RunLength:
     """The global batch (default micro × dp) and, for a sample-based run, its iterations."""
-    if args.global_batch_size is None:
-        args.global_batch_size = args.micro_batch_size * dp_size
-    if args.train_samples is not None:
-        calculator = MicrobatchCalculator(args.global_batch_size, args.micro_batch_size, dp_size,
-                                          rampup_batch_size=args.rampup_batch_size)
-        args.train_iters = iterations_for_samples(args.train_samples, calculator)
-        if args.train_iters == 0:
-            raise ValueError(f"--train-samples {args.train_samples} holds no complete global "
-                             f"batch ({calculator.current_global_batch_size} samples)")
+    global_batch = training.global_batch_size or training.micro_batch_size * dp_size
+    if training.train_samples is None:
+        return RunLength(global_batch, training.train_iters)
+    calculator = MicrobatchCalculator(global_batch, training.micro_batch_size, dp_size,
+                                      rampup_batch_size=training.rampup_batch_size)
+    train_iters = iterations_for_samples(training.train_samples, calculator)
+    if train_iters == 0:
+        raise ValueError(f"--train-samples {training.train_samples} holds no complete global "
+                         f"batch ({calculator.current_global_batch_size} samples)")
+    return RunLength(global_batch, train_iters)
+
+
+def run_values(settings, config, length: RunLength) -> dict:
+    """Every flag's value (the model's and the trainer's) with the run length the layout gave,
+    for a metrics sink's run config."""
+    from tpfuse.models.cli import config_to_dict
+
+    return {**config_to_dict(config), **settings.values(),
+            "global_batch_size": length.global_batch_size, "train_iters": length.train_iters}
+
+
+BINDABLE = ("config", "tokenizer")      # besides the settings groups' names
+
+
+def bind_settings(callback, settings, config):
+    """``callback`` with each keyword-only parameter named after a settings group (``data``,
+    ``training``, ...), ``config`` or ``tokenizer`` bound to this run's value; the callback
+    itself when it declares none. A keyword-only parameter without a default that is none of
+    these is a ValueError naming it (raised before any process group is used)."""
+    available = {**settings.groups(), "config": config, "tokenizer": settings.tokenizer}
+    try:
+        parameters = inspect.signature(callback).parameters.values()
+    except (TypeError, ValueError):           # a builtin or C callable: nothing to bind
+        return callback
+    bound = {}
+    for parameter in parameters:
+        if parameter.kind is not parameter.KEYWORD_ONLY:
+            continue
+        if parameter.name in available:
+            bound[parameter.name] = available[parameter.name]
+        elif parameter.default is parameter.empty:
+            raise ValueError(f"{getattr(callback, '__name__', callback)!s} takes the keyword "
+                             f"{parameter.name!r}, which pretrain cannot give (it binds "
+                             f"{', '.join(sorted(available))})")
+    return functools.partial(callback, **bound) if bound else callback
 
 
 def pretrain(train_valid_test_datasets_provider, model_provider, forward_step,
              args_defaults: dict | None = None, argv=None, sample_func=None) -> TrainingResult:
-    """Parse flags, set up every group, train; returns this rank's TrainingResult.
+    """Parse flags, set up every group, train; returns this rank's TrainingResult. The callbacks
+    receive settings through ``bind_settings`` (see the module docstring).
 
     ``sample_func(model_chunks, tokenizer, prompt, max_new_tokens, state, **decoding) -> str |
     None`` continues ``--sample-prompt`` once training is done, on every rank (None where a rank
     takes no part); ``tpfuse.pretrain_gpt`` passes ``tpfuse.inference.sample.training_sample``.
     The trainer imports no inference: without ``sample_func`` a ``--sample-prompt`` is refused
     before any process group exists."""
-    config, args = parse_args(argv, args_defaults)
-    if args.sample_prompt and sample_func is None:
-        raise ValueError(f"--sample-prompt {args.sample_prompt!r} needs a sample function: "
+    config, settings = parse_args(argv, args_defaults)
+    prompt = settings.sample.sample_prompt
+    if prompt and sample_func is None:
+        raise ValueError(f"--sample-prompt {prompt!r} needs a sample function: "
                          "pretrain(..., sample_func=...) (python -m tpfuse.pretrain_gpt and "
                          "tpfuse-train pass tpfuse.inference.sample.training_sample)")
-    initialize_distributed(args.distributed_backend, args.distributed_timeout_minutes)
+    callbacks = [bind_settings(callback, settings, config) for callback in
+                 (train_valid_test_datasets_provider, model_provider, forward_step)]
+    distributed = settings.distributed
+    initialize_distributed(distributed.distributed_backend,
+                           distributed.distributed_timeout_minutes)
     if collective_device().type == "cpu":
         keep_freed_host_memory()         # activations reused step to step, not re-faulted
     check_layout(config)
@@ -333,50 +390,46 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step,
         context_parallel_size=config.context_parallel_size,
         expert_model_parallel_size=config.expert_model_parallel_size,
         expert_tensor_parallel_size=config.expert_tensor_parallel_size)
-    parallel_state.get_default_state().comm_options = comm_options_from_args(args)
-    if dist.get_rank() == 0 and not args.no_layout_table:
+    parallel_state.get_default_state().comm_options = settings.distributed.comm_options()
+    if dist.get_rank() == 0 and not settings.logging.no_layout_table:
         from tpfuse.parallel.report import format_layout_table
 
         state = parallel_state.get_default_state()
         print(format_layout_table(state.layout, vpp=state.vpp_size), flush=True)
-    _fill_batch_defaults(args, parallel_state.get_data_parallel_world_size())
-    if args.save:
-        prepare_save_dir(args.save)
-    _GLOBALS.update(args=args, config=config)
+    length = run_length(settings.training, parallel_state.get_data_parallel_world_size())
+    if settings.checkpoint.save:
+        prepare_save_dir(settings.checkpoint.save)
     from tpfuse.tp_layers.random import model_parallel_seed
 
     torch.manual_seed(config.seed)          # the default generator: replicated-region dropout
     model_parallel_seed(config.seed)        # the tracker's streams (it leaves the default alone)
-    try:
-        run = _Run(config, args, model_provider, forward_step,
-                   train_valid_test_datasets_provider)
-        if run.is_logger:
-            run_banner(run)
-        result = run.train()
-        if args.sample_prompt:
-            result.sample = print_sample(run, sample_func)
-        return result
-    finally:
-        _GLOBALS.clear()
+    datasets_provider, model_provider, forward_step = callbacks
+    run = _Run(config, settings, length, model_provider, forward_step, datasets_provider)
+    if run.is_logger:
+        run_banner(run)
+    result = run.train()
+    if prompt:
+        result.sample = print_sample(run, sample_func)
+    return result
 
 
 def print_sample(run, training_sample) -> str | None:
     """The trained model's continuation of ``--sample-prompt`` (printed by rank 0);
     ``training_sample``: ``pretrain``'s ``sample_func``."""
     run.ddp.finish_param_sync()
-    text = training_sample(run.model, run.args.tokenizer, run.args.sample_prompt,
-                           run.args.sample_max_new_tokens, run.state,
-                           **sampling_kwargs(run.args))
+    sample = run.settings.sample
+    text = training_sample(run.model, run.settings.tokenizer, sample.sample_prompt,
+                           sample.sample_max_new_tokens, run.state, **sampling_kwargs(sample))
     if dist.get_rank() == 0:
-        print(f"> sample after {run.iteration} iterations ({describe_sampling(run.args)}, "
-              f"--sample-prompt {run.args.sample_prompt!r}):\n{text}", flush=True)
+        print(f"> sample after {run.iteration} iterations ({describe_sampling(sample)}, "
+              f"--sample-prompt {sample.sample_prompt!r}):\n{text}", flush=True)
     return text
 
 
 def run_banner(run) -> None:
     config, state = run.config, run.state
     params = sum(p.numel() for p in run.params)
-    preset = f"preset {run.args.preset} | " if run.args.preset else ""
+    preset = f"preset {run.settings.preset} | " if run.settings.preset else ""
     comm_type = f" ({config.cp_comm_type})" if state.cp_size > 1 else ""
     experts = (f"{config.num_moe_experts} experts (top-{config.moe_router_topk}) ep={state.ep_size} "
                f"etp={state.etp_size} edp={state.edp_size} | " if config.num_moe_experts else "")

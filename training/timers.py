@@ -35,11 +35,14 @@ rank's value across ranks (``--timing-log-option max|minmax|all``).
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from tpfuse.parallel.devices import collective_device
+
+from .settings_fields import SettingsGroup, setting
 
 TIMING_LOG_OPTIONS = ("max", "minmax", "all")
 # (name, level) in the order they are printed; the p2p timers add up to the "p2p wait"
@@ -209,16 +212,18 @@ def format_timers(summary: dict, log_option: str, normalizer: int = 1) -> str:
     return "\n".join(lines)
 
 
-def add_timing_arguments(parser) -> None:
+@dataclass(frozen=True, kw_only=True)
+class TimingSettings(SettingsGroup):
     """Megatron's timing flags."""
-    group = parser.add_argument_group("timing")
-    group.add_argument("--timing-log-level", type=int, default=0, choices=[0, 1, 2],
-                       help="0: iteration time only; 1: forward-backward, DP grad sync, "
-                            "embedding all-reduce, optimizer; 2: also forward/backward compute "
-                            "and p2p wait inside the pipeline schedule")
-    group.add_argument("--timing-log-option", default="minmax", choices=list(TIMING_LOG_OPTIONS),
-                       help="report the max, the (min, max) or every rank's time")
-    group.add_argument("--no-barrier-with-level-1-timing", action="store_false",
-                       dest="barrier_with_L1_time",
-                       help="do not start the forward-backward timer with a barrier (the "
-                            "barrier makes it exclude the wait for slower ranks)")
+    TITLE = "timing"
+
+    timing_log_level: int = setting(
+        0, "0: iteration time only; 1: forward-backward, DP grad sync, embedding all-reduce, "
+           "optimizer; 2: also forward/backward compute and p2p wait inside the pipeline "
+           "schedule", choices=(0, 1, 2))
+    timing_log_option: str = setting(
+        "minmax", "report the max, the (min, max) or every rank's time",
+        choices=TIMING_LOG_OPTIONS)
+    barrier_with_L1_time: bool = setting(
+        True, "do not start the forward-backward timer with a barrier (the barrier makes it "
+              "exclude the wait for slower ranks)", flag="--no-barrier-with-level-1-timing")

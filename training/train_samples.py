@@ -29,57 +29,42 @@ SAMPLE_FORM = ("train_samples", "lr_warmup_samples", "lr_decay_samples", "lr_wsd
 _UNSET = {"lr_warmup_iters": 0, "lr_warmup_samples": 0}       # the others: None
 
 
-def add_sample_based_arguments(group) -> None:
-    group.add_argument("--train-samples", type=int, default=None,
-                       help="train on this many samples (exclusive with --train-iters; the "
-                            "iteration count follows from the global batch and its ramp-up)")
-    group.add_argument("--lr-warmup-samples", type=int, default=0,
-                       help="with --train-samples: linear warm-up over this many samples")
-    group.add_argument("--lr-decay-samples", type=int, default=None,
-                       help="with --train-samples: samples over which the lr decays (default: "
-                            "--train-samples)")
-    group.add_argument("--lr-wsd-decay-samples", type=int, default=None,
-                       help="with --train-samples and --lr-decay-style WSD: samples of the "
-                            "final anneal")
-
-
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def _given(args, name: str) -> bool:
-    return getattr(args, name) != _UNSET.get(name)
+def _value(training, scheduler, name: str):
+    """A run-length setting (``train_*``, TrainingSettings) or a schedule one
+    (SchedulerSettings)."""
+    return getattr(training if name.startswith("train_") else scheduler, name)
 
 
-def is_sample_based(args) -> bool:
-    return args.train_samples is not None
+def is_sample_based(training) -> bool:
+    return training.train_samples is not None
 
 
-def check_iterations_or_samples(args) -> None:
-    """Exactly one of --train-iters / --train-samples, and schedule flags of the same form."""
-    if args.train_iters is None and args.train_samples is None:
+def check_iterations_or_samples(training, scheduler) -> None:
+    """Exactly one of --train-iters / --train-samples (TrainingSettings), and schedule flags
+    (SchedulerSettings) of the same form."""
+    if training.train_iters is None and training.train_samples is None:
         raise ValueError("--train-iters is required (or --train-samples for sample-based "
                          "training; Megatron has no default for either)")
-    if args.train_iters is not None and args.train_samples is not None:
-        raise ValueError(f"--train-iters ({args.train_iters}) and --train-samples "
-                         f"({args.train_samples}) are exclusive: give one")
-    mine, other = (SAMPLE_FORM, ITERATION_FORM) if is_sample_based(args) else \
+    if training.train_iters is not None and training.train_samples is not None:
+        raise ValueError(f"--train-iters ({training.train_iters}) and --train-samples "
+                         f"({training.train_samples}) are exclusive: give one")
+    mine, other = (SAMPLE_FORM, ITERATION_FORM) if is_sample_based(training) else \
         (ITERATION_FORM, SAMPLE_FORM)
     for name in other[1:]:
-        if _given(args, name):
+        value = _value(training, scheduler, name)
+        if value != _UNSET.get(name):
             counterpart = mine[other.index(name)]
-            raise ValueError(f"{_flag(name)} ({getattr(args, name)}) does not go with "
-                             f"{_flag(mine[0])}: use {_flag(counterpart)}")
-    for name in SAMPLE_FORM:
-        value = getattr(args, name)
-        if value is not None and value < (1 if name == "train_samples" else 0):
-            raise ValueError(f"{_flag(name)} must be >= {1 if name == 'train_samples' else 0}, "
-                             f"got {value}")
-    train, warmup, decay = mine[:3]
-    span = getattr(args, decay) or getattr(args, train)
-    if getattr(args, warmup) > span:
-        raise ValueError(f"{_flag(warmup)} ({getattr(args, warmup)}) must not exceed the decay "
-                         f"span {_flag(decay)} / {_flag(train)} ({span})")
+            raise ValueError(f"{_flag(name)} ({value}) does not go with {_flag(mine[0])}: use "
+                             f"{_flag(counterpart)}")
+    train, warmup, decay = (_value(training, scheduler, name) for name in mine[:3])
+    span = decay or train
+    if warmup > span:
+        raise ValueError(f"{_flag(mine[1])} ({warmup}) must not exceed the decay span "
+                         f"{_flag(mine[2])} / {_flag(mine[0])} ({span})")
 
 
 def iterations_for_samples(train_samples: int, calculator) -> int:
@@ -99,25 +84,27 @@ def iterations_for_samples(train_samples: int, calculator) -> int:
     return iterations + (train_samples - consumed) // calculator.global_batch_size
 
 
-def lr_schedule(args) -> tuple[int, int, str]:
+def lr_schedule(training, scheduler) -> tuple[int, int, str]:
     """``(warm-up, decay end, unit)`` for the LRScheduler: iterations for an iteration-based run,
     samples for a sample-based one."""
-    if is_sample_based(args):
-        return args.lr_warmup_samples, args.lr_decay_samples or args.train_samples, "samples"
-    return args.lr_warmup_iters, args.lr_decay_iters or args.train_iters, "iterations"
+    if is_sample_based(training):
+        return (scheduler.lr_warmup_samples, scheduler.lr_decay_samples or training.train_samples,
+                "samples")
+    return scheduler.lr_warmup_iters, scheduler.lr_decay_iters or training.train_iters, "iterations"
 
 
-def wsd_decay_length(args) -> int | None:
+def wsd_decay_length(training, scheduler) -> int | None:
     """The WSD anneal's length in the schedule's unit (None: not given)."""
-    return args.lr_wsd_decay_samples if is_sample_based(args) else args.lr_wsd_decay_iters
+    return scheduler.lr_wsd_decay_samples if is_sample_based(training) \
+        else scheduler.lr_wsd_decay_iters
 
 
-def check_wsd_arguments(args) -> None:
+def check_wsd_arguments(training, scheduler) -> None:
     """--lr-decay-style WSD names its anneal's length (Megatron asserts the same)."""
-    if args.lr_decay_style != "WSD":
+    if scheduler.lr_decay_style != "WSD":
         return
-    flag = "--lr-wsd-decay-samples" if is_sample_based(args) else "--lr-wsd-decay-iters"
-    length = wsd_decay_length(args)
+    flag = "--lr-wsd-decay-samples" if is_sample_based(training) else "--lr-wsd-decay-iters"
+    length = wsd_decay_length(training, scheduler)
     if length is None or length < 1:
         raise ValueError(f"--lr-decay-style WSD needs {flag} N >= 1 (the final anneal's length), "
                          f"got {length}")

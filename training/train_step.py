@@ -1,5 +1,5 @@
 """The optimizer side of a training step: building the gradient buffers and the optimizer from the
-flags, scaling the loss, and what happens to a step whose loss or gradients are inf/nan.
+settings, scaling the loss, and what happens to a step whose loss or gradients are inf/nan.
 
     buffers.zero_grad_buffer(); buffers.begin_step(m)
     forward_backward(loss_scaled(forward_step, optimizer), ...)    # loss · scale / m backward
@@ -25,19 +25,25 @@ from .data_parallel import DataParallelBuffers
 from .grad_scaler import build_grad_scaler
 from .memory import peak_allocated_mib
 from .optimizer import MixedPrecisionOptimizer
-from .precision_args import ddp_config_from_args
+from .precision_args import ddp_config_from_settings
 
 
-def build_buffers_and_optimizer(model_chunks, args, config, state):
-    """(DataParallelBuffers, MixedPrecisionOptimizer) for ``model_chunks`` from the flags."""
-    buffers = DataParallelBuffers(model_chunks, ddp_config_from_args(args, config), state)
-    scaler = build_grad_scaler(config.fp16, args.loss_scale, args.initial_loss_scale,
-                               args.min_loss_scale, args.loss_scale_window, args.hysteresis)
-    optimizer = MixedPrecisionOptimizer(
-        model_chunks, buffers, state, lr=args.lr, weight_decay=args.weight_decay,
-        betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps, clip_grad=args.clip_grad,
-        grad_scaler=scaler)
-    return buffers, optimizer
+def build_buffers_and_optimizer(model_chunks, config, state, *, optimizer, precision,
+                                data_parallel, lr: float):
+    """(DataParallelBuffers, MixedPrecisionOptimizer) for ``model_chunks``: the buffers from
+    ``precision`` and ``data_parallel`` (PrecisionSettings, DataParallelSettings), AdamW from
+    ``optimizer`` (OptimizerSettings) starting at ``lr`` (``--lr``; the scheduler sets it each
+    step)."""
+    buffers = DataParallelBuffers(model_chunks,
+                                  ddp_config_from_settings(precision, data_parallel, config), state)
+    scaler = build_grad_scaler(config.fp16, precision.loss_scale, precision.initial_loss_scale,
+                               precision.min_loss_scale, precision.loss_scale_window,
+                               precision.hysteresis)
+    adam = MixedPrecisionOptimizer(
+        model_chunks, buffers, state, lr=lr, weight_decay=optimizer.weight_decay,
+        betas=(optimizer.adam_beta1, optimizer.adam_beta2), eps=optimizer.adam_eps,
+        clip_grad=optimizer.clip_grad, grad_scaler=scaler)
+    return buffers, adam
 
 
 def loss_scaled(forward_step, optimizer):

@@ -1,0 +1,110 @@
+"""Dense single-process references for the tp_layers tests, written independently of tp_layers.
+
+``master_params(module, state, seed)`` gives every parameter of a tensor-parallel module fresh
+well-scaled values (the same master on every rank, each rank keeping its slice according to the
+parameter's ``partition_dim`` / ``partition_stride``) and returns the full masters as leaf
+tensors; the functions below compute the same block with plain torch ops from those masters:
+attention head by head (``F.scaled_dot_product_attention``), rotary embeddings as complex
+rotations, the norms from their definitions.
+"""
+import math
+
+import torch
+import torch.nn.functional as F
+
+from support.tp_testing import assembled, seeded_randn
+from tpfuse.tp_layers.init import shard
+
+
+def _full_shape(param, tp):
+    shape = list(param.shape)
+    if getattr(param, "partition_dim", None) is not None:
+        shape[param.partition_dim] *= tp
+    return shape
+
+
+def master_params(module, state, seed):
+    """Set random masters into ``module`` (sliced per rank); return {name: full master leaf}."""
+    masters = {}
+    for i, (name, param) in enumerate(module.named_parameters()):
+        shape = _full_shape(param, state.tp_size)
+        scale = 1.0 / math.sqrt(shape[-1]) if len(shape) == 2 else 0.5
+        full = seeded_randn(seed + i, *shape, scale=scale)
+        if name.endswith("norm.weight"):
+            full = full + 1.0
+        dim = getattr(param, "partition_dim", None)
+        local = full if dim is None else shard(full, dim, state.tp_size, state.tp_rank,
+                                              param.partition_stride)
+        with torch.no_grad():
+            param.copy_(local)
+        masters[name] = full.clone().requires_grad_()
+    return masters
+
+
+def assembled_grads(module, state):
+    """{name: full gradient} reassembled from every TP rank's shard."""
+    grads = {}
+    for name, param in module.named_parameters():
+        dim = getattr(param, "partition_dim", None)
+        grads[name] = param.grad if dim is None else assembled(param.grad, state, dim,
+                                                               param.partition_stride)
+    return grads
+
+
+def rope_complex(x, positions, base):
+    """Rotate pairs (x_i, x_{i+d/2}) of ``x [b, heads, s, d]`` by pos·base^(−2i/d), as complex."""
+    d = x.shape[-1]
+    inv_freq = base ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)      # (d/2,)
+    angle = positions.double()[:, None, :, None] * inv_freq                    # (b, 1, s, d/2)
+    z = torch.complex(x[..., : d // 2].double(), x[..., d // 2:].double())
+    z = z * torch.polar(torch.ones_like(angle), angle)
+    return torch.cat([z.real, z.imag], dim=-1).to(x.dtype)
+
+
+def dense_attention(p, prefix, x, heads, groups, rope_base=None, positions=None, keep=None):
+    """Causal self-attention, head by head, from the fused-QKV master (Megatron's grouped layout);
+    ``keep`` (bool, broadcastable to (b, 1, s, s)) replaces the causal mask when given."""
+    s, b, h = x.shape
+    d, per_group = h // heads, heads // groups
+    qkv = F.linear(x, p[prefix + "linear_qkv.weight"], p.get(prefix + "linear_qkv.bias"))
+    block = (per_group + 2) * d                                                # rows per group
+    outputs = []
+    for head in range(heads):
+        g = head // per_group
+        q = qkv[..., g * block + (head % per_group) * d:][..., :d]            # (s, b, d)
+        k = qkv[..., g * block + per_group * d:][..., :d]
+        v = qkv[..., g * block + (per_group + 1) * d:][..., :d]
+        q, k, v = (t.permute(1, 0, 2)[:, None] for t in (q, k, v))            # (b, 1, s, d)
+        if rope_base is not None:
+            q, k = rope_complex(q, positions, rope_base), rope_complex(k, positions, rope_base)
+        outputs.append(F.scaled_dot_product_attention(q, k, v, attn_mask=keep,
+                                                      is_causal=keep is None)[:, 0])
+    context = torch.cat(outputs, dim=-1).permute(1, 0, 2)                      # (s, b, heads·d)
+    return F.linear(context, p[prefix + "linear_proj.weight"], p.get(prefix + "linear_proj.bias"))
+
+
+def dense_mlp(p, prefix, x, activation):
+    hidden = F.linear(x, p[prefix + "linear_fc1.weight"], p.get(prefix + "linear_fc1.bias"))
+    if activation == "swiglu":
+        gate, up = hidden.chunk(2, dim=-1)
+        hidden = F.silu(gate) * up
+    else:
+        hidden = F.gelu(hidden)
+    return F.linear(hidden, p[prefix + "linear_fc2.weight"], p.get(prefix + "linear_fc2.bias"))
+
+
+def dense_norm(p, prefix, x, normalization, eps):
+    weight = p[prefix + "weight"]
+    if normalization == "RMSNorm":
+        return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+    return F.layer_norm(x, x.shape[-1:], weight, p[prefix + "bias"], eps)
+
+
+def dense_transformer_layer(p, x, cfg, positions):
+    rope = cfg["rotary_base"] if cfg.get("position_embedding_type") == "rope" else None
+    groups = cfg.get("num_query_groups") or cfg["num_attention_heads"]
+    eps, norm = cfg.get("layernorm_epsilon", 1e-5), cfg.get("normalization", "LayerNorm")
+    y = x + dense_attention(p, "self_attention.", dense_norm(p, "input_norm.", x, norm, eps),
+                            cfg["num_attention_heads"], groups, rope, positions)
+    return y + dense_mlp(p, "mlp.", dense_norm(p, "pre_mlp_norm.", y, norm, eps),
+                         cfg.get("activation", "gelu"))
