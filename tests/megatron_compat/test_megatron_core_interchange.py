@@ -2,10 +2,10 @@
 layout): a GPT saved by megatron-core at tp = 1 loads into the compat GPTModel at tp = 2, and
 one saved by tpfuse at tp = 2 loads into megatron-core's GPTModel at tp = 1; the logits on a
 probe batch agree. Needs megatron-core importable (``pip install --no-deps
-megatron-core==0.16.1``); megatron-core runs in its own process (``_megatron_core_reference``).
+megatron-core==0.16.1``); megatron-core runs in its own process (``megatron_core_reference``).
 
 Tolerance: the same weights; the two implementations (and tp 1 vs 2) order the fp32 sums
-differently: rtol = atol = 1e-5, as the tp_layers tests (see _tp_testing).
+differently: rtol = atol = 1e-5, as the tp_layers tests (see tests/support/tp_testing.py).
 """
 import os
 import subprocess
@@ -17,13 +17,13 @@ import torch
 pytest.importorskip("megatron.core", reason="megatron-core 0.16 is not installed: the "
                     "checkpoint interchange with files it writes is not tested here")
 
-import _megatron_core_reference as reference  # noqa: E402
+import megatron_core_reference as reference  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def _megatron(action, directory):
-    subprocess.run([sys.executable, os.path.join(HERE, "_megatron_core_reference.py"), action,
+    subprocess.run([sys.executable, os.path.join(HERE, "megatron_core_reference.py"), action,
                     directory], check=True, cwd=HERE, timeout=300)
     return torch.load(os.path.join(os.path.dirname(directory), f"{action}_logits.pt"))
 

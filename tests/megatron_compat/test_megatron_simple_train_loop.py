@@ -1,4 +1,4 @@
-"""Megatron-LM's simple train loop example (``tests/_megatron_simple_train_loop.py``: the same
+"""Megatron-LM's simple train loop example (``megatron_simple_train_loop.py``: the same
 imports and calls with ``megatron.core`` → ``tpfuse.megatron_compat``, cpu, gloo) runs on 2
 processes at tp=2: five iterations with a loss ≈ ln(100) (the example's plain Adam sees no
 gradient behind Megatron's DDP, so the model does not move: megatron-core's run logs 4.60–4.62),
@@ -7,7 +7,7 @@ a checkpoint in Megatron's torch_dist layout, and a reload that gives the saved 
 """
 import math
 
-from _megatron_simple_train_loop import main
+from megatron_simple_train_loop import main
 
 
 def test_simple_train_loop_example_runs(run_distributed, tmp_path):

@@ -6,14 +6,14 @@ modules, kernels and collectives in the same order; the only difference is the l
 Adam's normalised update does not amplify at this size. Logits after a checkpoint reload in the
 same layout are compared exactly (the same bytes come back). Across layouts (tp2·pp1 → tp1·pp2)
 the weights are bit-identical but the forward sums differ in order (partial GEMMs over h/tp
-summed by an all-reduce): the tp_layers tolerance, rtol = atol = 1e-5 (see _tp_testing).
+summed by an all-reduce): the tp_layers tolerance, rtol = atol = 1e-5 (see tests/support/tp_testing.py).
 """
 import math
 
 import pytest
 import torch
 
-import _megatron_compat_gpt_cases as cases
+import megatron_compat_gpt_cases as cases
 
 
 def test_megatron_flow_tp2_trains_and_reloads(run_distributed, tmp_path):
