@@ -180,14 +180,17 @@ class ExtraGroups:
 
     ``gloo``: group kind ("dp", "dp-cp", "edp") → this rank's gloo group (the layout's own group
     when the world backend already is gloo); ``hierarchical_cp``: this rank's groups per level;
-    ``hybrid_dp_cp``: size → group; ``partial_dp_cp`` / ``partial_edp`` / ``inter_partial_edp`` /
+    ``hybrid_dp_cp``: size → group; ``dp_cp_all_gather``: a separate communicator over this rank's
+dp × cp ranks (``create_all_gather_group=True``); ``partial_dp_cp`` / ``partial_edp`` / ``inter_partial_edp`` /
     ``intra_dist_opt``: the distributed-optimizer-instance groups.
     """
 
     def __init__(self, state, *, gloo: bool, hierarchical_cp_sizes=None, hybrid_cp=False,
-                 instances: int = 1, timeout=None):
+                 instances: int = 1, timeout=None, all_gather: bool = False):
         self.state, self.timeout, self._created = state, timeout, []
         layout, rank = state.layout, state.rank
+        # a second communicator over each dp × cp group, for all-gathers (None unless asked)
+        self.dp_cp_all_gather = self._mine(layout.groups("dp-cp")) if all_gather else None
         self.gloo, self.hierarchical_cp, self.hybrid_dp_cp = {}, None, {}
         if gloo:
             for kind in ("dp", "dp-cp", "edp"):
@@ -278,7 +281,6 @@ DEFAULT_ONLY = {
     "get_position_embedding_ranks": (None, default_position_embedding_ranks),
     "high_priority_stream_groups": (None, []),
     "sharp_enabled_group": (None,),
-    "create_all_gather_group": (False, None),
 }
 
 

@@ -19,8 +19,11 @@ rank and size getters of the layout's group kinds are tpfuse's thin facade
   virtual-pipeline setters store their value until a state exists (then they set the state's);
 * the groups Megatron creates next to the layout's (``_extra_groups.ExtraGroups``: gloo twins of
   the data-parallel groups, hierarchical context parallel, hybrid DP×CP, the
-  distributed-optimizer-instance groups), the FP8 amax-reduction group and
-  ``get_global_memory_buffer``;
+  distributed-optimizer-instance groups, with ``create_all_gather_group=True`` a second dp × cp
+  communicator for all-gathers), the FP8 amax-reduction group and ``get_global_memory_buffer``;
+* Megatron's group globals (``_MODEL_PARALLEL_GROUP``, ``_DATA_PARALLEL_GROUP_WITH_CP_AG``, ...):
+  read, they give the default state's group (None before initialisation); set (Megatron's tests
+  set them to None), the matching getter returns the value or raises as Megatron's does;
 * ``RankGenerator``, ``generate_masked_orthogonal_rank_groups``, ``create_group``,
   ``update_pg_timeout`` and the NCCL-option helpers.
 
@@ -29,7 +32,7 @@ every override and destroys every live ParallelState. Differences from Megatron,
 a getter before initialisation raises ``ModelParallelNotInitializedError`` (a RuntimeError and an
 AssertionError) saying so; invalid sizes raise ``ValueError`` naming the setting before any group
 is created; options that change communication libraries (SHARP, UCC, NCCL configs,
-high-priority streams, a separate all-gather group) and custom embedding ranks are accepted only
+high-priority streams) and custom embedding ranks are accepted only
 at their defaults; the embedding-group getters on a middle stage raise unless
 ``check_initialized=False``; ``is_pipeline_first/last_stage(ignore_virtual=False)`` without
 ``vp_stage`` uses the running virtual rank (Megatron asserts instead).
@@ -37,24 +40,25 @@ at their defaults; the embedding-group getters on a middle stage raise unless
 from __future__ import annotations
 
 import datetime
+import sys
+import types
 import warnings
 
 from tpfuse.parallel import parallel_state as _native
 from tpfuse.parallel.layout import DEFAULT_ORDER
 from tpfuse.parallel.parallel_state import (  # noqa: F401  (the same in Megatron and tpfuse)
     ModelParallelNotInitializedError, destroy_model_parallel, get_context_parallel_global_ranks,
-    get_context_parallel_group, get_context_parallel_rank, get_context_parallel_world_size,
+    get_context_parallel_rank, get_context_parallel_world_size,
     get_data_parallel_global_ranks, get_data_parallel_src_rank, get_embedding_global_ranks,
     get_embedding_group, get_expert_model_parallel_group, get_expert_model_parallel_src_rank,
     get_expert_tensor_and_model_parallel_group, get_expert_tensor_and_model_parallel_rank,
     get_expert_tensor_and_model_parallel_world_size,
     get_expert_tensor_model_pipeline_parallel_group, get_expert_tensor_parallel_group,
-    get_model_parallel_group, get_model_parallel_src_rank, get_pipeline_model_parallel_global_ranks,
-    get_pipeline_model_parallel_group, get_position_embedding_group,
+    get_model_parallel_src_rank, get_pipeline_model_parallel_global_ranks,
+    get_position_embedding_group,
     get_tensor_and_context_parallel_group, get_tensor_and_context_parallel_rank,
     get_tensor_and_context_parallel_world_size, get_tensor_and_data_parallel_group,
-    get_tensor_model_parallel_global_ranks, get_tensor_model_parallel_group,
-    get_tensor_model_parallel_src_rank, is_initialized, is_rank_in_position_embedding_group,
+    get_tensor_model_parallel_global_ranks, get_tensor_model_parallel_src_rank, is_initialized, is_rank_in_position_embedding_group,
     model_parallel_is_initialized)
 from tpfuse.parallel.parallel_state import _state  # the default state, or Megatron's error
 from tpfuse.parallel.state import (ParallelState, destroy_all_states,  # noqa: F401  (as before)
@@ -104,6 +108,7 @@ def _destroy_megatron_state() -> None:
     _GROUPS.extra = _GROUPS.memory_buffer = None
     forget_created_groups()
     OVERRIDES.clear()
+    _ASSIGNED.clear()
 
 
 _native.register_destroy_hook(_destroy_megatron_state)
@@ -125,13 +130,14 @@ def initialize_model_parallel(
     if has_default_state():
         raise RuntimeError("model parallel is already initialized; call "
                            "destroy_model_parallel() first")
+    _ASSIGNED.clear()
     check_default_only(dict(
         pipeline_model_parallel_comm_backend=pipeline_model_parallel_comm_backend,
         use_sharp=use_sharp, nccl_communicator_config_path=nccl_communicator_config_path,
         get_embedding_ranks=get_embedding_ranks,
         get_position_embedding_ranks=get_position_embedding_ranks,
         high_priority_stream_groups=high_priority_stream_groups,
-        sharp_enabled_group=sharp_enabled_group, create_all_gather_group=create_all_gather_group))
+        sharp_enabled_group=sharp_enabled_group))
     sizes = dict(context_parallel_size=context_parallel_size,
                  expert_model_parallel_size=expert_model_parallel_size,
                  expert_tensor_parallel_size=expert_tensor_parallel_size, order=order)
@@ -153,7 +159,8 @@ def initialize_model_parallel(
             state, gloo=create_gloo_process_groups,
             hierarchical_cp_sizes=hierarchical_context_parallel_sizes,
             hybrid_cp=hybrid_context_parallel, instances=num_distributed_optimizer_instances,
-            timeout=_timeout(distributed_timeout_minutes))
+            timeout=_timeout(distributed_timeout_minutes),
+            all_gather=bool(create_all_gather_group))
     except BaseException:
         state.destroy()
         raise
@@ -429,16 +436,19 @@ def get_data_parallel_group(with_context_parallel=False, partial_data_parallel=F
             raise ValueError("partial_data_parallel=True needs with_context_parallel=True "
                              "(partial data parallelism for the optimizer includes CP)")
         return _extra().partial_dp_cp
-    if independent_all_gather:
-        raise ModelParallelNotInitializedError(
-            "independent_all_gather=True: no separate all-gather group exists (tpfuse does not "
-            "create one; create_all_gather_group=True is not supported)")
+    name = "_DATA_PARALLEL_GROUP_WITH_CP" if with_context_parallel else "_DATA_PARALLEL_GROUP"
+    if name in _ASSIGNED:
+        return _assigned_group(name, "data parallel", True, None)
+    if independent_all_gather and with_context_parallel:
+        return _require(_module_global("_DATA_PARALLEL_GROUP_WITH_CP_AG"),
+                        "data parallel group with context parallel AG",
+                        "initialize_model_parallel(create_all_gather_group=True)")
     return _native.get_data_parallel_group(with_context_parallel)
 
 
 def has_separate_all_gather_group() -> bool:
-    """False: tpfuse never creates a separate all-gather data-parallel group."""
-    return False
+    """Whether ``create_all_gather_group=True`` made a separate dp × cp all-gather group."""
+    return _module_global("_DATA_PARALLEL_GROUP_WITH_CP_AG") is not None
 
 
 def get_data_parallel_group_gloo(with_context_parallel=False, partial_data_parallel=False):
@@ -546,3 +556,78 @@ def get_global_symmetric_memory_buffer():
 
 def destroy_global_symmetric_memory_buffer() -> None:
     """Nothing to destroy (no symmetric memory buffer is ever created)."""
+
+
+# ----------------------------------------------------------------------------- Megatron's globals
+# Megatron keeps its groups in module globals that code and tests read and reset
+# (``parallel_state._MODEL_PARALLEL_GROUP = None``). Here each such name reads this rank's group of
+# the default ParallelState (None before initialisation); assigning one stores the value until the
+# next initialize / destroy, and the matching getter then returns it — or, for None, raises as
+# Megatron's assert does (ModelParallelNotInitializedError, an AssertionError).
+_GLOBAL_KINDS = {
+    "_MODEL_PARALLEL_GROUP": "tp-pp", "_TENSOR_MODEL_PARALLEL_GROUP": "tp",
+    "_PIPELINE_MODEL_PARALLEL_GROUP": "pp", "_DATA_PARALLEL_GROUP": "dp",
+    "_DATA_PARALLEL_GROUP_WITH_CP": "dp-cp", "_CONTEXT_PARALLEL_GROUP": "cp",
+}
+_ASSIGNED: dict = {}   # Megatron global name -> the value user code assigned
+
+
+def _live_global(name: str):
+    if name == "_DATA_PARALLEL_GROUP_WITH_CP_AG":
+        return None if _GROUPS.extra is None else _GROUPS.extra.dp_cp_all_gather
+    if not has_default_state():
+        return None
+    return get_default_state().group(_GLOBAL_KINDS[name])
+
+
+def _module_global(name: str):
+    """What Megatron's global ``name`` holds now: an assigned value, else the live group."""
+    return _ASSIGNED[name] if name in _ASSIGNED else _live_global(name)
+
+
+def _assigned_group(name: str, what: str, check_initialized: bool, native_getter):
+    if name in _ASSIGNED:
+        group = _ASSIGNED[name]
+        if group is None and check_initialized:
+            raise ModelParallelNotInitializedError(f"{what} group is not initialized")
+        return group
+    return native_getter(check_initialized)
+
+
+def get_model_parallel_group(check_initialized=True):
+    """tp × pp: the ranks that together hold one model replica."""
+    return _assigned_group("_MODEL_PARALLEL_GROUP", "model parallel", check_initialized,
+                           _native.get_model_parallel_group)
+
+
+def get_tensor_model_parallel_group(check_initialized=True):
+    return _assigned_group("_TENSOR_MODEL_PARALLEL_GROUP", "tensor model parallel",
+                           check_initialized, _native.get_tensor_model_parallel_group)
+
+
+def get_pipeline_model_parallel_group(check_initialized=True):
+    return _assigned_group("_PIPELINE_MODEL_PARALLEL_GROUP", "pipeline model parallel",
+                           check_initialized, _native.get_pipeline_model_parallel_group)
+
+
+def get_context_parallel_group(check_initialized=True):
+    return _assigned_group("_CONTEXT_PARALLEL_GROUP", "context parallel", check_initialized,
+                           _native.get_context_parallel_group)
+
+
+class _MegatronGlobalsModule(types.ModuleType):
+    """This module, with Megatron's group globals readable and assignable (see above)."""
+
+    def __getattr__(self, name):
+        if name in _GLOBAL_KINDS or name == "_DATA_PARALLEL_GROUP_WITH_CP_AG":
+            return _module_global(name)
+        raise AttributeError(f"module {self.__name__!r} has no attribute {name!r}")
+
+    def __setattr__(self, name, value):
+        if name in _GLOBAL_KINDS or name == "_DATA_PARALLEL_GROUP_WITH_CP_AG":
+            _ASSIGNED[name] = value
+        else:
+            super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _MegatronGlobalsModule

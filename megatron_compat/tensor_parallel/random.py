@@ -13,13 +13,54 @@ import torch
 from torch.utils.checkpoint import checkpoint as _torch_checkpoint
 
 from tpfuse.tp_layers import random as _random
-from tpfuse.tp_layers.random import CudaRNGStatesTracker  # noqa: F401
 
 from .. import parallel_state as _mpu
 
 _MODEL_PARALLEL_RNG_TRACKER_NAME = _random.MODEL_PARALLEL_RNG
 _EXPERT_PARALLEL_RNG_TRACKER_NAME = _random.EXPERT_PARALLEL_RNG
 _DATA_PARALLEL_RNG_TRACKER_NAME = _random.DATA_PARALLEL_RNG
+
+
+class _TrackerType(type):
+    """``isinstance(get_cuda_rng_tracker(), CudaRNGStatesTracker)`` holds: the process-wide
+    tracker is tpfuse's, which this class extends."""
+
+    def __instancecheck__(cls, instance):
+        return isinstance(instance, _random.CudaRNGStatesTracker)
+
+
+class CudaRNGStatesTracker(_random.CudaRNGStatesTracker, metaclass=_TrackerType):
+    """Megatron's tracker: tpfuse's streams, and ``set_states`` stores whatever it is given as
+    Megatron's does (``set_states({"state1": 1234})`` then ``get_states()["state1"] == 1234``).
+    Generator-state tensors (uint8) become streams; any other value is kept as given, returned
+    by ``get_states`` and refused by ``fork`` (RuntimeError, naming it)."""
+
+    def __init__(self, use_cudagraphable_rng=False, is_inference_rng_tracker=False):
+        _check_plain_tracker(False, is_inference_rng_tracker, use_cudagraphable_rng)
+        super().__init__()
+        self.use_cudagraphable_rng = use_cudagraphable_rng
+        self.is_inference_rng_tracker = is_inference_rng_tracker
+
+    def reset(self) -> None:
+        super().reset()
+        self.opaque_states_: dict = {}
+
+    def get_states(self) -> dict:
+        return {**super().get_states(), **getattr(self, "opaque_states_", {})}
+
+    def set_states(self, states: dict) -> None:
+        generator_states = {name: value for name, value in states.items()
+                            if isinstance(value, torch.Tensor) and value.dtype == torch.uint8}
+        super().set_states(generator_states)
+        self.opaque_states_ = {name: value for name, value in states.items()
+                               if name not in generator_states}
+        self._is_initialized = True
+
+    def fork(self, name: str = _random.MODEL_PARALLEL_RNG):
+        if name in getattr(self, "opaque_states_", {}):
+            raise RuntimeError(f"RNG state {name!r} holds {type(self.opaque_states_[name]).__name__}"
+                               ", not a generator state: it cannot be forked")
+        return super().fork(name)
 
 
 def _check_plain_tracker(use_te_rng_tracker, inference_rng_tracker, use_cudagraphable_rng):

@@ -1,0 +1,94 @@
+"""The details Megatron's own unit tests reach, checked against megatron-core 0.16's behaviour:
+the calculator's module global and Megatron's assertion points, the RNG tracker's ``set_states``,
+the parallel-state group globals and ``create_all_gather_group``."""
+import pytest
+import torch
+import torch.distributed as dist
+
+from tpfuse.megatron_compat import num_microbatches_calculator as nmc
+from tpfuse.megatron_compat import parallel_state as mpu
+from tpfuse.megatron_compat.tensor_parallel import CudaRNGStatesTracker, get_cuda_rng_tracker
+from tpfuse.parallel.microbatches import MicrobatchCalculator
+
+
+def test_calculator_global_is_megatrons_and_checks_where_megatron_asserts():
+    nmc._GLOBAL_NUM_MICROBATCHES_CALCULATOR = None            # as Megatron's tests reset it
+    nmc.init_num_microbatches_calculator(0, None, 32, 8, 2, False)
+    assert nmc._GLOBAL_NUM_MICROBATCHES_CALCULATOR.get() == 2
+    with pytest.raises(AssertionError, match="already initialized"):
+        nmc.init_num_microbatches_calculator(0, None, 32, 8, 2, False)
+    built = nmc._build_num_microbatches_calculator(0, None, 33, 8, 2, True)
+    assert (built.get(), built.get_current_running_global_batch_size()) == (2, 32)
+    assert nmc.get_num_microbatches() == 2                     # _build left the global alone
+    with pytest.raises(AssertionError, match="not divisible"):  # constant: at construction
+        nmc._build_num_microbatches_calculator(0, None, 33, 8, 2, False)
+    # ramp 16 -> 32 by 8 over 96 samples at micro 8 x dp 2: the 24 step is not divisible by 16;
+    # Megatron builds it and asserts at the update that reaches it (tpfuse's native refuses it)
+    with pytest.raises(ValueError, match="not divisible"):
+        MicrobatchCalculator(32, 8, 2, rampup_batch_size=[16, 8, 96])
+    nmc.reconfigure_num_microbatches_calculator(0, [16, 8, 96], 32, 8, 2, False)
+    assert nmc.get_num_microbatches() == 1
+    nmc.update_num_microbatches(48, False)                     # no check: floored
+    assert (nmc.get_current_global_batch_size(), nmc.get_num_microbatches()) == (24, 1)
+    with pytest.raises(AssertionError, match="not divisible"):
+        nmc.update_num_microbatches(49, True)
+    native = MicrobatchCalculator(32, 4, 2, rampup_batch_size=[16, 8, 96])
+    nmc.reconfigure_num_microbatches_calculator(0, [16, 8, 96], 32, 4, 2, False)
+    for consumed in (0, 47, 48, 96, 97):                       # the same schedule as the native
+        nmc.update_num_microbatches(consumed)
+        native.update(consumed)
+        assert nmc.get_num_microbatches() == native.num_microbatches, consumed
+    nmc.destroy_num_microbatches_calculator()
+    assert nmc._GLOBAL_NUM_MICROBATCHES_CALCULATOR is None
+
+
+def test_rng_tracker_set_states_stores_what_it_is_given():
+    tracker = CudaRNGStatesTracker()
+    tracker.set_states({"state1": 1234})
+    assert tracker.get_states()["state1"] == 1234
+    with pytest.raises(RuntimeError, match="'state1' holds int"):
+        with tracker.fork("state1"):
+            pass
+    tracker.reset()
+    assert tracker.get_states() == {}
+    tracker.add("s", 7)
+    copy = CudaRNGStatesTracker()
+    copy.set_states(tracker.get_states())                      # generator states: streams
+    with copy.fork("s"):
+        drawn = torch.rand(3)
+    assert torch.equal(drawn, torch.rand(3, generator=torch.Generator().manual_seed(7)))
+    assert isinstance(get_cuda_rng_tracker(), CudaRNGStatesTracker)
+
+
+def _ranks(group):
+    return dist.get_process_group_ranks(group)
+
+
+def _group_globals():
+    assert mpu._MODEL_PARALLEL_GROUP is None and mpu._DATA_PARALLEL_GROUP_WITH_CP_AG is None
+    mpu.initialize_model_parallel(2, context_parallel_size=2)
+    assert _ranks(mpu._MODEL_PARALLEL_GROUP) == _ranks(mpu.get_model_parallel_group())
+    assert mpu._DATA_PARALLEL_GROUP_WITH_CP_AG is None and not mpu.has_separate_all_gather_group()
+    mpu._MODEL_PARALLEL_GROUP = None                            # Megatron's tests do this
+    with pytest.raises(AssertionError, match="model parallel group is not initialized"):
+        mpu.get_model_parallel_group()
+    assert mpu.get_model_parallel_group(check_initialized=False) is None
+    mpu.destroy_model_parallel()
+    assert mpu._MODEL_PARALLEL_GROUP is None
+    mpu.initialize_model_parallel(2, context_parallel_size=2, create_all_gather_group=True)
+    assert _ranks(mpu.get_model_parallel_group()) == _ranks(mpu.get_tensor_model_parallel_group())
+    assert mpu.has_separate_all_gather_group()
+    all_gather = mpu.get_data_parallel_group(with_context_parallel=True,
+                                             independent_all_gather=True)
+    regular = mpu.get_data_parallel_group(with_context_parallel=True)
+    assert all_gather is not regular and _ranks(all_gather) == _ranks(regular)
+    value = torch.ones(1)
+    dist.all_reduce(value, group=all_gather)
+    assert value.item() == 2
+    mpu.destroy_model_parallel()
+    assert mpu._DATA_PARALLEL_GROUP_WITH_CP_AG is None
+    return 1
+
+
+def test_parallel_state_group_globals_and_all_gather_group(run_distributed):
+    assert run_distributed(4, _group_globals) == [1] * 4
