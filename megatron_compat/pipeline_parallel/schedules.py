@@ -17,6 +17,10 @@ A loss function may return ``(loss, reduced)`` (loss × cp / m before backward) 
 ``calculate_per_token_loss``). Gradient synchronisation hooks run without overlap: the whole
 schedule runs inside ``no_sync_func()``, then ``grad_sync_func`` per chunk, then
 ``finalize_model_grads_func`` — the same gradients, reduced after the last backward.
+
+As Megatron's, the interleaved schedule ignores ``decoder_seq_length`` (its tensors are
+``seq_length`` long) and checks ``microbatch_group_size_per_vp_stage`` g at the call:
+p ≤ g ≤ m else ValueError, m mod g = 0 or ≥ p else RuntimeError.
 """
 from __future__ import annotations
 
@@ -229,4 +233,26 @@ def forward_backward_pipelining_with_interleaving(**kwargs):
     if kwargs.get("adjust_tensor_shapes_fn") is not None:
         raise ValueError("adjust_tensor_shapes_fn is not supported with interleaving "
                          "(as in Megatron)")
+    kwargs.pop("decoder_seq_length", None)   # Megatron's interleaved schedule ignores it
+    _check_interleaved_groups(kwargs.get("model"), kwargs.get("num_microbatches"))
     return _run(_executor.forward_backward_pipelining_with_interleaving, True, **kwargs)
+
+
+def _check_interleaved_groups(model, num_microbatches) -> None:
+    """Megatron's checks of ``microbatch_group_size_per_vp_stage`` g at the call, with its
+    exception types: p ≤ g ≤ m (ValueError) and m mod g == 0 or ≥ p (RuntimeError)."""
+    chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+    config = getattr(chunks[0], "config", None) if chunks and chunks[0] is not None else None
+    group_size = getattr(config, "microbatch_group_size_per_vp_stage", None)
+    if group_size is None or not isinstance(num_microbatches, int) \
+            or not _mpu.model_parallel_is_initialized():
+        return            # the native schedule checks (and names) what is missing
+    pp = _mpu.get_pipeline_model_parallel_world_size()
+    if not pp <= group_size <= num_microbatches:
+        raise ValueError(f"microbatch_group_size_per_vp_stage={group_size} must lie in "
+                         f"[pp={pp}, num_microbatches={num_microbatches}]")
+    remainder = num_microbatches % group_size
+    if 0 < remainder < pp:
+        raise RuntimeError(f"num_microbatches={num_microbatches} mod "
+                           f"microbatch_group_size_per_vp_stage={group_size} = {remainder}: "
+                           f"must be 0 or >= pp={pp} (a shorter last group leaves bubbles)")

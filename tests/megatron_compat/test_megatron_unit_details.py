@@ -92,3 +92,51 @@ def _group_globals():
 
 def test_parallel_state_group_globals_and_all_gather_group(run_distributed):
     assert run_distributed(4, _group_globals) == [1] * 4
+
+
+class _Chunk(torch.nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+
+
+def _interleaved_checks_and_shape():
+    from tpfuse.megatron_compat.model_parallel_config import ModelParallelConfig
+    from tpfuse.megatron_compat.pipeline_parallel import schedules
+    mpu.initialize_model_parallel(1, 2, 2)
+    try:
+        config = ModelParallelConfig(pipeline_model_parallel_size=2,
+                                     virtual_pipeline_model_parallel_size=2,
+                                     pipeline_dtype=torch.float32)
+        config.hidden_size = 8
+        chunks = [_Chunk(config), _Chunk(config)]
+        call = dict(forward_step_func=None, data_iterator=[iter([]), iter([])], model=chunks,
+                    seq_length=16, micro_batch_size=2, forward_only=True)
+        with pytest.raises(RuntimeError, match="mod microbatch_group_size_per_vp_stage=2 = 1"):
+            schedules.forward_backward_pipelining_with_interleaving(num_microbatches=7, **call)
+        with pytest.raises(ValueError, match=r"must lie in \[pp=2, num_microbatches=1\]"):
+            schedules.forward_backward_pipelining_with_interleaving(num_microbatches=1, **call)
+        seen = {}
+
+        def spy(native, interleaved, **kwargs):
+            seen.update(kwargs)
+            return []
+        original, schedules._run = schedules._run, spy
+        try:
+            schedules.forward_backward_pipelining_with_interleaving(
+                num_microbatches=4, decoder_seq_length=512, **call)
+            assert "decoder_seq_length" not in seen and seen["seq_length"] == 16
+            seen.clear()
+            schedules.forward_backward_pipelining_without_interleaving(
+                num_microbatches=4, decoder_seq_length=512, **dict(call, data_iterator=iter([])))
+            assert seen["decoder_seq_length"] == 512      # 1F1B uses it, as Megatron's
+        finally:
+            schedules._run = original
+    finally:
+        mpu.destroy_model_parallel()
+    return 1
+
+
+def test_interleaved_schedule_checks_like_megatron_and_ignores_decoder_seq_length(
+        run_distributed):
+    assert run_distributed(2, _interleaved_checks_and_shape) == [1] * 2
