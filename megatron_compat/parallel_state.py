@@ -30,8 +30,9 @@ rank and size getters of the layout's group kinds are tpfuse's thin facade
 ``destroy_model_parallel`` (this module's or the facade's) destroys the extra groups, forgets
 every override and destroys every live ParallelState. Differences from Megatron, all deliberate:
 a getter before initialisation raises ``ModelParallelNotInitializedError`` (a RuntimeError and an
-AssertionError) saying so; invalid sizes raise ``ValueError`` naming the setting before any group
-is created; options that change communication libraries (SHARP, UCC, NCCL configs,
+AssertionError) saying so, as does ``initialize_model_parallel`` before torch.distributed is
+initialised; invalid sizes raise ``ParallelSizeError`` (a ValueError naming the setting, and the
+RuntimeError Megatron raises) before any group is created; options that change communication libraries (SHARP, UCC, NCCL configs,
 high-priority streams) and custom embedding ranks are accepted only
 at their defaults; the embedding-group getters on a middle stage raise unless
 ``check_initialized=False``; ``is_pipeline_first/last_stage(ignore_virtual=False)`` without
@@ -43,6 +44,8 @@ import datetime
 import sys
 import types
 import warnings
+
+import torch.distributed as dist
 
 from tpfuse.parallel import parallel_state as _native
 from tpfuse.parallel.layout import DEFAULT_ORDER
@@ -71,6 +74,11 @@ from ._extra_groups import (  # noqa: F401  (Megatron's names)
     default_embedding_ranks, default_position_embedding_ranks, forget_created_groups,
     generate_masked_orthogonal_rank_groups, get_nccl_options, overwrite_nccl_comm_cfgs,
     update_pg_timeout)
+
+class ParallelSizeError(ValueError, RuntimeError):
+    """Sizes that do not fit the world: a ValueError naming the setting (tpfuse's), and the
+    RuntimeError Megatron's ``initialize_model_parallel`` raises for them."""
+
 
 class _Overrides:
     """What the setters stored: getter name → value (None = not set)."""
@@ -138,18 +146,29 @@ def initialize_model_parallel(
         get_position_embedding_ranks=get_position_embedding_ranks,
         high_priority_stream_groups=high_priority_stream_groups,
         sharp_enabled_group=sharp_enabled_group))
+    if not dist.is_initialized():
+        raise ModelParallelNotInitializedError(
+            "torch.distributed is not initialized: call torch.distributed.init_process_group "
+            "before initialize_model_parallel")
     sizes = dict(context_parallel_size=context_parallel_size,
                  expert_model_parallel_size=expert_model_parallel_size,
                  expert_tensor_parallel_size=expert_tensor_parallel_size, order=order)
-    layout = _native.model_parallel_layout(tensor_model_parallel_size,
-                                           pipeline_model_parallel_size, **sizes)
-    check_extra_options(context_parallel_size, hierarchical_context_parallel_sizes,
-                        num_distributed_optimizer_instances, layout.world_size, layout.tp,
-                        layout.pp)
-    if layout.edp % num_distributed_optimizer_instances:
-        raise ValueError(f"num_distributed_optimizer_instances="
-                         f"{num_distributed_optimizer_instances} must divide the expert "
-                         f"data-parallel size edp={layout.edp}")
+    try:
+        if virtual_pipeline_model_parallel_size is not None and pipeline_model_parallel_size < 2:
+            raise ValueError("pipeline_model_parallel_size should be greater than 1 with the "
+                             f"interleaved schedule (virtual_pipeline_model_parallel_size="
+                             f"{virtual_pipeline_model_parallel_size})")
+        layout = _native.model_parallel_layout(tensor_model_parallel_size,
+                                               pipeline_model_parallel_size, **sizes)
+        check_extra_options(context_parallel_size, hierarchical_context_parallel_sizes,
+                            num_distributed_optimizer_instances, layout.world_size, layout.tp,
+                            layout.pp)
+        if layout.edp % num_distributed_optimizer_instances:
+            raise ValueError(f"num_distributed_optimizer_instances="
+                             f"{num_distributed_optimizer_instances} must divide the expert "
+                             f"data-parallel size edp={layout.edp}")
+    except ValueError as error:
+        raise ParallelSizeError(str(error)) from None
     state = _native.initialize_model_parallel(
         tensor_model_parallel_size, pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size,
