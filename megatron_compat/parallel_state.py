@@ -80,6 +80,10 @@ class ParallelSizeError(ValueError, RuntimeError):
     RuntimeError Megatron's ``initialize_model_parallel`` raises for them."""
 
 
+class AlreadyInitializedError(AssertionError, RuntimeError):
+    """``initialize_model_parallel`` twice: Megatron's assert (and a RuntimeError)."""
+
+
 class _Overrides:
     """What the setters stored: getter name → value (None = not set)."""
 
@@ -135,10 +139,6 @@ def initialize_model_parallel(
         sharp_enabled_group=None, create_all_gather_group=False) -> None:
     """Build every group (the layout's, then Megatron's extra ones) and make the new
     ParallelState the default. Every option is checked before any group is created."""
-    if has_default_state():
-        raise RuntimeError("model parallel is already initialized; call "
-                           "destroy_model_parallel() first")
-    _ASSIGNED.clear()
     check_default_only(dict(
         pipeline_model_parallel_comm_backend=pipeline_model_parallel_comm_backend,
         use_sharp=use_sharp, nccl_communicator_config_path=nccl_communicator_config_path,
@@ -169,6 +169,10 @@ def initialize_model_parallel(
                              f"data-parallel size edp={layout.edp}")
     except ValueError as error:
         raise ParallelSizeError(str(error)) from None
+    if has_default_state():   # after the size checks, as Megatron's group asserts
+        raise AlreadyInitializedError("model parallel is already initialized; call "
+                                      "destroy_model_parallel() first")
+    _ASSIGNED.clear()
     state = _native.initialize_model_parallel(
         tensor_model_parallel_size, pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size,
