@@ -350,9 +350,11 @@ def _is_global_rank_zero() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
-def load_model_weights(folder: str, read_payload, model_chunks, tp: int, tp_rank: int) -> dict:
+def load_model_weights(folder: str, read_payload, model_chunks, tp: int = 1, tp_rank: int = 0,
+                       sizes: dict | None = None) -> dict:
     """Fill only the chunks' parameters (TP rank ``tp_rank`` of ``tp``; experts unsplit over ep,
-    split over etp = tp) from a checkpoint folder of any layout; no optimizer state is read, none
+    split over etp = tp; or cut by ``sizes`` as ``sharding.sizes_of`` gives them, experts over
+    ep and etp too) from a checkpoint folder of any layout; no optimizer state is read, none
     is needed. Local, not a collective.
 
     The same checks as a resharding load (missing parameter, shape). Returns
@@ -360,6 +362,6 @@ def load_model_weights(folder: str, read_payload, model_chunks, tp: int, tp_rank
     payloads = _all_payloads(folder, read_payload)
     old_layout = payloads[0]["layout"]
     index = _index_old_shards(payloads, optimizer=False)
-    sizes = dense_sizes(tp, tp_rank)
+    sizes = sizes or dense_sizes(tp, tp_rank)
     _load_weights(_plan(model_chunks, index, sizes), index, old_layout, sizes)
     return min(payloads, key=lambda p: p["rank"])
