@@ -1,7 +1,7 @@
 """HuggingFace ↔ tpfuse checkpoints: ``import_hf`` (``tpfuse-convert --from-hf``) and
 ``export_hf`` (``tpfuse-convert --to-hf``).
 
-    HF dir ─config.json→ architecture (model_type: gpt2 | llama) → TransformerConfig values
+    HF dir ─config.json→ architecture (model_type: gpt2 | llama | mixtral) → TransformerConfig values
            ─safetensors→ tensors ─architecture→ single-process tpfuse tensors ─pad vocab rows→
            ─tpfuse_io.write_checkpoint→ rank files of the chosen tp × pp layout
     tpfuse ─read_checkpoint (any layout)→ single-process tensors ─trim the padded vocab rows→
@@ -22,12 +22,12 @@ import torch
 
 from tpfuse.models.config import DTYPES, TransformerConfig
 
-from . import gpt2, llama
+from . import gpt2, llama, mixtral
 from .common import pad_vocab, trim_vocab
 from .hf_io import read_config, read_tensors, staged_directory, write_model
 from .tpfuse_io import TIED_OUTPUT, WORD, read_checkpoint, write_checkpoint
 
-ARCHITECTURES = {gpt2.MODEL_TYPE: gpt2, llama.MODEL_TYPE: llama}
+ARCHITECTURES = {gpt2.MODEL_TYPE: gpt2, llama.MODEL_TYPE: llama, mixtral.MODEL_TYPE: mixtral}
 TOKENIZER_FILE = "tokenizer.json"
 PRECISION_FLAGS = {torch.bfloat16: {"bf16": True}, torch.float16: {"fp16": True}}
 
@@ -57,6 +57,8 @@ def import_hf(hf_dir: str, save_dir: str, *, tensor_model_parallel_size: int = 1
     values = architecture.config_from_hf(hf)
     tensors = read_tensors(hf_dir)
     dtype = params_dtype or _common_dtype(tensors, hf_dir)
+    if values.get("num_moe_experts") is not None and tensor_model_parallel_size > 1:
+        values = dict(values, sequence_parallel=True)     # MoE under TP trains with SP
     config = TransformerConfig(**values, tensor_model_parallel_size=tensor_model_parallel_size,
                                pipeline_model_parallel_size=pipeline_model_parallel_size,
                                make_vocab_size_divisible_by=make_vocab_size_divisible_by,

@@ -6,6 +6,8 @@ the ep / etp shards). Greedy tokens are compared exactly: every layout runs the 
 through the same operations up to summation order (TP partial sums, the expert-tensor-parallel
 reduce-scatter), ~1e-7 relative, while the trained tiny model's top-two logit gaps are ≥ 1e-4
 (checked below), so a routing or weight-cutting error changes tokens and rounding does not.
+The same checkpoint exported with ``tpfuse-convert --to-hf`` gives transformers' Mixtral the
+same greedy tokens.
 """
 import pytest
 import torch
@@ -110,3 +112,19 @@ def test_generate_cli_checks_the_expert_parallel_size_before_any_group(trained_r
     assert "does not divide the checkpoint's 4 experts" in capsys.readouterr().err
     assert main(["--load", trained_run[0]] + base + ["--nproc-per-node", "2"]) == 2
     assert "--expert-model-parallel-size = 3" in capsys.readouterr().err
+
+
+def test_expert_parallel_checkpoint_exported_to_hf_generates_the_same_tokens(trained_run, single,
+                                                                            tmp_path):
+    """tpfuse-convert --to-hf of the tp2 + SP, ep2 checkpoint: transformers' Mixtral greedy
+    tokens equal tpfuse's (tolerance argument: tests/convert/test_hf_mixtral.py)."""
+    transformers = pytest.importorskip("transformers")
+    from tpfuse.convert.cli import main
+
+    assert main(["--to-hf", "--load", trained_run[0], "--save", str(tmp_path / "hf")]) == 0
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
+    assert type(hf).__name__ == "MixtralForCausalLM"
+    with torch.no_grad():
+        expected = [hf.generate(torch.tensor([p]), max_new_tokens=STEPS, do_sample=False,
+                                eos_token_id=None)[0, len(p):].tolist() for p in PROMPTS]
+    assert expected == single[1]
