@@ -1,7 +1,7 @@
 """HuggingFace ↔ tpfuse checkpoints: ``import_hf`` (``tpfuse-convert --from-hf``) and
 ``export_hf`` (``tpfuse-convert --to-hf``).
 
-    HF dir ─config.json→ architecture (model_type: gpt2 | llama | mixtral) → TransformerConfig values
+    HF dir ─config.json→ architecture (model_type: gpt2 | llama | mistral | mixtral | qwen2) → TransformerConfig values
            ─safetensors→ tensors ─architecture→ single-process tpfuse tensors ─pad vocab rows→
            ─tpfuse_io.write_checkpoint→ rank files of the chosen tp × pp layout
     tpfuse ─read_checkpoint (any layout)→ single-process tensors ─trim the padded vocab rows→
@@ -22,12 +22,13 @@ import torch
 
 from tpfuse.models.config import DTYPES, TransformerConfig
 
-from . import gpt2, llama, mixtral
+from . import gpt2, llama, mistral, mixtral, qwen2
 from .common import pad_vocab, trim_vocab
 from .hf_io import read_config, read_tensors, staged_directory, write_model
 from .tpfuse_io import TIED_OUTPUT, WORD, read_checkpoint, write_checkpoint
 
-ARCHITECTURES = {gpt2.MODEL_TYPE: gpt2, llama.MODEL_TYPE: llama, mixtral.MODEL_TYPE: mixtral}
+ARCHITECTURES = {gpt2.MODEL_TYPE: gpt2, llama.MODEL_TYPE: llama, mistral.MODEL_TYPE: mistral,
+                 mixtral.MODEL_TYPE: mixtral, qwen2.MODEL_TYPE: qwen2}
 TOKENIZER_FILE = "tokenizer.json"
 PRECISION_FLAGS = {torch.bfloat16: {"bf16": True}, torch.float16: {"fp16": True}}
 

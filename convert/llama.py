@@ -76,7 +76,9 @@ def mismatches(config) -> list[str]:
               ("activation", config.activation == "swiglu", "swiglu"),
               ("position_embedding_type", config.position_embedding_type == "rope", "rope"),
               ("num_moe_experts", config.num_moe_experts is None, "None: a dense MLP"),
-              ("window_size", config.window_size is None, "None")]
+              ("window_size", config.window_size is None, "None"),
+              ("add_qkv_bias", not config.add_qkv_bias or config.add_bias_linear,
+               "False without add_bias_linear")]
     return [f"{name}={getattr(config, name)} (needs {need})" for name, ok, need in wanted if not ok]
 
 

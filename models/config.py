@@ -83,6 +83,8 @@ class TransformerConfig:
         "sliding_window = L+1)", None)
     add_bias_linear: bool = _f("model", "biases in the linear layers", True,
                                negative_flag="--disable-bias-linear")
+    add_qkv_bias: bool = _f("model", "a bias in the QKV projection also without "
+                            "add_bias_linear (Qwen2's layout)", False)
     untie_embeddings_and_output_weights: bool = _f(
         "model", "separate output-layer weight (default: tied to the word embedding)", False)
     hidden_dropout: float = _f("model", "dropout after embeddings, attention and MLP", 0.1)

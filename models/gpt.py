@@ -167,7 +167,7 @@ class GPTModel(nn.Module):
                 recompute_modules=(tuple(c.recompute_modules)
                                    if c.recompute_granularity == "selective" else ()),
                 state=self.state, window_size=c.attention_window, cp_comm_type=c.cp_comm_type,
-                mlp_builder=mlp_builder)
+                mlp_builder=mlp_builder, add_qkv_bias=c.add_qkv_bias)
 
     def _build_output(self, word_master):
         c = self.config

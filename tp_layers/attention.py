@@ -111,7 +111,7 @@ class ParallelAttention(nn.Module):
                  init_method_std: float = 0.02, output_layer_init_std: float | None = None,
                  params_dtype: torch.dtype = torch.float32, recompute_core_attention: bool = False,
                  group=None, state=None, window_size: int | None = None,
-                 cp_comm_type: str = "p2p", cp_group=None):
+                 cp_comm_type: str = "p2p", cp_group=None, add_qkv_bias: bool = False):
         super().__init__()
         self.tp = resolve_tp_group(group, state)
         self.cp = resolve_cp_group(cp_group, state, group)
@@ -140,7 +140,8 @@ class ParallelAttention(nn.Module):
                       params_dtype=params_dtype, group=self.tp.group)
         qkv_rows = (num_attention_heads + 2 * groups) * self.head_dim
         self.linear_qkv = ColumnParallelLinear(
-            hidden_size, qkv_rows, init_method=normal_init(init_method_std), **common)
+            hidden_size, qkv_rows, init_method=normal_init(init_method_std),
+            **dict(common, bias=add_bias_linear or add_qkv_bias))
         self.linear_proj = RowParallelLinear(
             num_attention_heads * self.head_dim, hidden_size, input_is_parallel=True,
             skip_bias_add=True, init_method=normal_init(output_layer_init_std or init_method_std),

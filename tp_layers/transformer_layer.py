@@ -54,7 +54,7 @@ class TransformerLayer(nn.Module):
                  output_layer_init_std: float | None = None,
                  params_dtype: torch.dtype = torch.float32, recompute_modules=(), state=None,
                  group=None, window_size: int | None = None, cp_comm_type: str = "p2p",
-                 mlp_builder=None):
+                 mlp_builder=None, add_qkv_bias: bool = False):
         super().__init__()
         if not 0.0 <= hidden_dropout < 1.0:
             raise ValueError(f"hidden_dropout must be in [0, 1), got {hidden_dropout}")
@@ -76,7 +76,7 @@ class TransformerLayer(nn.Module):
             hidden_size, num_attention_heads, num_query_groups=num_query_groups,
             attention_dropout=attention_dropout, position_embedding_type=position_embedding_type,
             rotary_base=rotary_base, recompute_core_attention="core_attn" in recompute_modules,
-            window_size=window_size, cp_comm_type=cp_comm_type,
+            window_size=window_size, cp_comm_type=cp_comm_type, add_qkv_bias=add_qkv_bias,
             cp_group=resolve_cp_group(None, state, group).group, **common)
         self.pre_mlp_norm = Norm(hidden_size, **norm)
         self.mlp = (mlp_builder() if mlp_builder is not None else

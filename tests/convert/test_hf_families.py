@@ -1,0 +1,68 @@
+"""tpfuse-convert for Mistral (sliding window) and Qwen2 (QKV biases) against ``transformers``'
+own models (random, built here; nothing is downloaded): logits and greedy tokens, the round trip.
+
+Tolerance (fp32, atol = rtol = 1e-5), as in test_hf_conversion.py: the same function of the same
+weights with fp32 operations in another order (~6e-8 relative each, two layers of width 32):
+≲ 1e-6 in logits of size ~1. A window off by one key, a missing or misplaced q/k/v bias moves
+logits by 1e-3 or more (the window is 4 on sequences of 12, so it cuts most keys).
+"""
+import os
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+os.environ["HF_HUB_OFFLINE"] = "1"     # nothing may be downloaded
+
+from safetensors.torch import load_file  # noqa: E402
+
+from tpfuse.convert import export_hf, import_hf  # noqa: E402
+from tpfuse.inference import generate, load_model  # noqa: E402
+
+VOCAB = 100
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [11, 12]]
+STEPS = 6
+COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+              bos_token_id=0, eos_token_id=0, pad_token_id=0)
+
+
+def _hf_model(kind):
+    torch.manual_seed(0)
+    if kind == "mistral":
+        config = transformers.MistralConfig(sliding_window=4, **COMMON)
+        model = transformers.MistralForCausalLM(config)
+    else:
+        config = transformers.Qwen2Config(**COMMON)
+        model = transformers.Qwen2ForCausalLM(config)
+        with torch.no_grad():                        # biases drawn, not zero
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj,
+                             layer.self_attn.v_proj):
+                    proj.bias.normal_(0.0, 0.5)
+    return model.eval()
+
+
+@pytest.mark.parametrize("kind", ["mistral", "qwen2"])
+def test_family_import_gives_transformers_logits_and_tokens_and_exports_back(tmp_path, kind):
+    model = _hf_model(kind)
+    model.save_pretrained(str(tmp_path / "hf"))
+    config = import_hf(str(tmp_path / "hf"), str(tmp_path / "tpfuse"),
+                       make_vocab_size_divisible_by=16)
+    assert (config.window_size == (3, 0)) if kind == "mistral" else config.add_qkv_bias
+    (ours,) = load_model(str(tmp_path / "tpfuse"))
+    ids = torch.randint(1, VOCAB, (2, 12), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        expected = model(ids).logits
+        logits = ours(ids)[..., :VOCAB]
+        hf_tokens = [model.generate(torch.tensor([p]), max_new_tokens=STEPS, do_sample=False,
+                                    eos_token_id=None)[0, len(p):].tolist() for p in PROMPTS]
+    torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
+    assert generate(ours, PROMPTS, STEPS, greedy=True) == hf_tokens
+    hf = export_hf(str(tmp_path / "tpfuse"), str(tmp_path / "back"))
+    assert hf["model_type"] == kind
+    before = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    after = load_file(str(tmp_path / "back" / "model.safetensors"))
+    assert sorted(before) == sorted(after)
+    for name, tensor in before.items():
+        assert torch.equal(tensor, after[name]), name
