@@ -11,8 +11,10 @@ Rotary layout: HuggingFace's Llama rotates the halves of each head (``rotate_hal
 conversion time; tpfuse's rope is the same rotate-half form (tp_layers/rope.py, Megatron's
 non-interleaved default) with the same frequencies ``θ^(−2i/d)``. So q_proj / k_proj rows go
 into the fused QKV unpermuted — the logits test against ``transformers`` checks exactly this.
-Rotary scaling (``rope_scaling`` / a ``rope_type`` other than default: linear, dynamic, llama3,
-yarn ...) and a head_dim other than hidden/heads are not supported and say so.
+Rotary scaling: Llama 3.x's (``rope_type: llama3`` with Llama 3's constants: original context
+8192, low / high frequency factors 1 / 4) maps to ``use_rope_scaling`` + ``rope_scaling_factor``
+(Megatron's flags); other kinds (linear, dynamic, yarn ...) and a head_dim other than
+hidden/heads are not supported and say so.
 """
 from __future__ import annotations
 
@@ -32,17 +34,43 @@ def _require(hf: dict, key: str):
     return hf[key]
 
 
+LLAMA3_CONSTANTS = {"low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 8192}
+
+
 def rope_theta(hf: dict) -> float:
-    """The rotary base; ValueError for any rotary scaling (older ``rope_scaling`` or newer
-    ``rope_parameters`` with a rope_type other than default)."""
+    """The rotary base (older ``rope_theta`` or newer ``rope_parameters``)."""
     parameters = hf.get("rope_parameters") or {}
-    scaling = hf.get("rope_scaling") or {}
-    kind = parameters.get("rope_type") or scaling.get("rope_type") or scaling.get("type")
-    if kind not in (None, "default"):
-        raise ValueError(f"Llama rotary scaling rope_type={kind!r} is not supported (tpfuse's "
-                         "rope has no scaling)")
     theta = hf.get("rope_theta") or parameters.get("rope_theta") or 10000.0
     return int(theta) if float(theta).is_integer() else float(theta)
+
+
+def rope_scaling(hf: dict) -> dict:
+    """``use_rope_scaling`` / ``rope_scaling_factor`` for the config's rotary scaling: none, or
+    Llama 3's (rope_type 'llama3' with its constants); ValueError naming anything else."""
+    parameters = dict(hf.get("rope_scaling") or {}, **(hf.get("rope_parameters") or {}))
+    kind = parameters.get("rope_type") or parameters.get("type")
+    if kind in (None, "default"):
+        return {}
+    if kind != "llama3":
+        raise ValueError(f"rotary scaling rope_type={kind!r} is not supported (tpfuse has "
+                         "'llama3' scaling only)")
+    for key, value in LLAMA3_CONSTANTS.items():
+        if float(parameters.get(key, value)) != value:
+            raise ValueError(f"llama3 rotary scaling with {key}={parameters[key]} is not "
+                             f"supported (tpfuse uses Llama 3's {key}={value})")
+    return {"use_rope_scaling": True, "rope_scaling_factor": float(parameters["factor"])}
+
+
+def rope_to_hf(config) -> dict:
+    """config.json's rotary entries (both the older and the newer key)."""
+    theta = config.rotary_base
+    if not config.use_rope_scaling:
+        return {"rope_theta": theta, "rope_scaling": None,
+                "rope_parameters": {"rope_type": "default", "rope_theta": theta}}
+    scaling = dict(LLAMA3_CONSTANTS, rope_type="llama3", factor=config.rope_scaling_factor)
+    return {"rope_theta": theta, "rope_scaling": scaling,
+            "rope_parameters": dict(scaling, rope_theta=theta)}
 
 
 def config_from_hf(hf: dict) -> dict:
@@ -64,7 +92,8 @@ def config_from_hf(hf: dict) -> dict:
         ffn_hidden_size=_require(hf, "intermediate_size"), vocab_size=_require(hf, "vocab_size"),
         seq_length=positions, max_position_embeddings=positions, normalization="RMSNorm",
         layernorm_epsilon=hf.get("rms_norm_eps", 1e-6), activation="swiglu",
-        position_embedding_type="rope", rotary_base=rope_theta(hf), add_bias_linear=bias,
+        position_embedding_type="rope", rotary_base=rope_theta(hf), **rope_scaling(hf),
+        add_bias_linear=bias,
         untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
         hidden_dropout=0.0, attention_dropout=hf.get("attention_dropout", 0.0),
         init_method_std=hf.get("initializer_range", 0.02))
@@ -83,7 +112,6 @@ def mismatches(config) -> list[str]:
 
 
 def config_to_hf(config, eos_id: int | None) -> dict:
-    theta = config.rotary_base
     return {
         "architectures": [ARCHITECTURE], "model_type": MODEL_TYPE,
         "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
@@ -91,8 +119,7 @@ def config_to_hf(config, eos_id: int | None) -> dict:
         "num_attention_heads": config.num_attention_heads,
         "num_key_value_heads": config.num_query_groups, "head_dim": config.kv_channels,
         "hidden_act": "silu", "max_position_embeddings": config.max_position_embeddings,
-        "rms_norm_eps": config.layernorm_epsilon, "rope_theta": theta, "rope_scaling": None,
-        "rope_parameters": {"rope_type": "default", "rope_theta": theta},
+        "rms_norm_eps": config.layernorm_epsilon, **rope_to_hf(config),
         "attention_bias": config.add_bias_linear, "mlp_bias": config.add_bias_linear,
         "attention_dropout": config.attention_dropout,
         "tie_word_embeddings": not config.untie_embeddings_and_output_weights,

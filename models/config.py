@@ -77,6 +77,9 @@ class TransformerConfig:
     position_embedding_type: str = _f(
         "model", "position embedding: learned_absolute | rope", "learned_absolute")
     rotary_base: int = _f("model", "base of the rotary embedding frequencies", 10000)
+    use_rope_scaling: bool = _f("model", "Llama 3.x rotary frequency scaling (HF rope_type "
+                                "'llama3' with its original context 8192, factors 1 / 4)", False)
+    rope_scaling_factor: float = _f("model", "the factor of --use-rope-scaling", 8.0)
     window_size: tuple[int, int] | None = _f(
         "model", "sliding-window attention (Megatron/TE's L,R: a query sees the L keys before it "
         "and itself; R must be 0 as attention is causal; L=-1: no window; HF/Mistral "
@@ -340,6 +343,11 @@ class TransformerConfig:
                 raise ValueError(
                     f"attention_dropout={self.attention_dropout} with context_parallel_size={cp}: "
                     "context-parallel attention has no dropout; pass --attention-dropout 0")
+        if self.use_rope_scaling and (self.position_embedding_type != "rope"
+                                      or not self.rope_scaling_factor > 0):
+            raise ValueError(f"use_rope_scaling=True needs position_embedding_type='rope' (got "
+                             f"{self.position_embedding_type!r}) and rope_scaling_factor > 0 "
+                             f"(got {self.rope_scaling_factor})")
         if self.window_size is not None:
             left, right = self.window_size
             if left < 0 or right != 0:

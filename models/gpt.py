@@ -281,7 +281,8 @@ class GPTModel(nn.Module):
             tp = c.tensor_model_parallel_size if c.sequence_parallel else 1
             position_ids = default_position_ids(hidden.shape[1], hidden.shape[0] * tp,
                                                 hidden.device)
-        return rotary_cos_sin(position_ids, c.kv_channels, c.rotary_base)
+        return rotary_cos_sin(position_ids, c.kv_channels, c.rotary_base,
+                              c.rope_scaling_factor if c.use_rope_scaling else None)
 
     def _context_parallel_positions(self, input_ids):
         """``(b, s/cp)`` global positions of this cp rank's two chunks (the default positions)."""

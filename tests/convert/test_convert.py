@@ -140,13 +140,21 @@ def test_unsupported_settings_are_named(hf_dir, tmp_path, capsys):
                                                                           tmp_path / "o", capsys)
 
 
-def test_rope_scaling_is_refused():
-    from tpfuse.convert.llama import rope_theta
+def test_rope_scaling_llama3_is_read_and_other_kinds_are_refused():
+    """Llama 3's scaling (with its constants) maps to Megatron's flags; other kinds or other
+    constants are refused by name (a silent fallback would change every rotary angle)."""
+    from tpfuse.convert.llama import rope_scaling, rope_theta
 
     assert rope_theta({"rope_theta": 500000.0}) == 500000
     assert rope_theta({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4}}) == 10000
-    with pytest.raises(ValueError, match="rope_type='llama3' is not supported"):
-        rope_theta({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}})
+    assert rope_scaling({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}) == {
+        "use_rope_scaling": True, "rope_scaling_factor": 8.0}
+    assert rope_scaling({"rope_parameters": {"rope_type": "default"}}) == {}
+    with pytest.raises(ValueError, match="rope_type='yarn' is not supported"):
+        rope_scaling({"rope_scaling": {"rope_type": "yarn", "factor": 8.0}})
+    with pytest.raises(ValueError, match="high_freq_factor=2.0 is not supported"):
+        rope_scaling({"rope_parameters": {"rope_type": "llama3", "factor": 8.0,
+                                          "high_freq_factor": 2.0}})
 
 
 def test_wrong_directory_kinds_and_existing_output(hf_dir, tmp_path, capsys):

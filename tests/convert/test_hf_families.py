@@ -1,10 +1,11 @@
-"""tpfuse-convert for Mistral (sliding window) and Qwen2 (QKV biases) against ``transformers``'
-own models (random, built here; nothing is downloaded): logits and greedy tokens, the round trip.
+"""tpfuse-convert for Mistral (sliding window), Qwen2 (QKV biases) and Llama 3.1 (llama3 rotary
+scaling) against ``transformers``' own models (random, built here; nothing is downloaded): logits and greedy tokens, the round trip.
 
 Tolerance (fp32, atol = rtol = 1e-5), as in test_hf_conversion.py: the same function of the same
 weights with fp32 operations in another order (~6e-8 relative each, two layers of width 32):
 ≲ 1e-6 in logits of size ~1. A window off by one key, a missing or misplaced q/k/v bias moves
-logits by 1e-3 or more (the window is 4 on sequences of 12, so it cuts most keys).
+logits by 1e-3 or more (the window is 4 on sequences of 12, so it cuts most keys). The llama3
+scaling test checks that the scaling matters: without it the logits differ by more than 1e-4.
 """
 import os
 
@@ -29,6 +30,14 @@ COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden
 
 def _hf_model(kind):
     torch.manual_seed(0)
+    if kind == "llama3":
+        config = transformers.LlamaConfig(**dict(COMMON, hidden_size=64, num_attention_heads=2,
+                                                 num_key_value_heads=1,
+                                                 max_position_embeddings=16384), rope_parameters={
+            "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+            "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192})
+        return transformers.LlamaForCausalLM(config).eval()
     if kind == "mistral":
         config = transformers.MistralConfig(sliding_window=4, **COMMON)
         model = transformers.MistralForCausalLM(config)
@@ -43,13 +52,14 @@ def _hf_model(kind):
     return model.eval()
 
 
-@pytest.mark.parametrize("kind", ["mistral", "qwen2"])
+@pytest.mark.parametrize("kind", ["mistral", "qwen2", "llama3"])
 def test_family_import_gives_transformers_logits_and_tokens_and_exports_back(tmp_path, kind):
     model = _hf_model(kind)
     model.save_pretrained(str(tmp_path / "hf"))
     config = import_hf(str(tmp_path / "hf"), str(tmp_path / "tpfuse"),
                        make_vocab_size_divisible_by=16)
-    assert (config.window_size == (3, 0)) if kind == "mistral" else config.add_qkv_bias
+    assert {"mistral": config.window_size == (3, 0), "qwen2": config.add_qkv_bias,
+            "llama3": config.use_rope_scaling and config.rope_scaling_factor == 8.0}[kind]
     (ours,) = load_model(str(tmp_path / "tpfuse"))
     ids = torch.randint(1, VOCAB, (2, 12), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
@@ -60,9 +70,28 @@ def test_family_import_gives_transformers_logits_and_tokens_and_exports_back(tmp
     torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
     assert generate(ours, PROMPTS, STEPS, greedy=True) == hf_tokens
     hf = export_hf(str(tmp_path / "tpfuse"), str(tmp_path / "back"))
-    assert hf["model_type"] == kind
+    assert hf["model_type"] == ("llama" if kind == "llama3" else kind)
     before = load_file(str(tmp_path / "hf" / "model.safetensors"))
     after = load_file(str(tmp_path / "back" / "model.safetensors"))
     assert sorted(before) == sorted(after)
     for name, tensor in before.items():
         assert torch.equal(tensor, after[name]), name
+
+
+def test_llama3_scaling_at_long_positions_and_without_it(tmp_path):
+    """Rotary attention depends on distances only, so the scaling (of the low frequencies:
+    wavelengths > 2048) shows over long distances: on 1024 tokens the scaled model equals
+    transformers (same tolerance), and the comparison is able to fail: unscaled, it misses."""
+    model = _hf_model("llama3")
+    model.save_pretrained(str(tmp_path / "hf"))
+    import_hf(str(tmp_path / "hf"), str(tmp_path / "tpfuse"), make_vocab_size_divisible_by=16)
+    (ours,) = load_model(str(tmp_path / "tpfuse"))
+    ids = torch.randint(1, VOCAB, (1, 1024), generator=torch.Generator().manual_seed(3))
+    positions = torch.arange(1024)[None]
+    with torch.no_grad():
+        expected = model(ids, position_ids=positions).logits
+        torch.testing.assert_close(ours(ids, positions)[..., :VOCAB], expected, rtol=1e-5,
+                                   atol=1e-5)
+        ours.config.use_rope_scaling = False
+        gap = (ours(ids, positions)[..., :VOCAB] - expected).abs().max()
+    assert gap > 1e-3
