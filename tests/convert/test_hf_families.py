@@ -95,3 +95,30 @@ def test_llama3_scaling_at_long_positions_and_without_it(tmp_path):
         ours.config.use_rope_scaling = False
         gap = (ours(ids, positions)[..., :VOCAB] - expected).abs().max()
     assert gap > 1e-3
+
+
+def test_conversions_write_a_certificate_that_verify_recomputes(tmp_path, capsys):
+    import json
+
+    from tpfuse.convert import certificate
+    from tpfuse.convert.cli import main
+
+    _hf_model("qwen2").save_pretrained(str(tmp_path / "hf"))
+    assert main(["--from-hf", str(tmp_path / "hf"), "--save", str(tmp_path / "ckpt")]) == 0
+    assert main(["--to-hf", "--load", str(tmp_path / "ckpt"), "--save",
+                 str(tmp_path / "back")]) == 0
+    for folder in ("ckpt", "back"):
+        stored = json.loads((tmp_path / folder / "certificate.json").read_text())
+        assert stored["computed"] and stored["max_abs_logit_diff"] <= stored["tolerance"] < 1e-3
+        assert main(["--verify", str(tmp_path / folder)]) == 0
+    assert "<= tolerance" in capsys.readouterr().out
+    with torch.no_grad():                          # a corrupted export fails its verification
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "back"))
+        model.model.layers[0].self_attn.q_proj.bias.add_(0.5)
+        model.save_pretrained(str(tmp_path / "back_model"))
+    for name in ("model.safetensors",):
+        os.replace(tmp_path / "back_model" / name, tmp_path / "back" / name)
+    assert main(["--verify", str(tmp_path / "back")]) == 2
+    assert "above the tolerance" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="above the tolerance"):
+        certificate.check({"computed": True, "max_abs_logit_diff": 1.0, "tolerance": 1e-5})
