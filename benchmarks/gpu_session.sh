@@ -21,7 +21,7 @@
 # limit_s, its key figures), summary.md (the table for benchmarks/RESULTS.md) and logs.tar.gz
 # (every check's log and metrics; --keep-logs also leaves them in OUTDIR/logs). A check that fails
 # or runs out of time never stops the next one. --dry-run runs every check at tiny shapes on the
-# CPU (Triton's interpreter, gloo) so the script is exercised without a GPU, each check under 4 ×
+# CPU (Triton's interpreter, gloo) so the script is exercised without a GPU, each check under 6 ×
 # its device limit (summary.json's limit_s is the device limit). --only runs the named checks and
 # lists the others as skipped.
 #
@@ -72,8 +72,13 @@ if [ "$dry" = 0 ]; then
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
     gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
 fi
-python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda,
-      'triton', triton.__version__)" | tee "$out/versions.txt"
+{
+    date -u '+%Y-%m-%d %H:%M UTC,' | tr '\n' ' '
+    printf 'commit %s, ' "$(git -C "$repo" rev-parse --short HEAD 2>/dev/null || echo unknown)"
+    python3 -c "import torch, triton; print(torch.cuda.get_device_name() if torch.cuda.is_available()
+                else 'CPU', '| torch', torch.__version__, 'cuda', torch.version.cuda,
+                'triton', triton.__version__)"
+} | tee "$out/versions.txt"
 echo "GPUs: $gpus; dry run: $dry; output in $out"
 
 check() {   # check NAME LIMIT_S COMMAND...: run it under `timeout`, record name, rc, seconds
@@ -95,9 +100,9 @@ skip() {    # skip NAME LIMIT_S REASON
 }
 
 bench=$repo/benchmarks
-scale=1     # the dry run allows each check 4 × its device limit (Triton's interpreter on a CPU)
+scale=1     # the dry run allows each check 6 × its device limit (Triton's interpreter on a CPU)
 if [ "$dry" = 1 ]; then
-    scale=4
+    scale=6
     export TPFUSE_CACHE=${TPFUSE_CACHE:-$work/cache} OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
     model=(--num-layers 2 --hidden-size 64 --num-attention-heads 4 --num-query-groups 2
            --seq-length 64 --max-position-embeddings 64 --vocab-size 250)
@@ -122,21 +127,21 @@ train() {   # train NAME LIMIT_S NPROC EXTRA_FLAGS...: the trainer on the job, m
         "${job[@]}" --distributed-backend "$backend" --metrics-file "$logs/$name.jsonl" "$@"
 }
 
-# 1. training (310 s)
-train train_tpfuse 130 1
+# 1. training (280 s)
+train train_tpfuse 120 1
 check train_peer 120 python3 "$bench/plain_gpt_peer.py" "${peer_flags[@]}" "${job[@]}" \
     --metrics-file "$logs/train_peer.jsonl"
 if [ "$dry" = 1 ]; then
-    train train_tp2 30 2 --tensor-model-parallel-size 2
-    train train_pp2 30 2 --pipeline-model-parallel-size 2
+    train train_tp2 20 2 --tensor-model-parallel-size 2
+    train train_pp2 20 2 --pipeline-model-parallel-size 2
 else    # gloo places the model on the CPU and NCCL refuses two ranks on one device
-    skip train_tp2 30 "2 ranks on one GPU: gloo keeps the model on the CPU (collective_device), NCCL refuses a shared device"
-    skip train_pp2 30 "2 ranks on one GPU: gloo keeps the model on the CPU (collective_device), NCCL refuses a shared device"
+    skip train_tp2 20 "2 ranks on one GPU: gloo keeps the model on the CPU (collective_device), NCCL refuses a shared device"
+    skip train_pp2 20 "2 ranks on one GPU: gloo keeps the model on the CPU (collective_device), NCCL refuses a shared device"
 fi
-# 2. kernels (175 s)
-check gpu_check 100 python3 "$bench/gpu_check.py" ${kernel_flag:---quick} --budget-s 85 \
+# 2. kernels (205 s)
+check gpu_check 100 python3 "$bench/gpu_check.py" ${kernel_flag:---quick} --budget-s "$((85 * scale))" \
     --json "$logs/gpu_check.json"
-check attention_masks 45 python3 "$bench/gpu_attention_check.py" $kernel_flag
+check attention_masks 75 python3 "$bench/gpu_attention_check.py" $kernel_flag
 check moe 30 python3 "$bench/gpu_moe_check.py" $kernel_flag
 # 3. what remains (55 s)
 check generation 35 python3 "$bench/gpu_generation_check.py" $kernel_flag

@@ -85,8 +85,10 @@ def gpu_check_figures(path: str) -> dict:
         table = json.load(handle)
     counts: dict = {}
     for row in table["rows"]:
-        if row["status"]:
-            word = row["status"].split(":")[0].split(" ")[0]
+        status = row["status"]
+        if status:
+            word = (f"goal {status.rsplit(':', 1)[-1].strip()}" if status.startswith("goal")
+                    else status.split(" ")[0])        # PASS / FAIL / ERROR / SKIPPED / goal met
             counts[word] = counts.get(word, 0) + 1
     ratios = {f"{row['section']} {row['what']}": row["value"] for row in table["rows"]
               if row["value"].endswith("x") and row["ours"]}
@@ -160,6 +162,8 @@ def short_figures(row: dict) -> str:
         parts.append(", ".join(f"{k} {v}" for k, v in sorted(f["statuses"].items())))
     if row["name"] == "generation" and "tokens_per_s" in f:
         parts.append(f"cache = recompute: {f.get('cache_matches_recompute')}")
+    if f.get("log_tail"):
+        parts.append(f"last line: {f['log_tail'][-1].strip()[:100]}".replace("|", "/"))
     if row.get("reason"):
         parts.append(row["reason"])
     return "; ".join(parts)
