@@ -33,6 +33,7 @@ the formula the trainer's ``--log-throughput`` uses.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -235,8 +236,6 @@ def peer_state_from_tpfuse(tpfuse_state: dict, dims: GPTDims) -> dict:
 def tpfuse_initial_state(config) -> dict:
     """The initial weights of tpfuse's single-process GPTModel of ``config`` (fp32, CPU)."""
     from tpfuse.models import GPTModel
-
-    import dataclasses
 
     single = dataclasses.replace(config, tensor_model_parallel_size=1,
                                  pipeline_model_parallel_size=1, sequence_parallel=False,
