@@ -243,16 +243,87 @@ def save_checkpoint(root: str, iteration: int, model_chunks, optimizer, schedule
 
 
 # ---------------------------------------------------------------------------- loading
-def latest_iteration(root: str) -> int | None:
-    """The newest complete checkpoint's iteration, or None when ``root`` holds none."""
+def _tracker_iteration(root: str) -> int | None:
+    """The iteration the tracker names, None without a tracker; ValueError when it is not a
+    small regular file holding an iteration number."""
     tracker = os.path.join(root, TRACKER)
-    if not os.path.exists(tracker):
+    try:
+        data = file_io.read_regular_file(tracker, file_io.TRACKER_CAP, "checkpoint tracker")
+    except FileNotFoundError:
         return None
-    text = open(tracker).read().strip()
+    text = data.decode("utf-8", errors="replace").strip()
     if not text.isdigit():
         raise ValueError(f"checkpoint tracker {tracker} is corrupt: expected an iteration number, "
                          f"found {text[:40]!r}")
     return int(text)
+
+
+def _load_manifest(path: str) -> dict:
+    """The manifest at ``path`` (a small regular JSON file); ValueError naming it otherwise."""
+    try:
+        data = file_io.read_regular_file(path, file_io.MANIFEST_CAP, "checkpoint manifest")
+    except OSError as error:
+        raise ValueError(f"checkpoint manifest {path} is missing or unreadable ({error}); the "
+                         f"folder is not a complete tpfuse checkpoint of format "
+                         f"{FORMAT_VERSION}") from error
+    try:
+        manifest = json.loads(data)
+    except ValueError as error:
+        raise ValueError(f"checkpoint manifest {path} is missing or unreadable ({error}); the "
+                         f"folder is not a complete tpfuse checkpoint of format "
+                         f"{FORMAT_VERSION}") from error
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
+        raise ValueError(f"checkpoint manifest {path} is not a tpfuse manifest (no file list)")
+    return manifest
+
+
+def _is_complete(folder: str, iteration: int) -> bool:
+    """``folder`` holds a manifest of this format and iteration whose every listed rank file is
+    there, a regular file of the recorded size (the hashes are checked when it is loaded)."""
+    try:
+        manifest = _load_manifest(os.path.join(folder, MANIFEST))
+    except ValueError:
+        return False
+    if manifest.get("format_version") != FORMAT_VERSION or manifest.get("iteration") != iteration:
+        return False
+    for name, digest in manifest["files"].items():
+        path = os.path.join(folder, os.path.basename(str(name)))
+        if not (os.path.isfile(path) and not os.path.islink(path) and isinstance(digest, dict)
+                and os.path.getsize(path) == digest.get("bytes")):
+            return False
+    return True
+
+
+def newest_complete_iteration(root: str) -> int | None:
+    """The newest iteration of ``root`` whose folder (or its kept ``.replaced`` copy) holds a
+    complete checkpoint by its manifest; None when none does. Independent of the tracker: a
+    folder whose tracker was lost (or not yet replaced when a save was killed) is still found."""
+    names = os.listdir(root) if os.path.isdir(root) else []
+    found = set()
+    for name in names:
+        base = name[:-len(file_io.REPLACED_SUFFIX)] if name.endswith(file_io.REPLACED_SUFFIX) \
+            else name
+        match = file_io.ITERATION_DIR.match(base)
+        if match:
+            found.add(int(match.group(1)))
+    for iteration in sorted(found, reverse=True):
+        folder = file_io.existing_iteration_dir(iteration_dir(root, iteration))
+        if folder is not None and _is_complete(folder, iteration):
+            return iteration
+    return None
+
+
+def latest_iteration(root: str) -> int | None:
+    """The newest complete checkpoint's iteration, or None when ``root`` holds none.
+
+    A checkpoint is recognised by its manifest, not by the tracker alone: the result is the
+    newer of the tracker's iteration and the newest folder with a complete manifest, so a lost
+    or stale tracker never makes a folder of checkpoints look empty (and a relaunch never trains
+    from scratch over them)."""
+    named = _tracker_iteration(root)
+    complete = newest_complete_iteration(root)
+    candidates = [it for it in (named, complete) if it is not None]
+    return max(candidates) if candidates else None
 
 
 def read_manifest(root: str, iteration: int) -> tuple[str, dict]:
@@ -262,13 +333,7 @@ def read_manifest(root: str, iteration: int) -> tuple[str, dict]:
         raise FileNotFoundError(f"checkpoint {iteration_dir(root, iteration)} named by "
                                 f"{os.path.join(root, TRACKER)} is missing")
     path = os.path.join(folder, MANIFEST)
-    try:
-        with open(path) as handle:
-            manifest = json.load(handle)
-    except (OSError, ValueError) as error:
-        raise ValueError(f"checkpoint manifest {path} is missing or unreadable ({error}); the "
-                         f"folder is not a complete tpfuse checkpoint of format "
-                         f"{FORMAT_VERSION}") from error
+    manifest = _load_manifest(path)
     if manifest.get("format_version") != FORMAT_VERSION or manifest.get("iteration") != iteration:
         raise ValueError(f"checkpoint manifest {path} is of format {manifest.get('format_version')}"
                          f" / iteration {manifest.get('iteration')}; expected format "
@@ -298,6 +363,9 @@ def verified_reader(manifest: dict):
             raise ValueError(f"checkpoint file {path} is not listed in the manifest")
         if not os.path.exists(path):
             raise FileNotFoundError(f"checkpoint file {path} is missing")
+        if not os.path.isfile(path):
+            raise ValueError(f"checkpoint file {path} is not a regular file (a FIFO, device or "
+                             "folder); refusing to read it")
         found = file_io.file_digest(path)
         if found != expected:
             raise ValueError(f"checkpoint file {path} is corrupt: {found['bytes']} bytes with "

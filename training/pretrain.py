@@ -112,13 +112,14 @@ class _Run:
         self.calculator = MicrobatchCalculator(
             length.global_batch_size, training.micro_batch_size, self.state.dp_size,
             rampup_batch_size=training.rampup_batch_size)
-        self.iteration, self.consumed_samples = 0, 0
+        self.iteration, self.consumed_samples, self.resumed_from = 0, 0, None
         self.is_logger = (self.state.is_pipeline_last_stage() and self.state.tp_rank == 0
                           and self.state.dp_rank == 0 and self.state.rank_in("cp") == 0)
         if resumes and not checkpoint.finetune:
             loaded = ckpt.load_checkpoint(checkpoint.load, self.model, self.optimizer,
                                           self.scheduler, self.state)
             self.iteration, self.consumed_samples = loaded["iteration"], loaded["consumed_samples"]
+            self.resumed_from = self.iteration
         self.train_ds, self.valid_ds = self._build_datasets(datasets_provider)
 
     # ------------------------------------------------------------------ data
@@ -221,7 +222,7 @@ class _Run:
                                 sinks=monitor.sinks,
                                 show_throughput=settings.observability.log_throughput,
                                 evaluates_at_start=evaluation.eval_at_start)
-        checkpointing = Checkpointing(checkpoint)
+        checkpointing = Checkpointing(checkpoint, resumed_from=self.resumed_from)
         collector = ManualGC(settings.gc)
         self.calculator.update(self.consumed_samples, consistency_check=True)
         iterators = self._iterators(self.train_ds, self.consumed_samples)
