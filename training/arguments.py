@@ -170,6 +170,6 @@ def parse_args(argv=None, defaults: dict | None = None):
     check_model_precision(settings.precision, bf16=namespace.bf16)
     tokenizer = build_tokenizer(settings.data, namespace.vocab_size)
     namespace.vocab_size = model_vocab_size(settings.data, namespace.vocab_size, tokenizer)
-    check_sample_prompt(settings.sample, tokenizer)
     config = config_from_args(namespace)
+    check_sample_prompt(settings.sample, tokenizer, config)
     return config, dataclasses.replace(settings, tokenizer=tokenizer)

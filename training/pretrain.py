@@ -28,6 +28,7 @@ One optimizer step::
 from __future__ import annotations
 
 import functools
+import math
 import inspect
 import time
 from dataclasses import dataclass, field
@@ -104,7 +105,8 @@ class _Run:
             precision=settings.precision, data_parallel=settings.data_parallel,
             lr=settings.scheduler.lr)
         self.nonfinite = NonFinitePolicy(self.optimizer.grad_scaler is not None,
-                                         settings.precision.skip_nonfinite)
+                                         settings.precision.skip_nonfinite,
+                                         settings.precision.max_consecutive_skipped_steps)
         self.scheduler = _build_scheduler(self.optimizer, training, settings.scheduler)
         self.forward_backward = get_forward_backward_func(self.state, config.pipeline_schedule)
         self.timers = Timers(settings.timing.timing_log_level, settings.timing.timing_log_option,
@@ -275,6 +277,7 @@ class _Run:
                     logger.print(describe_exit(result.exit_reason, bool(checkpoint.save),
                                                checkpoint.save))
                     break
+            self._check_finite_end(result)
             checkpointing.finish(self)
         finally:
             collector.stop()
@@ -284,6 +287,17 @@ class _Run:
         self.ddp.finish_param_sync()
         result.consumed_samples = self.consumed_samples
         return result
+
+    def _check_finite_end(self, result) -> None:
+        """Collective: a run whose final weights (any rank) or last loss are non-finite ends with
+        a FloatingPointError on every rank, not a success."""
+        bad = ckpt.first_non_finite(self.model)
+        loss = result.train_losses[-1] if result.train_losses else None
+        if bad is None and loss is not None and not math.isfinite(loss):
+            bad = f"the last training loss ({loss})"
+        error = FloatingPointError(f"training ended at iteration {self.iteration} with non-finite "
+                                   f"values: {bad}") if bad else None
+        ckpt.agree(error, f"training (iteration {self.iteration})")
 
     def _evaluate_and_log(self, logger, result, collector) -> None:
         with collector.around_evaluation():

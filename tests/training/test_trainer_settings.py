@@ -151,3 +151,20 @@ def test_no_global_settings_accessor():
 
     for module in (trainer, script):
         assert not hasattr(module, "get_args") and not hasattr(module, "_GLOBALS")
+
+
+# ---------------------------------------------------------------- checkpoint folders
+def test_load_and_save_that_would_silently_train_from_scratch_are_refused(tmp_path):
+    (tmp_path / "weights.pt").write_bytes(b"x")
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    cases = [(dict(load=str(tmp_path / "weights.pt")), "--load .* is a file"),
+             (dict(load=str(hf)), "--load .* is a HuggingFace model folder.*tpfuse-convert"),
+             (dict(save=""), "--save is an empty string"),
+             (dict(load="", finetune=True), "--load is an empty string"),
+             (dict(save=str(tmp_path / "weights.pt")), "--save .* is a file")]
+    for values, message in cases:
+        with pytest.raises(ValueError, match=message):
+            CheckpointSettings(**values)
+    CheckpointSettings(load=str(tmp_path / "not-yet"), save=str(tmp_path / "not-yet"))
