@@ -25,7 +25,9 @@ of another iteration, rank or layout than the manifest says, or a checkpoint of 
 ``torch.load(..., weights_only=True)``. Written by the same layout (tp, pp, dp, cp, vpp sizes,
 distributed optimizer or not), each rank restores its own file exactly (model, optimizer — with
 the distributed optimizer its own shard of the fp32 main parameters and Adam moments —, loss
-scaler, scheduler, RNG). Written by another layout, the model and optimizer are resharded
+scaler, scheduler, RNG). Written by another layout — or by the same one with the distributed
+optimizer's shards over other element ranges (another gradient-bucket size) — the model and
+optimizer are resharded
 (``reshard.py``): weights, fp32 main copies, Adam moments and step, loss scaler, scheduler,
 iteration and consumed samples carry over; RNG states are not restored then. All ranks agree on
 success before returning, so a failure on one fails them all.
@@ -51,9 +53,15 @@ MANIFEST = "manifest.json"
 FORMAT_VERSION = 3             # 3: manifest.json with the rank files' hashes
 # TransformerConfig categories that do not change what the weights mean (layout, dtype, memory)
 _LAYOUT_CATEGORIES = ("parallelism", "precision", "recompute")
-# model fields that only affect training or initialisation, not the function the weights compute
+# model fields that only affect training or initialisation, not the weights or the function they
+# compute: dropout, initialisation, the padding multiple (refitted), the training sequence length
+# (the position table is max_position_embeddings), and the MoE training knobs (load-balancing
+# losses, capacity and dropping, how tokens travel and how expert GEMMs run)
 _TRAINING_FIELDS = ("hidden_dropout", "attention_dropout", "init_method_std", "seed",
-                    "make_vocab_size_divisible_by")
+                    "make_vocab_size_divisible_by", "seq_length",
+                    "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_z_loss_coeff",
+                    "moe_expert_capacity_factor", "moe_pad_expert_input_to_capacity",
+                    "moe_token_drop_policy", "moe_token_dispatcher_type", "moe_grouped_gemm")
 
 
 def iteration_dir(root: str, iteration: int) -> str:
@@ -159,7 +167,7 @@ def _broadcast_from_zero(value):
 
 
 # ---------------------------------------------------------------------------- saving
-def _non_finite(model_chunks) -> str | None:
+def first_non_finite(model_chunks) -> str | None:
     for index, chunk in enumerate(model_chunks):
         for name, tensor in chunk.state_dict().items():
             if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
@@ -189,7 +197,7 @@ def build_payload(iteration, model_chunks, optimizer, scheduler, state, consumed
 def begin_save(root: str, iteration: int, model_chunks) -> str:
     """Collective: refuse non-finite weights (on every rank), create the staging folder (rank 0)
     and return its path on every rank."""
-    bad = _non_finite(model_chunks)
+    bad = first_non_finite(model_chunks)
     error = FloatingPointError(f"refusing to save checkpoint iteration {iteration}: {bad} holds "
                                "non-finite values (NaN/inf)") if bad else None
     agree(error, f"saving checkpoint iteration {iteration}")
@@ -396,8 +404,30 @@ def verify_checkpoint(root: str) -> int | None:
     return iteration
 
 
-def _restore_same_layout(folder, read, model_chunks, optimizer) -> dict:
+def _same_optimizer_shards(saved: dict, optimizer) -> bool:
+    """Whether this rank's optimizer pieces cover exactly the element ranges the saved state
+    does (the distributed optimizer's shards follow the gradient-bucket layout: another
+    ``--ddp-bucket-size`` gives other ranges in the same tp/pp/dp layout). True for optimizers
+    without pieces."""
+    pieces = getattr(optimizer, "pieces", None)
+    entries = saved.get("params") if isinstance(saved, dict) else None
+    if pieces is None or not isinstance(entries, list):
+        return True
+    if len(entries) != len(getattr(optimizer, "model_params", entries)):
+        return True                # another model: refused by load_state_dict with its message
+    for piece in pieces:
+        entry = entries[piece.position]
+        if entry is None or (entry["start"], entry["end"]) != (piece.start, piece.end):
+            return False
+    return True
+
+
+def _restore_same_layout(folder, read, model_chunks, optimizer) -> dict | None:
+    """This rank's own file restored as is; None (nothing restored) when its optimizer shards
+    cover other element ranges than this run's (then the reshard path loads it)."""
     payload = read(_rank_file(folder, dist.get_rank()))
+    if not _same_optimizer_shards(payload["optimizer"], optimizer):
+        return None
     if len(payload["model"]) != len(model_chunks):
         raise ValueError(f"checkpoint {folder} holds {len(payload['model'])} model chunks per "
                          f"rank, this rank has {len(model_chunks)}")
@@ -459,6 +489,8 @@ def load_checkpoint(root: str, model_chunks, optimizer, scheduler, state) -> dic
     except Exception as caught:  # noqa: BLE001 — re-raised below, after every rank has agreed
         error = caught
     agree(error, f"loading checkpoint {root}")
+    if same_layout and any_rank_failed(payload is None):
+        same_layout = False        # another shard layout (bucket sizes): reshard, on every rank
     if not same_layout:
         payload = _load_other_layout(folder, model_chunks, optimizer, state, read)
     scheduler.load_state_dict(payload["scheduler"])
