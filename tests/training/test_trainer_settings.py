@@ -168,3 +168,12 @@ def test_load_and_save_that_would_silently_train_from_scratch_are_refused(tmp_pa
         with pytest.raises(ValueError, match=message):
             CheckpointSettings(**values)
     CheckpointSettings(load=str(tmp_path / "not-yet"), save=str(tmp_path / "not-yet"))
+
+
+def test_a_negative_number_in_the_spaced_form_reaches_its_check():
+    """``--lr -1e-3`` is the number -0.001 (refused by --lr's own check), not a missing value;
+    the spaced form is joined into ``--flag=value`` for argparse."""
+    with pytest.raises(ValueError, match=r"--lr must be in \[0.0, ∞\), got -0.001"):
+        arguments.parse_args(TINY + ["--lr", "-1e-3"])
+    assert arguments.join_negative_values(["--lr", "-1e-3", "--x", "-.5", "--y=-2", "-z"]) == \
+        ["--lr=-1e-3", "--x=-.5", "--y=-2", "-z"]
