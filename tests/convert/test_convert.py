@@ -274,3 +274,14 @@ def test_malformed_config_fields_are_named(hf_dir, tmp_path, capsys, field, valu
     _rewrite_config(hf_dir, **{field: value})
     message = _convert_error(hf_dir, tmp_path / "o", capsys)
     assert f"field {field!r}" in message and need in message
+
+
+def test_a_fractional_rope_theta_converts(tmp_path):
+    root, _ = _tpfuse_checkpoint(tmp_path, LLAMA)
+    export_hf(root, str(tmp_path / "hf"))
+    _rewrite_config(tmp_path / "hf", rope_theta=10000.5)
+    config = import_hf(str(tmp_path / "hf"), str(tmp_path / "again"),
+                       make_vocab_size_divisible_by=16)
+    assert config.rotary_base == 10000.5
+    (loaded,) = load_model(str(tmp_path / "again"))
+    assert loaded.config.rotary_base == 10000.5
