@@ -56,7 +56,9 @@ def tpfuse_logits(tpfuse_dir: str, ids: torch.Tensor) -> tuple:
     config, params, _ = read_checkpoint(tpfuse_dir)
     single = single_process_config(config)
     single = config_from_dict(config_to_dict(single), params_dtype=torch.float32, bf16=False,
-                              fp16=False, hidden_dropout=0.0, attention_dropout=0.0)
+                              fp16=False, hidden_dropout=0.0, attention_dropout=0.0,
+                              context_parallel_size=1, expert_model_parallel_size=1,
+                              expert_tensor_parallel_size=None)
     with torch.device("meta"):
         model = GPTModel(single, state=None)
     model.to_empty(device="cpu")

@@ -179,10 +179,50 @@ def parse_namespace(argv=None, defaults: dict | None = None) -> argparse.Namespa
     return namespace
 
 
+CHECKPOINT_SHAPE_FIELDS = (
+    "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
+    "normalization", "layernorm_epsilon", "activation",
+    "position_embedding_type", "rotary_base", "use_rope_scaling", "rope_scaling_factor",
+    "window_size", "add_bias_linear", "add_qkv_bias", "untie_embeddings_and_output_weights",
+    "num_moe_experts", "moe_ffn_hidden_size", "moe_router_topk", "moe_layer_freq",
+    "moe_shared_expert_intermediate_size", "moe_router_score_function",
+    "moe_router_pre_softmax", "moe_router_num_groups", "moe_router_group_topk",
+    "moe_router_topk_scaling_factor")
+
+
+def apply_checkpoint_args(namespace) -> None:
+    """``--use-checkpoint-args``: the shape fields above from ``--load``'s recorded model config.
+
+    ``--seq-length`` stays this run's, and the vocabulary is the tokenizer's (as without the flag;
+    loading refuses a different real vocabulary by name). ``max_position_embeddings``: a learned position table is
+    a weight, so the checkpoint's limit is kept (and the config checks seq_length against it);
+    rotary positions have no table, so the limit becomes max(checkpoint's, --seq-length) and a
+    converted rotary model trains at any sequence length."""
+    from tpfuse.checkpoint.reading import read_checkpoint_head
+
+    try:
+        saved = read_checkpoint_head(namespace.load).get("model_config")
+    except FileNotFoundError as error:
+        raise ValueError(f"--use-checkpoint-args: {error}") from None
+    if saved is None:
+        raise ValueError(f"--use-checkpoint-args: checkpoint {namespace.load} records no model "
+                         "config (written by an older tpfuse); give the model flags")
+    for name in CHECKPOINT_SHAPE_FIELDS:
+        if name in saved and hasattr(namespace, name):
+            value = saved[name]
+            setattr(namespace, name, tuple(value) if name == "window_size" and value else value)
+    limit = saved.get("max_position_embeddings") or saved.get("seq_length")
+    if saved.get("position_embedding_type") == "rope":
+        limit = max(limit, namespace.seq_length)
+    namespace.max_position_embeddings = limit
+
+
 def parse_args(argv=None, defaults: dict | None = None):
     """``(config, settings)``: the TransformerConfig and the TrainerSettings of ``argv``, both
     validated; ``settings.tokenizer`` holds the built tokenizer."""
     namespace = parse_namespace(argv, defaults)
+    if getattr(namespace, "use_checkpoint_args", False) and namespace.load:
+        apply_checkpoint_args(namespace)
     _check_finite(namespace)
     _default_split(namespace)
     settings = settings_from_namespace(namespace)

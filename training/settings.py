@@ -216,6 +216,10 @@ class CheckpointSettings(SettingsGroup):
                "checkpoint); optimizer, scheduler, RNG and iteration start fresh (Megatron's)")
     exit_on_missing_checkpoint: bool = setting(
         False, "with --load: fail instead of starting fresh when it holds no checkpoint")
+    use_checkpoint_args: bool = setting(
+        False, "with --load: the model's shape flags (layers, sizes, heads, norms, positions, "
+               "experts ...) come from the checkpoint's recorded config, not the command line "
+               "(Megatron's); --seq-length stays this run's")
     async_save: bool = setting(
         False, "write checkpoints beside training (at most one in flight, published atomically, "
                "waited for at exit)")
@@ -242,6 +246,8 @@ class CheckpointSettings(SettingsGroup):
             raise ValueError("--save-interval needs --save DIR")
         if self.async_save and not self.save:
             raise ValueError("--async-save needs --save DIR")
+        if self.use_checkpoint_args and not self.load:
+            raise ValueError("--use-checkpoint-args needs --load DIR")
         if self.exit_on_missing_checkpoint and not self.load:
             raise ValueError("--exit-on-missing-checkpoint needs --load DIR")
 

@@ -122,3 +122,26 @@ def test_conversions_write_a_certificate_that_verify_recomputes(tmp_path, capsys
     assert "above the tolerance" in capsys.readouterr().err
     with pytest.raises(ValueError, match="above the tolerance"):
         certificate.check({"computed": True, "max_abs_logit_diff": 1.0, "tolerance": 1e-5})
+
+
+def test_use_checkpoint_args_takes_the_shape_and_lets_rotary_run_longer(tmp_path):
+    """--use-checkpoint-args: no model flag is given, the converted Qwen2's shape comes from the
+    checkpoint; --seq-length 128 beyond its 64 positions is allowed (rotary: no position table)."""
+    from tpfuse.training.arguments import parse_args
+
+    _hf_model("qwen2").save_pretrained(str(tmp_path / "hf"))
+    saved = import_hf(str(tmp_path / "hf"), str(tmp_path / "ckpt"),
+                      make_vocab_size_divisible_by=16)
+    config, _ = parse_args(["--load", str(tmp_path / "ckpt"), "--finetune",
+                            "--use-checkpoint-args", "--seq-length", "128", "--mock-data",
+                            "--tokenizer-type", "NullTokenizer", "--vocab-size", "99",
+                            "--micro-batch-size", "1", "--train-iters", "1", "--lr", "0.0"])
+    for name in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
+                 "ffn_hidden_size", "vocab_size", "normalization", "activation",
+                 "position_embedding_type", "rotary_base", "add_bias_linear", "add_qkv_bias",
+                 "untie_embeddings_and_output_weights", "layernorm_epsilon"):
+        assert getattr(config, name) == getattr(saved, name), name
+    assert config.seq_length == 128 and config.max_position_embeddings == 128
+    with pytest.raises(ValueError, match="--use-checkpoint-args needs --load"):
+        parse_args(["--use-checkpoint-args", "--mock-data", "--micro-batch-size", "1",
+                    "--lr", "0.1", "--train-iters", "1"])
