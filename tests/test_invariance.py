@@ -342,3 +342,42 @@ def test_moe_checkpoint_reshards_across_expert_layouts(run_distributed, moe_refe
     resumed = _losses(run_distributed, 2, MOE + save + _parallel(tp=2, sp=True) + [
         "--load", str(tmp_path / "ckpt")])
     assert first + resumed == pytest.approx(moe_reference, rel=1e-5)
+
+
+# ---------------------------------------------------------------- dropout on
+# Megatron's default dropouts (hidden and attention 0.1): every mask is a function of (seed,
+# layer, global sample, global position, hidden index or head and key position), so each
+# layout draws the single process's masks and the curve is the same within the same 1e-5
+# (4 iterations keep the run short; a mask drawn per rank would move the loss by ~1e-3).
+DROPOUT = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1",
+           "--train-iters", "4", "--lr-decay-iters", "4"]
+
+
+@pytest.fixture(scope="module")
+def dropout_reference(run_distributed, reference):
+    losses = _losses(run_distributed, 1, DROPOUT)
+    assert len(losses) == 4
+    assert losses != pytest.approx(reference[:4], rel=1e-4)   # the dropout is on
+    return losses
+
+
+DROPOUT_LAYOUTS = {
+    "tp2-sp": (2, _parallel(tp=2, sp=True)),
+    "pp2": (2, _parallel(pp=2)),
+    "pp2-vpp2": (2, _parallel(pp=2, vpp_layers=2)),
+    "dp2": (2, _parallel()),
+    # recompute regenerates the masks: full (uniform groups) and selective (attention, norms, MLP)
+    "tp2-full-recompute": (2, _parallel(tp=2) + [
+        "--recompute-granularity", "full", "--recompute-method", "uniform",
+        "--recompute-num-layers", "2"]),
+    "tp2-selective-recompute-sp": (2, _parallel(tp=2, sp=True) + [
+        "--recompute-activations", "--recompute-modules", "core_attn", "layernorm", "mlp"]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(DROPOUT_LAYOUTS))
+def test_dropout_layout_reproduces_single_process_losses(run_distributed, dropout_reference,
+                                                         name):
+    world_size, argv = DROPOUT_LAYOUTS[name]
+    losses = _losses(run_distributed, world_size, DROPOUT + argv)
+    assert losses == pytest.approx(dropout_reference, rel=1e-5)

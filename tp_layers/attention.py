@@ -63,7 +63,7 @@ from .context_parallel import (canonical_comm_type, check_context_parallel_heads
 from .init import normal_init
 from .linear import ColumnParallelLinear, RowParallelLinear
 from .qkv_layout import batch_first_attention, split_qkv
-from .random import get_rng_tracker
+from .random import ATTENTION_PROBS, dropout_site, get_rng_tracker
 from .rope import apply_rotary, default_position_ids, rotary_cos_sin
 
 POSITION_EMBEDDINGS = ("learned_absolute", "rope")
@@ -111,8 +111,9 @@ class ParallelAttention(nn.Module):
                  init_method_std: float = 0.02, output_layer_init_std: float | None = None,
                  params_dtype: torch.dtype = torch.float32, recompute_core_attention: bool = False,
                  group=None, state=None, window_size: int | None = None,
-                 cp_comm_type: str = "p2p", cp_group=None):
+                 cp_comm_type: str = "p2p", cp_group=None, layer_number: int = 1):
         super().__init__()
+        self.layer_number = layer_number
         self.tp = resolve_tp_group(group, state)
         self.cp = resolve_cp_group(cp_group, state, group)
         self.recompute_core_attention = recompute_core_attention
@@ -152,7 +153,7 @@ class ParallelAttention(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, position_ids: torch.Tensor | None = None,
                 inference_context=None, rotary_pos_emb=None,
-                document_ids: torch.Tensor | None = None):
+                document_ids: torch.Tensor | None = None, dropout_coordinates=None):
         seq, batch = self.full_sequence_length(hidden_states), hidden_states.shape[1]
         if inference_context is not None and self.cp.size > 1:
             raise ValueError(f"inference_context with context_parallel_size={self.cp.size}: the "
@@ -180,9 +181,9 @@ class ParallelAttention(nn.Module):
             context = self._cached_attention(q, k, v, inference_context)
         elif self.recompute_core_attention and self.training:
             context = checkpoint(self._core_attention, q, k, v, cos, sin,   # keeps q, k, v
-                                 document_ids)
+                                 document_ids, dropout_coordinates)
         else:
-            context = self._core_attention(q, k, v, cos, sin, document_ids)
+            context = self._core_attention(q, k, v, cos, sin, document_ids, dropout_coordinates)
         width = self.heads_local * self.head_dim
         if batch_first:                                           # a view of the torch path's output
             output, bias = self.linear_proj(context.transpose(1, 2).reshape(batch, seq, width),
@@ -197,7 +198,7 @@ class ParallelAttention(nn.Module):
             return q, k
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
-    def _core_attention(self, q, k, v, cos, sin, document_ids=None):
+    def _core_attention(self, q, k, v, cos, sin, document_ids=None, dropout_coordinates=None):
         """Rotary (when cos/sin are given) and causal attention (within the window and the
         documents): [b, h_l, s, d] → [b, h_l, s, d] (the region ``core_attn`` recompute re-runs);
         context-parallel over the cp group when cp > 1 (s = this rank's s/cp tokens)."""
@@ -209,10 +210,22 @@ class ParallelAttention(nn.Module):
                 window_size=self.window_size, document_ids=document_ids)
         if dropout > 0 or not FLASH_HEAD_DIMS[0] <= self.head_dim <= FLASH_HEAD_DIMS[1]:
             return self._explicit_attention(q, k, v, dropout, q_document_ids=document_ids,
-                                            k_document_ids=document_ids)
+                                            k_document_ids=document_ids,
+                                            dropout_coordinates=dropout_coordinates)
         return _deps.flash_attention(q, k, v, causal=True,   # strided views in and out
                                      window_size=self.window_size, q_document_ids=document_ids,
                                      k_document_ids=document_ids)
+
+    def _probs_keep(self, p: float, coordinates, batch: int, device) -> torch.Tensor:
+        """(b, h_l, s, s) fp32 keep mask · 1/(1 − p) of the probabilities: the layout-invariant
+        mask of (global sample, global head tp_rank·h_l + i, query and key global positions)."""
+        positions = coordinates.positions.to(device)
+        heads = self.tp.rank * self.heads_local + torch.arange(self.heads_local, device=device)
+        keep = _deps.attention_keep_mask(
+            p, _deps.dropout_key(coordinates.seed, dropout_site(self.layer_number,
+                                                                ATTENTION_PROBS)),
+            coordinates.samples(batch, device), heads, positions, positions)
+        return keep.to(torch.float32) * (1.0 / (1.0 - p))
 
     def default_position_ids(self, batch: int, seq: int, device) -> torch.Tensor:
         """``(b, s)`` positions of the local tokens: 0..s−1, or under context parallelism the
@@ -239,7 +252,7 @@ class ParallelAttention(nn.Module):
                                         q_document_ids=q_ids, k_document_ids=k_ids)
 
     def _explicit_attention(self, q, k, v, dropout: float, q_offset: int = 0,
-                            q_document_ids=None, k_document_ids=None):
+                            q_document_ids=None, k_document_ids=None, dropout_coordinates=None):
         """softmax(q kᵀ/√d + mask) → dropout (TP stream) → @ v, in fp32 (flash has no dropout):
         the kernels' explicit path (``kernels.flash_attention_reference.explicit_probs``).
 
@@ -251,7 +264,9 @@ class ParallelAttention(nn.Module):
                                    q_offset=q_offset)
         visible = mask.visible(q.shape[2], k.shape[2], q.device)                # (b | 1, 1, s_q, s_k)
         probs, _ = _deps.explicit_probs(q, k, 1.0 / math.sqrt(self.head_dim), visible)
-        if dropout > 0:
+        if dropout > 0 and dropout_coordinates is not None:
+            probs = probs * self._probs_keep(dropout, dropout_coordinates, q.shape[0], probs.device)
+        elif dropout > 0:
             with get_rng_tracker().fork():
                 probs = F.dropout(probs, dropout, training=True)
         return (probs @ _deps.repeat_kv(v, self.heads_per_group, probs.dtype)).to(q.dtype)

@@ -159,6 +159,7 @@ class _Run:
 
         for chunk in self.model:
             chunk.train()
+            _set_dropout_sample_offset(chunk, self.consumed_samples)
         num_microbatches = self.calculator.num_microbatches
         self.ddp.zero_grad_buffer()
         self.ddp.begin_step(num_microbatches)
@@ -292,6 +293,16 @@ class _Run:
             logger.print(f" validation loss at iteration {self.iteration} | lm loss: "
                          f"{valid_loss:.6E} |")
             logger.write_metrics({"iteration": self.iteration, "valid_loss": valid_loss})
+
+
+def _set_dropout_sample_offset(chunk, consumed_samples: int) -> None:
+    """Tell a model chunk (or the module a wrapper holds) where the step's samples start, so its
+    dropout masks follow the global sample index (models without the hook are left alone)."""
+    target = chunk
+    while not hasattr(target, "set_dropout_sample_offset") and hasattr(target, "module"):
+        target = target.module
+    if hasattr(target, "set_dropout_sample_offset"):
+        target.set_dropout_sample_offset(consumed_samples)
 
 
 def tokenizer_spec(tokenizer) -> str:
