@@ -56,6 +56,16 @@ def philox_keep_first(key, c0, c1, c2, c3, threshold):
     return (r0 >> 1).to(tl.int32) >= threshold
 
 
+@triton.jit
+def attention_keep(key, threshold, sample, head, q_pos, k_pos):
+    """The attention dropout's keep booleans over broadcastable tiles of global query positions
+    ``q_pos`` and key positions ``k_pos`` (int32), for one global sample and head (scalars):
+    counter (key, query, sample, head), word 0."""
+    c0 = k_pos + 0 * q_pos
+    c1 = q_pos + 0 * k_pos
+    return philox_keep_first(key, c0, c1, 0 * c0 + sample, 0 * c0 + head, threshold)
+
+
 # ----------------------------------------------------------------------------- torch Philox
 
 def _mul_hi_lo(multiplier: int, x: torch.Tensor):
@@ -136,3 +146,40 @@ def attention_keep_mask(p: float, key: int, samples, heads, q_positions, k_posit
                                q_positions[None, None, :, None],
                                samples[:, None, None, None], heads[None, :, None, None])
     return _keep(word, p)
+
+
+@dataclass(frozen=True)
+class AttentionDropout:
+    """Dropout on the attention probabilities of one call, layout-invariant: element
+    (batch row i, head j, query row r, key row c) is kept by ``attention_keep_mask`` of the
+    global sample ``first_sample + i``, global head ``head_offset + j`` and the global positions
+    ``q_offset + r`` / ``k_offset + c`` (the call's mask offsets). ``key``: ``dropout_key``."""
+    p: float
+    key: int
+    first_sample: int = 0
+    head_offset: int = 0
+
+    def __post_init__(self):
+        if not 0.0 <= self.p < 1.0:
+            raise ValueError(f"attention dropout p must be in [0, 1), got {self.p}")
+
+    @property
+    def scale(self) -> float:
+        return 1.0 / (1.0 - self.p)
+
+    @property
+    def threshold(self) -> int:
+        return keep_threshold(self.p)
+
+    def keep(self, b: int, h: int, s_q: int, s_k: int, q_offset: int, k_offset: int,
+             device=None) -> torch.Tensor:
+        """(b, h, s_q, s_k) booleans."""
+        def arange(n, start):
+            return start + torch.arange(n, device=device)
+        return attention_keep_mask(self.p, self.key, arange(b, self.first_sample),
+                                   arange(h, self.head_offset), arange(s_q, q_offset),
+                                   arange(s_k, k_offset))
+
+    def factor(self, b, h, s_q, s_k, q_offset, k_offset, device, dtype) -> torch.Tensor:
+        """(b, h, s_q, s_k) keep / (1 − p) in ``dtype``: what the probabilities are multiplied by."""
+        return self.keep(b, h, s_q, s_k, q_offset, k_offset, device).to(dtype) * self.scale

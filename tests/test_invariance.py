@@ -372,6 +372,12 @@ DROPOUT_LAYOUTS = {
         "--recompute-num-layers", "2"]),
     "tp2-selective-recompute-sp": (2, _parallel(tp=2, sp=True) + [
         "--recompute-activations", "--recompute-modules", "core_attn", "layernorm", "mlp"]),
+    # context parallelism, each comm type: every attention block draws the single-process mask
+    # of its global (query, key) positions; Ulysses' heads keep their global index
+    "cp2-p2p": (2, _parallel(cp=2)),
+    "cp2-allgather": (2, _parallel(cp=2, cp_comm_type="all_gather")),
+    "cp2-a2a": (2, _parallel(cp=2, cp_comm_type="a2a")),
+    "tp2-cp2-sp-p2p": (4, _parallel(tp=2, sp=True, cp=2)),
 }
 
 
@@ -381,3 +387,12 @@ def test_dropout_layout_reproduces_single_process_losses(run_distributed, dropou
     world_size, argv = DROPOUT_LAYOUTS[name]
     losses = _losses(run_distributed, world_size, DROPOUT + argv)
     assert losses == pytest.approx(dropout_reference, rel=1e-5)
+
+
+def test_dropout_moe_ep2_reproduces_single_process(run_distributed):
+    """The MoE model with dropout on: ep = 2 (two data-parallel replicas each holding half the
+    experts) draws the single process's masks."""
+    single = _losses(run_distributed, 1, MOE + DROPOUT)
+    layout = _losses(run_distributed, 2, MOE + DROPOUT + ["--expert-model-parallel-size", "2"])
+    assert single[-1] < single[0]
+    assert layout == pytest.approx(single, rel=1e-5)

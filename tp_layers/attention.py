@@ -14,10 +14,13 @@ On CPU without sequence parallelism the QKV and projection GEMMs run on batch-fi
 (b, s, ·) and the output is an (s, b, h) view of the projection's (b, s, h): ATen's CPU flash
 attention is faster on batch-first q/k/v (``qkv_layout.py``); the values are the same.
 
-Attention dropout (``attention_dropout > 0`` in training) needs the probabilities, which the flash
-kernel never materialises: that case runs an explicit fp32 softmax → dropout → @ v path, and the
-dropout draws from the model-parallel RNG stream (``get_rng_tracker().fork()``), as this rank's
-heads are a partitioned region. The same explicit path serves head dims the flash kernel does not
+Attention dropout (``attention_dropout > 0`` in training) with the model's
+``dropout_coordinates``: the kernels' ``AttentionDropout``, a mask of (seed, layer, global sample,
+global head, global query and key positions), the same at every tp / cp layout; at cp = 1 on the
+explicit fp32 softmax → dropout → @ v path, at cp > 1 inside every block of the context-parallel
+attention. Without coordinates (a layer used on its own) the explicit path draws from the
+model-parallel RNG stream (``get_rng_tracker().fork()``), as this rank's heads are a
+partitioned region. The explicit path also serves head dims the flash kernel does not
 support (``kernels.flash_attention`` takes 16 ≤ d ≤ 128; tiny test models use d = 4).
 ``forward`` returns ``(output, bias)`` (bias added by the caller's bias-dropout-add; ``None``
 without ``add_bias_linear``, and at tp = 1, where no reduction separates the projection GEMM from
@@ -97,10 +100,6 @@ def check_context_parallel_layer(cp_size: int, comm_type: str, heads_local: int,
     if cp_size == 1:
         return
     check_context_parallel_heads(comm_type, heads_local, groups_local, cp_size)
-    if attention_dropout > 0:
-        raise ValueError(f"attention_dropout={attention_dropout} with context_parallel_size="
-                         f"{cp_size}: context-parallel attention runs the flash building blocks, "
-                         "which have no dropout; set attention_dropout=0 (--attention-dropout 0)")
 
 
 class ParallelAttention(nn.Module):
@@ -204,28 +203,30 @@ class ParallelAttention(nn.Module):
         context-parallel over the cp group when cp > 1 (s = this rank's s/cp tokens)."""
         q, k = self._rotate(q, k, cos, sin)
         dropout = self.attention_dropout if self.training else 0.0
+        drop = self._attention_dropout(dropout, dropout_coordinates, q.shape[0])
         if self.cp.size > 1:
+            if dropout > 0 and drop is None:
+                raise ValueError("attention dropout under context parallelism needs the model's "
+                                 "dropout_coordinates (global sample and positions of the tokens)")
             return context_parallel_attention(
                 q.contiguous(), k.contiguous(), v.contiguous(), self.cp, self.cp_comm_type,
-                window_size=self.window_size, document_ids=document_ids)
+                window_size=self.window_size, document_ids=document_ids, dropout=drop)
         if dropout > 0 or not FLASH_HEAD_DIMS[0] <= self.head_dim <= FLASH_HEAD_DIMS[1]:
             return self._explicit_attention(q, k, v, dropout, q_document_ids=document_ids,
-                                            k_document_ids=document_ids,
-                                            dropout_coordinates=dropout_coordinates)
+                                            k_document_ids=document_ids, drop=drop)
         return _deps.flash_attention(q, k, v, causal=True,   # strided views in and out
                                      window_size=self.window_size, q_document_ids=document_ids,
                                      k_document_ids=document_ids)
 
-    def _probs_keep(self, p: float, coordinates, batch: int, device) -> torch.Tensor:
-        """(b, h_l, s, s) fp32 keep mask · 1/(1 − p) of the probabilities: the layout-invariant
-        mask of (global sample, global head tp_rank·h_l + i, query and key global positions)."""
-        positions = coordinates.positions.to(device)
-        heads = self.tp.rank * self.heads_local + torch.arange(self.heads_local, device=device)
-        keep = _deps.attention_keep_mask(
-            p, _deps.dropout_key(coordinates.seed, dropout_site(self.layer_number,
-                                                                ATTENTION_PROBS)),
-            coordinates.samples(batch, device), heads, positions, positions)
-        return keep.to(torch.float32) * (1.0 / (1.0 - p))
+    def _attention_dropout(self, p: float, coordinates, batch: int):
+        """The kernels' ``AttentionDropout`` of this layer (None without dropout or coordinates):
+        global sample ``first_sample + i``, global head ``tp_rank · h_l + j``; the attention
+        calls' offsets are the tokens' global positions (cp = 1: 0..s−1; cp > 1: the chunks')."""
+        if p == 0 or coordinates is None:
+            return None
+        key = _deps.dropout_key(coordinates.seed, dropout_site(self.layer_number, ATTENTION_PROBS))
+        return _deps.AttentionDropout(p, key, coordinates.first_sample,
+                                      self.tp.rank * self.heads_local)
 
     def default_position_ids(self, batch: int, seq: int, device) -> torch.Tensor:
         """``(b, s)`` positions of the local tokens: 0..s−1, or under context parallelism the
@@ -252,7 +253,7 @@ class ParallelAttention(nn.Module):
                                         q_document_ids=q_ids, k_document_ids=k_ids)
 
     def _explicit_attention(self, q, k, v, dropout: float, q_offset: int = 0,
-                            q_document_ids=None, k_document_ids=None, dropout_coordinates=None):
+                            q_document_ids=None, k_document_ids=None, drop=None):
         """softmax(q kᵀ/√d + mask) → dropout (TP stream) → @ v, in fp32 (flash has no dropout):
         the kernels' explicit path (``kernels.flash_attention_reference.explicit_probs``).
 
@@ -264,8 +265,9 @@ class ParallelAttention(nn.Module):
                                    q_offset=q_offset)
         visible = mask.visible(q.shape[2], k.shape[2], q.device)                # (b | 1, 1, s_q, s_k)
         probs, _ = _deps.explicit_probs(q, k, 1.0 / math.sqrt(self.head_dim), visible)
-        if dropout > 0 and dropout_coordinates is not None:
-            probs = probs * self._probs_keep(dropout, dropout_coordinates, q.shape[0], probs.device)
+        if drop is not None:                         # layout-invariant: global coordinates
+            b, h, s_q, s_k = probs.shape
+            probs = probs * drop.factor(b, h, s_q, s_k, q_offset, 0, probs.device, probs.dtype)
         elif dropout > 0:
             with get_rng_tracker().fork():
                 probs = F.dropout(probs, dropout, training=True)
