@@ -16,11 +16,12 @@ attention is faster on batch-first q/k/v (``qkv_layout.py``); the values are the
 
 Attention dropout (``attention_dropout > 0`` in training) with the model's
 ``dropout_coordinates``: the kernels' ``AttentionDropout``, a mask of (seed, layer, global sample,
-global head, global query and key positions), the same at every tp / cp layout; at cp = 1 on the
-explicit fp32 softmax → dropout → @ v path, at cp > 1 inside every block of the context-parallel
-attention. Without coordinates (a layer used on its own) the explicit path draws from the
-model-parallel RNG stream (``get_rng_tracker().fork()``), as this rank's heads are a
-partitioned region. The explicit path also serves head dims the flash kernel does not
+global head, global query and key positions), the same at every tp / cp layout: inside the
+flash kernels (regenerated per tile in backward; on CPU the kernels' torch path materialises it),
+on the explicit fp32 softmax → dropout → @ v path for head dims the kernels do not take, and at
+cp > 1 inside every block of the context-parallel attention. Without coordinates (a layer used
+on its own) the explicit path draws from the model-parallel RNG stream
+(``get_rng_tracker().fork()``), as this rank's heads are a partitioned region. The explicit path also serves head dims the flash kernel does not
 support (``kernels.flash_attention`` takes 16 ≤ d ≤ 128; tiny test models use d = 4).
 ``forward`` returns ``(output, bias)`` (bias added by the caller's bias-dropout-add; ``None``
 without ``add_bias_linear``, and at tp = 1, where no reduction separates the projection GEMM from
@@ -211,7 +212,12 @@ class ParallelAttention(nn.Module):
             return context_parallel_attention(
                 q.contiguous(), k.contiguous(), v.contiguous(), self.cp, self.cp_comm_type,
                 window_size=self.window_size, document_ids=document_ids, dropout=drop)
-        if dropout > 0 or not FLASH_HEAD_DIMS[0] <= self.head_dim <= FLASH_HEAD_DIMS[1]:
+        flash_dims = FLASH_HEAD_DIMS[0] <= self.head_dim <= FLASH_HEAD_DIMS[1]
+        if drop is not None and flash_dims:         # the kernels draw the mask per tile
+            return _deps.flash_attention(q, k, v, causal=True, window_size=self.window_size,
+                                         q_document_ids=document_ids,
+                                         k_document_ids=document_ids, dropout=drop)
+        if dropout > 0 or not flash_dims:
             return self._explicit_attention(q, k, v, dropout, q_document_ids=document_ids,
                                             k_document_ids=document_ids, drop=drop)
         return _deps.flash_attention(q, k, v, causal=True,   # strided views in and out
