@@ -57,18 +57,20 @@ def dkdv_registers(block_m, block_n, block_d, warps):
     return (2 * block_n * block_d + 2 * block_m * block_n) / (32 * warps)
 
 
-def dkdv_fits(c, block_d, elt):
+def dkdv_fits(c, block_d, elt, dropout=False):
     """Below 160 registers of estimate, a third pipeline stage only below 96, and at d = 128 query tiles
     of at most 32 rows (measured: 64×64 at 8 warps, d = 128, estimate 96, uses all 255 registers and
-    spills 24-84 bytes under Triton 3.6 with pointer loads or every mask rule, 16 with 3 stages)."""
+    spills 24-84 bytes under Triton 3.6 with pointer loads or every mask rule, 16 with 3 stages).
+    Dropout's mask fits the same configs (measured at d = 128: at most 255 registers, no spills)."""
     bm, bn = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]
     estimate = dkdv_registers(bm, bn, block_d, c.num_warps) * elt / 2
     return (estimate < 160 and (c.num_stages == 2 or estimate < 96) and (block_d < 128 or bm <= 32)
             and dkdv_shared_bytes(bm, bn, block_d, c.num_stages, elt) <= SHARED_MEMORY_BYTES)
 
 
-def dq_fits(c, block_d, elt):
-    """fp32 dQ accumulator + the S/P and dP/dS tiles per thread ≤ 160; Q, dO once, K, V per stage."""
+def dq_fits(c, block_d, elt, dropout=False):
+    """fp32 dQ accumulator + the S/P and dP/dS tiles per thread ≤ 160; Q, dO once, K, V per stage
+    (with dropout too: measured at d = 128, no spills)."""
     bm, bn, warps, stages = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages
     estimate = (bm * block_d + 2 * bm * bn) / (32 * warps) * elt / 2
     return estimate <= 160 and (2 * bm * block_d + 2 * stages * bn * block_d) * elt <= SHARED_MEMORY_BYTES

@@ -53,18 +53,24 @@ SHARED_MEMORY_BYTES = 232448  # per block on sm_90 (227 KB)
 # (bf16/fp16 at d = 64 and 128): a config that passes compiles without spills and fits the 227 KB of
 # shared memory; the autotuner never times the others.
 
-def fwd_fits(c, block_d, elt):
+def fwd_fits(c, block_d, elt, dropout=False):
     """Q once and K, V per pipeline stage in shared memory; the fp32 accumulator and score tile per
-    thread ≤ 160 registers (measured: 128×64 at 4 warps, d = 128, estimate 192, spills 184 bytes)."""
+    thread ≤ 160 registers (measured: 128×64 at 4 warps, d = 128, estimate 192, spills 184 bytes).
+    Dropout's Philox words count two more registers per score element (measured: 128×128 at
+    8 warps, d = 128, estimate 256, spills 3984 bytes; 128×64, estimate 160, none)."""
     bm, bn = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]
     estimate = (bm * block_d + bm * bn) / (32 * c.num_warps) * elt / 2
+    if dropout:
+        estimate += 2 * bm * bn / (32 * c.num_warps)
     return estimate <= 160 and (bm * block_d + 2 * c.num_stages * bn * block_d) * elt <= SHARED_MEMORY_BYTES
 
 
 def prune_with(fits):
     """early_config_prune: the configs that fit at this head width and dtype; the smallest if none does."""
     def prune(configs, named_args, **kwargs):
-        kept = [c for c in configs if fits(c, kwargs["BLOCK_D"], element_size(named_args["q_ptr"]))]
+        dropout = bool(kwargs.get("DROPOUT", False))
+        kept = [c for c in configs
+                if fits(c, kwargs["BLOCK_D"], element_size(named_args["q_ptr"]), dropout)]
         return kept or [min(configs, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] * c.num_stages)]
     return prune
 
