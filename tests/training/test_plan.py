@@ -65,3 +65,69 @@ def test_static_memory_equals_the_trainers_record_on_every_rank(run_distributed,
         config.tensor_model_parallel_size * config.pipeline_model_parallel_size))
     for rank in range(world):
         assert static_memory(config, layout, rank, buffers) == measured[rank], rank
+
+
+# -------------------------------------------------------------------- communication
+STEP = ["--eval-iters", "0", "--no-progress-bar", "--no-layout-table", "--attention-dropout", "0",
+        "--micro-batch-size", "2"]
+COUNTER_NAMES = {"dp-cp_all_reduce": "dp_all_reduce", "dp-cp_all_gather": "dp_param_all_gather",
+                 "edp_all_gather": "edp_param_all_gather"}
+
+
+def counted_step_body(flags):
+    """The bytes of the collectives of the first training step, by group kind."""
+    import torch.distributed as dist
+
+    from support.comm_counter import counting
+    from tpfuse import pretrain_gpt
+    from tpfuse.training import pretrain as trainer
+
+    counted = {}
+    original = trainer._Run.train_step
+
+    def train_step(run, iterators):
+        with counting(run.state) as counts:
+            result = original(run, iterators)
+        counted.update(counts)
+        return result
+
+    trainer._Run.train_step = train_step
+    try:
+        trainer.pretrain(pretrain_gpt.train_valid_test_datasets_provider,
+                         pretrain_gpt.model_provider, pretrain_gpt.forward_step,
+                         argv=BASE + STEP + flags)
+    finally:
+        trainer._Run.train_step = original
+    return dist.get_rank(), {COUNTER_NAMES.get(k, k): v for k, v in counted.items()}
+
+
+COMM_GRID = [
+    (2, ["--tensor-model-parallel-size", "2", "--global-batch-size", "4"]),
+    (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--recompute-granularity",
+         "full", "--recompute-method", "uniform", "--recompute-num-layers", "2",
+         "--global-batch-size", "4"]),
+    (4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+         "--sequence-parallel", "--bf16", "--global-batch-size", "4"]),
+    (2, ["--use-distributed-optimizer", "--bf16", "--global-batch-size", "4"]),
+    (2, ["--global-batch-size", "4", "--recompute-granularity", "selective",
+         "--recompute-modules", "mlp", "--tensor-model-parallel-size", "2"]),
+    (2, ["--context-parallel-size", "2", "--global-batch-size", "4"]),
+    (4, ["--num-experts", "4", "--expert-model-parallel-size", "2", "--moe-router-topk", "2",
+         "--global-batch-size", "8"]),
+]
+
+
+@pytest.mark.parametrize("world,flags", COMM_GRID, ids=[" ".join(f) for _, f in COMM_GRID])
+def test_comm_bytes_equal_the_collectives_of_a_real_step(run_distributed, world, flags):
+    from tpfuse.training.plan_comm import step_comm_bytes
+
+    counted = dict(run_distributed(world, counted_step_body, flags))
+    config, settings = parse_args(BASE + STEP + flags)
+    layout = layout_of(config, world)
+    dp = world // (config.tensor_model_parallel_size * config.pipeline_model_parallel_size
+                   * config.context_parallel_size)
+    m = settings.training.global_batch_size // (settings.training.micro_batch_size * dp)
+    buffers = buffer_settings(config, settings, dp * config.context_parallel_size)
+    for rank in range(world):
+        planned = step_comm_bytes(config, layout, rank, buffers, 2, m, backend="gloo")
+        assert planned == counted[rank], rank
