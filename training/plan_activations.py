@@ -97,7 +97,9 @@ def layer_activation_bytes(config, micro_batch_size: int, recompute_modules=None
 
 def layer_input_bytes(config, micro_batch_size: int) -> float:
     """A layer's input (s/t', b, h), what full recompute keeps per recomputed group."""
-    s, b, h, _, t_sp = _sizes(config, micro_batch_size)
+    s, b, h, t, t_sp = _sizes(config, micro_batch_size)
+    if config.distribute_saved_activations and t_sp == 1:
+        t_sp = t                                 # each TP rank keeps 1/tp of the input
     return s * b * h / t_sp * element_bytes(config.params_dtype)
 
 
@@ -168,41 +170,69 @@ def schedule_actions(config, num_microbatches: int) -> list:
     return build_schedule(pp, num_microbatches)
 
 
-def in_flight_peak(actions: list, chunk_bytes: list) -> tuple[float, list]:
-    """(peak of Σ_c in-flight(c) · chunk_bytes[c] over the action list, in-flight counts per
-    chunk at that peak). A forward adds its micro-batch, a B or W action releases it."""
-    counts = [0] * len(chunk_bytes)
+def in_flight_states(actions: list) -> set:
+    """Every distinct vector of in-flight micro-batches per chunk along the action list: a
+    forward adds its micro-batch, a B (zero-bubble: W) action releases it."""
+    vpp = 1 + max((a.chunk for a in actions), default=0)
+    counts = [0] * vpp
     releases = "W" if any(a.kind == "W" for a in actions) else "B"
-    peak, at_peak = 0.0, list(counts)
+    states = {tuple(counts)}
     for action in actions:
         if action.kind == "F":
             counts[action.chunk] += 1
+            states.add(tuple(counts))
         elif action.kind == releases:
             counts[action.chunk] -= 1
-        held = sum(c * size for c, size in zip(counts, chunk_bytes))
-        if held > peak:
-            peak, at_peak = held, list(counts)
-    return peak, at_peak
+    return states
 
 
-def activation_peaks(config, micro_batch_size: int, num_microbatches: int) -> list:
-    """Per pipeline rank: ``{"bytes", "in_flight"}`` at the schedule's peak."""
+def in_flight_peak(states, chunk_bytes: list) -> tuple[float, list]:
+    """(peak of Σ_c in-flight(c) · chunk_bytes[c] over ``states``, the counts at the peak)."""
+    best = max(states, key=lambda counts: sum(c * size for c, size in zip(counts, chunk_bytes)))
+    return sum(c * size for c, size in zip(best, chunk_bytes)), list(best)
+
+
+def _schedule_key(config, num_microbatches: int) -> tuple:
+    return (config.pipeline_model_parallel_size, config.virtual_pipeline_model_parallel_size,
+            num_microbatches, config.pipeline_schedule,
+            config.microbatch_group_size_per_vp_stage)
+
+
+def schedule_states(config, num_microbatches: int, cache: dict | None = None) -> list:
+    """Per pipeline rank, ``in_flight_states`` of its actions (cached by schedule shape)."""
+    key = ("states", *_schedule_key(config, num_microbatches))
+    if cache is None or key not in cache:
+        states = [in_flight_states(a) for a in schedule_actions(config, num_microbatches)]
+        if cache is None:
+            return states
+        cache[key] = states
+    return cache[key]
+
+
+def activation_peaks(config, micro_batch_size: int, num_microbatches: int,
+                     cache: dict | None = None) -> list:
+    """Per pipeline rank: ``{"bytes", "in_flight"}`` at the schedule's peak (``cache``: a dict
+    reused across configs of the same schedule shape)."""
     vpp = config.virtual_pipeline_model_parallel_size or 1
-    schedule = schedule_actions(config, num_microbatches)
     peaks = []
-    for pp_rank, actions in enumerate(schedule):
+    for pp_rank, states in enumerate(schedule_states(config, num_microbatches, cache)):
         sizes = [chunk_activation_bytes(config, micro_batch_size, pp_rank, c) for c in range(vpp)]
-        peak, counts = in_flight_peak(actions, [kept for kept, _ in sizes])
+        peak, counts = in_flight_peak(states, [kept for kept, _ in sizes])
         peaks.append({"bytes": int(round(peak + max(t for _, t in sizes))),
                       "in_flight": counts})
     return peaks
 
 
-def bubble_fraction(config, num_microbatches: int) -> float:
+def bubble_fraction(config, num_microbatches: int, cache: dict | None = None) -> float:
     """The idle share of the schedule (``pipeline/simulate.py``, backward = 2 × forward)."""
     if config.pipeline_model_parallel_size == 1:
         return 0.0
+    key = ("bubble", *_schedule_key(config, num_microbatches))
+    if cache is not None and key in cache:
+        return cache[key]
     vpp = config.virtual_pipeline_model_parallel_size or 1
     result = simulate(schedule_actions(config, num_microbatches), num_microbatches, vpp,
-                      analyze_reorders=False)
+                      validate=False, analyze_reorders=False)
+    if cache is not None:
+        cache[key] = result.bubble_fraction
     return result.bubble_fraction
