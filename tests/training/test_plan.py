@@ -14,57 +14,75 @@ BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4"
         "--distributed-backend", "gloo"]
 
 
-def measured_memory_body(flags):
-    """This rank's optimizer.memory_bytes() for ``flags`` (the trainer's build path)."""
+def measured_memory_body(flag_sets):
+    """For each flag set: this rank's optimizer.memory_bytes() (the trainer's build path) and
+    the ``--log-memory-plan`` line the trainer would print."""
     import torch.distributed as dist
 
     from tpfuse.models import build_model, make_gpt_model_provider
     from tpfuse.parallel.state import ParallelState
+    from tpfuse.training.memory import memory_plan_report
     from tpfuse.training.train_step import build_buffers_and_optimizer
 
-    config, settings = parse_args(BASE + flags)
-    state = ParallelState.initialize(
-        tp=config.tensor_model_parallel_size, pp=config.pipeline_model_parallel_size,
-        vpp=config.virtual_pipeline_model_parallel_size, cp=config.context_parallel_size,
-        ep=config.expert_model_parallel_size, etp=config.expert_tensor_parallel_size)
-    try:
-        model = build_model(make_gpt_model_provider(config), config, state)
-        _, optimizer = build_buffers_and_optimizer(
-            model, config, state, optimizer=settings.optimizer, precision=settings.precision,
-            data_parallel=settings.data_parallel, lr=settings.scheduler.lr)
-        return dist.get_rank(), optimizer.memory_bytes()
-    finally:
-        state.destroy()
+    results = []
+    for flags in flag_sets:
+        config, settings = parse_args(BASE + flags)
+        state = ParallelState.initialize(
+            tp=config.tensor_model_parallel_size, pp=config.pipeline_model_parallel_size,
+            vpp=config.virtual_pipeline_model_parallel_size, cp=config.context_parallel_size,
+            ep=config.expert_model_parallel_size, etp=config.expert_tensor_parallel_size)
+        try:
+            model = build_model(make_gpt_model_provider(config), config, state)
+            _, optimizer = build_buffers_and_optimizer(
+                model, config, state, optimizer=settings.optimizer, precision=settings.precision,
+                data_parallel=settings.data_parallel, lr=settings.scheduler.lr)
+            line = memory_plan_report(optimizer, config, settings, dist.get_world_size(),
+                                      dist.get_rank())
+            results.append((optimizer.memory_bytes(), line))
+        finally:
+            state.destroy()
+    return dist.get_rank(), results
 
 
-GRID = [
-    (2, ["--tensor-model-parallel-size", "2"]),
-    (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--bf16"]),
-    (4, ["--pipeline-model-parallel-size", "2", "--use-distributed-optimizer", "--bf16"]),
-    (4, ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"]),
-    (4, ["--use-distributed-optimizer", "--overlap-grad-reduce", "--ddp-bucket-size", "3000",
-         "--untie-embeddings-and-output-weights"]),
-    (4, ["--tensor-model-parallel-size", "2", "--use-distributed-optimizer", "--bf16",
-         "--position-embedding-type", "rope", "--normalization", "RMSNorm",
-         "--swiglu"]),
-    (2, ["--context-parallel-size", "2", "--attention-dropout", "0",
-         "--use-distributed-optimizer"]),
-    (4, ["--num-experts", "4", "--expert-model-parallel-size", "2",
-         "--use-distributed-optimizer", "--bf16", "--moe-router-topk", "2"]),
-    (2, ["--recompute-granularity", "full", "--recompute-method", "uniform",
-         "--recompute-num-layers", "1", "--use-distributed-optimizer"]),
-]
+GRID = {
+    2: [["--tensor-model-parallel-size", "2"],
+        ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--bf16"],
+        ["--context-parallel-size", "2", "--attention-dropout", "0",
+         "--use-distributed-optimizer"],
+        ["--recompute-granularity", "full", "--recompute-method", "uniform",
+         "--recompute-num-layers", "1", "--use-distributed-optimizer", "--bf16"],
+        ["--recompute-granularity", "selective", "--recompute-modules", "mlp", "layernorm",
+         "--use-distributed-optimizer", "--fp16"]],
+    4: [["--pipeline-model-parallel-size", "2", "--use-distributed-optimizer", "--bf16"],
+        ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
+         "--global-batch-size", "4"],
+        ["--use-distributed-optimizer", "--overlap-grad-reduce", "--ddp-bucket-size", "3000",
+         "--untie-embeddings-and-output-weights"],
+        ["--tensor-model-parallel-size", "2", "--use-distributed-optimizer", "--bf16",
+         "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu",
+         "--accumulate-allreduce-grads-in-fp32"],
+        ["--num-experts", "4", "--expert-model-parallel-size", "2",
+         "--use-distributed-optimizer", "--bf16", "--moe-router-topk", "2"],
+        ["--tensor-model-parallel-size", "2", "--num-experts", "2",
+         "--expert-model-parallel-size", "2", "--sequence-parallel",
+         "--use-distributed-optimizer", "--moe-layer-freq", "2"]],
+}
 
 
-@pytest.mark.parametrize("world,flags", GRID, ids=[" ".join(f) for _, f in GRID])
-def test_static_memory_equals_the_trainers_record_on_every_rank(run_distributed, world, flags):
-    measured = dict(run_distributed(world, measured_memory_body, flags))
-    config, settings = parse_args(BASE + flags)
-    layout = layout_of(config, world)
-    buffers = buffer_settings(config, settings, layout.world_size // (
-        config.tensor_model_parallel_size * config.pipeline_model_parallel_size))
-    for rank in range(world):
-        assert static_memory(config, layout, rank, buffers) == measured[rank], rank
+@pytest.mark.parametrize("world", sorted(GRID))
+def test_static_memory_equals_the_trainers_record_on_every_rank(run_distributed, world):
+    """Every layout of the grid, every rank: the plan's four kinds are the optimizer's bytes,
+    and the ``--log-memory-plan`` line says so."""
+    measured = dict(run_distributed(world, measured_memory_body, GRID[world]))
+    for index, flags in enumerate(GRID[world]):
+        config, settings = parse_args(BASE + flags)
+        layout = layout_of(config, world)
+        buffers = buffer_settings(config, settings, world // (
+            config.tensor_model_parallel_size * config.pipeline_model_parallel_size))
+        for rank in range(world):
+            held, line = measured[rank][index]
+            assert static_memory(config, layout, rank, buffers) == held, (flags, rank)
+            assert "!=" not in line and line.startswith(f"> rank {rank} memory"), line
 
 
 # -------------------------------------------------------------------- communication
