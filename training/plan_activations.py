@@ -21,7 +21,9 @@ statistics; ``layernorm`` one norm input copy, the statistics and fp32 weights o
 re-runs (with ``mlp`` too: the input norm's copy becomes the layer input in the activations'
 dtype). RMSNorm keeps its input in the activations' dtype and one statistic per row.
 Full recompute keeps each recomputed group's input (sbh/t' · e) and, while one group runs its
-backward, that group's full activations once. Grouped-query attention is counted as
+backward, that group's full activations once. Known gap: selective ``mlp`` recompute under
+sequence parallelism keeps about 1.5 · sbh/t · e more than this count (7 % of the layer at the
+tests' shape; the plan is then low). Grouped-query attention is counted as
 multi-head attention (q, k, v = 3 sbh/t: the layer expands k and v to every head).
 
 The chunk ends: the first stage adds the embedding's dropout mask; the last stage the final norm
