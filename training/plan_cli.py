@@ -67,8 +67,11 @@ def main(argv=None) -> int:
 
     argv = sys.argv[1:] if argv is None else list(argv)
     if "-h" in argv or "--help" in argv:
-        build_plan_parser().print_help()
-        print("\nand tpfuse-train's flags (tpfuse-train --help)")
+        from .arguments import build_parser
+
+        # the plan's flags and every tpfuse-train flag, in one help
+        argparse.ArgumentParser(prog="tpfuse-plan", add_help=False, conflict_handler="resolve",
+                                parents=[build_plan_parser(), build_parser()]).print_help()
         return 0
     plan_args, train_argv = build_plan_parser().parse_known_args(argv)
     if plan_args.world_size < 1:
