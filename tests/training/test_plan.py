@@ -120,7 +120,8 @@ def counted_step_body(flags):
 
 
 COMM_GRID = [
-    (2, ["--tensor-model-parallel-size", "2", "--global-batch-size", "4"]),
+    (2, ["--tensor-model-parallel-size", "2", "--global-batch-size", "4",
+         "--log-memory-plan"]),
     (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--recompute-granularity",
          "full", "--recompute-method", "uniform", "--recompute-num-layers", "2",
          "--global-batch-size", "4"]),
