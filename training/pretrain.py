@@ -46,7 +46,7 @@ from tpfuse.training.checkpointing import (Checkpointing, describe_exit, prepare
                                            resume_point)
 from tpfuse.training.logging_utils import TrainingLogger
 from tpfuse.training.observability import RunMonitor
-from tpfuse.training.memory import memory_record, memory_report
+from tpfuse.training.memory import memory_plan_report, memory_record, memory_report
 from tpfuse.training.moe_logging import router_metrics
 from tpfuse.training.sample_args import describe_sampling, sampling_kwargs
 from tpfuse.training.scheduler import LRScheduler
@@ -230,7 +230,10 @@ class _Run:
         self.calculator.update(self.consumed_samples, consistency_check=True)
         iterators = self._iterators(self.train_ds, self.consumed_samples)
         tokens_per_sample = self.config.seq_length
-        logger.write_metrics(memory_record(self.optimizer, self.iteration))
+        logger.write_metrics(memory_record(self.optimizer, self.iteration, dist.get_rank()))
+        if logging.log_memory_plan:      # every rank: its own held bytes against the plan
+            print(memory_plan_report(self.optimizer, self.config, settings,
+                                     dist.get_world_size(), dist.get_rank()), flush=True)
         logger.print(memory_report(self.optimizer, self.config, self.state.dp_size,
                                    settings.training.micro_batch_size,
                                    self.calculator.num_microbatches))
