@@ -68,6 +68,9 @@ def _parallel(tp=1, pp=1, vpp_layers=None, sp=False, cp=1, cp_comm_type="p2p"):
 DISTRIBUTED_OPTIMIZER = ["--use-distributed-optimizer", "--overlap-grad-reduce",
                          "--ddp-bucket-size", "2000"]
 
+FSDP_ZERO2 = ["--use-torch-fsdp2", "--data-parallel-sharding-strategy", "optim_grads"]
+FSDP_ZERO3 = ["--use-torch-fsdp2", "--data-parallel-sharding-strategy", "optim_grads_params"]
+
 LAYOUTS = {
     # name: (world size, flags)
     "tp2": (2, _parallel(tp=2)),
@@ -94,6 +97,10 @@ LAYOUTS = {
     "cp2": (2, _parallel(cp=2)),
     "pp2-cp2-allgather": (4, _parallel(pp=2, cp=2, cp_comm_type="all_gather")),
     "dp2-cp2-a2a": (4, _parallel(cp=2, cp_comm_type="a2a")),
+    # FSDP2 (fully_shard over dp x cp): ZeRO-2 keeps gathered parameters until backward, ZeRO-3
+    # gathers them again; both reduce-scatter every micro-batch's gradient into fp32 shards
+    "dp2-fsdp-zero2": (2, _parallel() + FSDP_ZERO2),
+    "dp2-fsdp-zero3": (2, _parallel() + FSDP_ZERO3),
 }
 
 
