@@ -101,6 +101,13 @@ LAYOUTS = {
     # gathers them again; both reduce-scatter every micro-batch's gradient into fp32 shards
     "dp2-fsdp-zero2": (2, _parallel() + FSDP_ZERO2),
     "dp2-fsdp-zero3": (2, _parallel() + FSDP_ZERO3),
+    "dp4-fsdp-zero3": (4, _parallel() + FSDP_ZERO3),
+    # TP shards are FSDP's local tensors; SP's replicated norm weights are counted on tp rank 0
+    "tp2-sp-dp2-fsdp-zero2": (4, _parallel(tp=2, sp=True) + FSDP_ZERO2),
+    # every virtual chunk its own FSDP root; the tied embedding's shards summed first <-> last
+    "pp2-vpp2-dp2-fsdp-zero3": (4, _parallel(pp=2, vpp_layers=2) + FSDP_ZERO3),
+    # sharded over dp x cp: the context-parallel ranks are FSDP ranks too
+    "cp2-dp2-fsdp-zero3": (4, _parallel(cp=2) + FSDP_ZERO3),
 }
 
 
@@ -314,6 +321,10 @@ MOE_LAYOUTS = {
     "pp2-dp2-ep2-grouped-zb-h1": (4, _parallel(pp=2) + [
         "--expert-model-parallel-size", "2", "--moe-grouped-gemm", "--pipeline-schedule",
         "zb-h1", "--overlap-grad-reduce", "--ddp-bucket-size", "2000"]),
+    # FSDP: the experts their own units over edp 2 (gradients divided by dp 4, not edp) ...
+    "dp4-ep2-fsdp-zero3": (4, FSDP_ZERO3 + ["--expert-model-parallel-size", "2"]),
+    # ... and unsharded at edp 1 (FSDP ignores them; scaled by 1/dp after backward)
+    "ep2-fsdp-zero2": (2, FSDP_ZERO2 + ["--expert-model-parallel-size", "2"]),
 }
 
 

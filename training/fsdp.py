@@ -8,9 +8,10 @@ parameter of TP shard shape (n0, n1, ...) is cut along dim 0 into dp_cp row bloc
 c = ⌈n0/dp_cp⌉ rows (the last ones shorter or empty; FSDP pads each to c rows), so TP, SP, PP
 (every virtual chunk its own root) and CP compose unchanged. Expert parameters
 (``allreduce = False``) form their own unit over the expert-data-parallel mesh
-(``state.group("edp")``) when edp > 1; their gradients are divided by dp_cp, not edp (the loss
-averages the tokens of all dp·cp replicas, Megatron's scaling), and with edp = 1 they stay
-unsharded (``ignored_params``), scaled by 1/dp_cp after backward.
+(``state.group("edp")``) when edp > 1; their gradients must be divided by dp_cp, not edp (the
+loss averages the tokens of all dp·cp replicas, Megatron's scaling): FSDP's 1/edp is rescaled by
+edp/dp_cp after backward. With edp = 1 they stay unsharded (``ignored_params``), scaled by
+1/dp_cp after backward.
 
 Strategies (Megatron's ``--data-parallel-sharding-strategy`` values)::
 
@@ -143,7 +144,6 @@ class FullyShardedModel:
                     for unit in experts:
                         fully_shard(unit, mesh=expert_mesh, mp_policy=policy,
                                     reshard_after_forward=config.reshard_after_forward)
-                        unit.set_gradient_divide_factor(float(self.dp_cp))
                     ignored = None
                 else:
                     ignored = {p for unit in experts for p in unit.parameters()}
@@ -158,6 +158,10 @@ class FullyShardedModel:
                 for key, value in values.items():
                     setattr(param, key, value)
         self.params = _trainable(self.chunks)
+        # FSDP divides an expert unit's gradient by edp (its mesh); the loss wants 1/dp_cp
+        # (gloo has no PREMUL_SUM for set_gradient_divide_factor, so the rest is applied after)
+        self.sharded_experts = [p for p in self.params if is_expert(p) and self.is_sharded(p)]
+        self.expert_rescale = edp / self.dp_cp
 
     # ------------------------------------------------------------------ the step
     def zero_grad_buffer(self) -> None:
@@ -168,12 +172,16 @@ class FullyShardedModel:
         """FSDP reduce-scatters after every micro-batch's backward; nothing to count."""
 
     def finish_grad_sync(self) -> None:
-        """The unsharded experts (edp = 1) take the 1/dp_cp that FSDP gives the rest."""
+        """Expert gradients to 1/dp_cp: the unsharded ones (edp = 1) from the plain sum, the
+        sharded ones from FSDP's 1/edp (``expert_rescale`` = edp / dp_cp)."""
         if self.dp_cp == 1:
             return
-        for param in self.unsharded_experts:
-            if param.grad is not None:
-                param.grad.mul_(1.0 / self.dp_cp)
+        for params, factor in ((self.unsharded_experts, 1.0 / self.dp_cp),
+                               (self.sharded_experts, self.expert_rescale)):
+            for param in params:
+                if param.grad is not None and factor != 1.0:
+                    grad = param.grad
+                    getattr(grad, "_local_tensor", grad).mul_(factor)
 
     def start_param_sync(self) -> None:
         """FSDP gathers each unit's parameters in its own forward."""
