@@ -216,6 +216,21 @@ def test_distributed_optimizer_resumes_exactly_and_reshards_dp4_to_dp2(run_distr
     assert first + same + halved == pytest.approx(reference, rel=1e-5)
 
 
+def test_fsdp_resumes_exactly_and_reshards_dp4_to_dp2_to_no_fsdp(run_distributed, reference,
+                                                                  tmp_path):
+    """FSDP checkpoints hold whole TP shards (gathered) and the optimizer's row-block pieces:
+    4 iterations at dp 4 with ZeRO-3, 2 more resumed at the same layout (each rank its own file),
+    2 at dp 2 with ZeRO-2 (resharded), the last 2 at dp 2 without FSDP (plain data parallelism,
+    whole-parameter state rebuilt from the pieces): the 10 losses are the single-process curve."""
+    save = ["--save", str(tmp_path / "ckpt"), "--load", str(tmp_path / "ckpt")]
+    first = _losses(run_distributed, 4, FSDP_ZERO3 + save + ["--train-iters", "4"])
+    same = _losses(run_distributed, 4, FSDP_ZERO3 + save + ["--train-iters", "6"])
+    halved = _losses(run_distributed, 2, FSDP_ZERO2 + save + ["--train-iters", "8"])
+    plain = _losses(run_distributed, 2, save)
+    assert (len(first), len(same), len(halved), len(plain)) == (4, 2, 2, 2)
+    assert first + same + halved + plain == pytest.approx(reference, rel=1e-5)
+
+
 CORPUS_WORDS = ("def", "x", "return a + b", "class Model:", "pass", "import torch", "for i in r",
                 "yield", "if not ok:", "self.w = w", "print(s)", "a")
 

@@ -158,10 +158,22 @@ class FullyShardedModel:
                 for key, value in values.items():
                     setattr(param, key, value)
         self.params = _trainable(self.chunks)
+        for param in self.params:
+            if self.is_sharded(param):
+                self._mark_shard(param)
         # FSDP divides an expert unit's gradient by edp (its mesh); the loss wants 1/dp_cp
         # (gloo has no PREMUL_SUM for set_gradient_divide_factor, so the rest is applied after)
         self.sharded_experts = [p for p in self.params if is_expert(p) and self.is_sharded(p)]
         self.expert_rescale = edp / self.dp_cp
+
+    def _mark_shard(self, param) -> None:
+        """What the checkpoint package gathers and cuts a shard by (``checkpoint/
+        sharded_state.py``): the process group, this rank's place in it and its size (read from
+        the ParallelState: a DeviceMesh rebuilt over a reused worker's groups can name a group
+        that is gone)."""
+        name = "edp" if is_expert(param) else "dp-cp"
+        param.fsdp_group = self.state.group(name) if name == "edp" else self.state.dp_cp_group
+        param.fsdp_rank, param.fsdp_size = self.state.rank_in(name) or 0, self.state.size(name)
 
     # ------------------------------------------------------------------ the step
     def zero_grad_buffer(self) -> None:
@@ -200,8 +212,7 @@ class FullyShardedModel:
         """(rank, size) of the mesh ``param`` is sharded over ((0, 1) when unsharded)."""
         if not self.is_sharded(param):
             return 0, 1
-        name = "edp" if is_expert(param) else "dp-cp"      # the mesh's group (see __init__)
-        return self.state.rank_in(name) or 0, self.state.size(name)
+        return param.fsdp_rank, param.fsdp_size
 
 
 def _layers_of(chunk) -> list:

@@ -98,3 +98,22 @@ class FullyShardedOptimizer(MixedPrecisionOptimizer):
         moments = [t for s in self.adam.state.values() for k, t in s.items() if k != "step"]
         return {"parameters": parameters, "main_parameters": 0, "gradients": parameters,
                 "optimizer_state": sum(t.numel() * t.element_size() for t in moments)}
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict:
+        """The distributed optimizer's form; with 16-bit compute each piece also carries its fp32
+        shard as ``main_param`` (what a layout with separate main copies restores them from)."""
+        state = super().state_dict()
+        if self.fsdp.config.compute_dtype != torch.float32:
+            for piece in self.pieces:
+                state["params"][piece.position]["main_param"] = piece.main.reshape(-1)
+        return state
+
+    @torch.no_grad()
+    def load_piece(self, piece, entry: dict | None) -> None:
+        """Moments and step as the base class; the fp32 shard from ``main_param`` when the entry
+        has one (a 16-bit checkpoint's master copy), else it keeps the loaded model weights."""
+        super().load_piece(piece, entry)
+        source = entry.get("main_param")
+        if source is not None:
+            piece.main.copy_(source.view(piece.main.shape))
