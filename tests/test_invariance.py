@@ -130,6 +130,11 @@ MIXED_PRECISION = {
     # dynamic loss scaling over the distributed optimizer's shards (unscale, norm, skip per shard)
     "fp16-dp2-distopt": (2, ["--fp16", "--initial-loss-scale", "65536"] + _parallel()
                          + DISTRIBUTED_OPTIMIZER, 2.0**-11),
+    # FSDP's mixed precision: bf16 compute, fp32 reduce-scatter and fp32 sharded masters
+    "bf16-dp2-fsdp-zero3": (2, ["--bf16"] + _parallel() + FSDP_ZERO3, 2.0**-8),
+    # the loss scaler over FSDP's shards (unscale, norm, skip per shard)
+    "fp16-dp2-fsdp-zero2": (2, ["--fp16", "--initial-loss-scale", "65536"] + _parallel()
+                            + FSDP_ZERO2, 2.0**-11),
 }
 
 
