@@ -5,17 +5,22 @@
     from tpfuse.megatron_compat.transformer import TransformerConfig
     from tpfuse.megatron_compat.pipeline_parallel import get_forward_backward_func
     from tpfuse.megatron_compat.num_microbatches_calculator import init_num_microbatches_calculator
+    from tpfuse.megatron_compat.models.gpt import GPTModel
+    from tpfuse.megatron_compat.distributed import DistributedDataParallel
+    from tpfuse.megatron_compat import dist_checkpointing
 
 Module paths mirror ``megatron.core``; signatures, defaults and return conventions are
 Megatron's, the work is tpfuse's (layers, collectives, schedules, RNG tracker). ``mpu`` is
-``parallel_state`` (Megatron's legacy alias). See docs/interfaces.md for what differs.
+``parallel_state`` (Megatron's legacy alias). See docs/interfaces.md for what differs and
+docs/megatron_coverage.md for the modules covered.
 """
 import importlib
 
 __version__ = "0.16.1"
 _SUBMODULES = ("parallel_state", "tensor_parallel", "utils", "model_parallel_config",
                "num_microbatches_calculator", "pipeline_parallel", "transformer", "enums",
-               "datasets")
+               "datasets", "models", "distributed", "optimizer", "dist_checkpointing",
+               "optimizer_param_scheduler", "fusions")
 __all__ = ["parallel_state", "tensor_parallel", "utils", "ModelParallelConfig", "mpu"]
 
 

@@ -11,6 +11,5 @@ _EXPORTS = {
     "layers_for": "layer_assignment", "stage_layer_counts": "layer_assignment",
     "GPTModel": "gpt", "allreduce_embedding_grads": "gpt",
     "gpt_model_provider": "build", "make_gpt_model_provider": "build", "build_model": "build",
-    "set_global_config": "build", "get_global_config": "build",
 }
 __getattr__, __dir__, __all__ = lazy_exports(__name__, _EXPORTS, globals())

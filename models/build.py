@@ -4,8 +4,8 @@
 ``config=`` and ``state=`` to a provider that accepts them (Megatron's newer providers take
 ``config``), so a provider needs no global to know the model. ``make_gpt_model_provider(config)``
 returns a provider closed over an explicit config. ``gpt_model_provider(pre_process,
-post_process, vp_stage=None, config=None)`` has Megatron's signature; called without ``config``
-(outside ``build_model``) it falls back to the config registered with ``set_global_config``.
+post_process, vp_stage=None, state=None, config=None)`` has Megatron's signature and needs the
+``config`` that ``build_model`` passes.
 """
 from __future__ import annotations
 
@@ -13,28 +13,15 @@ import inspect
 
 from .gpt import GPTModel, check_layout_matches, resolve_state
 
-_GLOBAL_CONFIG = None
-
-
-def set_global_config(config):
-    """Register the TransformerConfig that ``gpt_model_provider`` builds from."""
-    global _GLOBAL_CONFIG
-    _GLOBAL_CONFIG = config
-
-
-def get_global_config():
-    if _GLOBAL_CONFIG is None:
-        raise RuntimeError("no TransformerConfig registered: call "
-                           "tpfuse.models.set_global_config(config) before gpt_model_provider")
-    return _GLOBAL_CONFIG
-
-
 def gpt_model_provider(pre_process=True, post_process=True, vp_stage=None, state=None,
                        config=None):
-    """Megatron's model_provider signature: a GPTModel of ``config`` (``build_model`` passes
-    it), else of the registered global config."""
-    return GPTModel(get_global_config() if config is None else config, pre_process=pre_process,
-                    post_process=post_process, vp_stage=vp_stage, state=state)
+    """Megatron's model_provider signature: a GPTModel of ``config``, which ``build_model``
+    passes (there is no global config to fall back on)."""
+    if config is None:
+        raise RuntimeError("gpt_model_provider needs config=: build_model(gpt_model_provider, "
+                           "config) passes it, or use make_gpt_model_provider(config)")
+    return GPTModel(config, pre_process=pre_process, post_process=post_process,
+                    vp_stage=vp_stage, state=state)
 
 
 def make_gpt_model_provider(config):

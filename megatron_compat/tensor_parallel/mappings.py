@@ -107,3 +107,11 @@ def all_to_all_hp2sp(input_, group=None):
     flat = input_.reshape(-1, input_.shape[-1])                       # (n, h/tp)
     exchanged = _m.all_to_all_region(flat, group)                    # (tp · n/tp, h/tp)
     return torch.cat(exchanged.chunk(size, dim=0), dim=-1)           # (n/tp, h)
+
+
+from .mapping_functions import (  # noqa: E402,F401  (Megatron's private Function names)
+    _AllGatherFromTensorParallelRegion, _AllToAll, _CopyToModelParallelRegion,
+    _GatherFromModelParallelRegion, _GatherFromSequenceParallelRegion,
+    _ReduceFromModelParallelRegion, _ReduceScatterToSequenceParallelRegion,
+    _ReduceScatterToTensorParallelRegion, _ScatterToModelParallelRegion,
+    _ScatterToSequenceParallelRegion)

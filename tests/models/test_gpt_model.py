@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from tpfuse.models import (GPTModel, TransformerConfig, build_model, gpt_model_provider,
-                           make_gpt_model_provider, set_global_config)
+                           make_gpt_model_provider)
 from tpfuse.tp_layers.init import unshard
 
 TOL = dict(rtol=1e-5, atol=2e-6)
@@ -211,14 +211,10 @@ def test_build_model_and_providers_single_process():
     chunks = build_model(make_gpt_model_provider(config), config)
     assert len(chunks) == 1 and chunks[0].pre_process and chunks[0].post_process
     assert chunks[0].config is config and chunks[0].layer_indices == [0, 1]
-    set_global_config(config)
-    try:
-        (chunk,) = build_model(gpt_model_provider, config)
-        for a, b in zip(chunk.parameters(), chunks[0].parameters()):
-            assert torch.equal(a, b)
-    finally:
-        set_global_config(None)
-    with pytest.raises(RuntimeError, match="set_global_config"):
+    (chunk,) = build_model(gpt_model_provider, config)
+    for a, b in zip(chunk.parameters(), chunks[0].parameters()):
+        assert torch.equal(a, b)
+    with pytest.raises(RuntimeError, match="needs config="):
         gpt_model_provider()
 
 

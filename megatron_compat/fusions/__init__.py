@@ -1,0 +1,1 @@
+"""megatron-core 0.16's ``fusions`` names that layer specs use."""

@@ -1,0 +1,1 @@
+"""megatron-core 0.16's ``models`` package (GPT)."""
