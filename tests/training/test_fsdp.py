@@ -83,3 +83,30 @@ def test_zero3_holds_one_dp_th_of_parameters_gradients_and_optimizer(run_distrib
         sharded = held(dp, ZERO3)
         assert sharded * dp == single                  # no padding in this model
         assert sharded <= 1.1 * plain / dp
+
+
+# -------------------------------------------------------------------- evaluation between steps
+def _losses_and_validation(argv):
+    from tpfuse.pretrain_gpt import (forward_step, model_provider,
+                                     train_valid_test_datasets_provider)
+    from tpfuse.training.pretrain import pretrain
+
+    result = pretrain(train_valid_test_datasets_provider, model_provider, forward_step,
+                      argv=TINY + argv)
+    return (result.train_losses, result.valid_losses) if result.is_logger else None
+
+
+def test_evaluation_between_steps_sees_the_updated_shards(run_distributed):
+    """A forward without backward (evaluation, no_grad) must leave no gathered parameters behind
+    that the next step would train on (ZeRO-2 keeps them after a training forward): train and
+    validation losses equal plain dp 2's (fp32 summation order only, as
+    tests/test_invariance.py)."""
+    strategy = "optim_grads"
+    evaluating = ["--train-iters", "4", "--eval-interval", "2", "--eval-iters", "1",
+                  "--global-batch-size", "8"]
+    plain = [r for r in run_distributed(2, _losses_and_validation, evaluating) if r][0]
+    sharded = [r for r in run_distributed(2, _losses_and_validation, evaluating + [
+        "--use-torch-fsdp2", "--data-parallel-sharding-strategy", strategy]) if r][0]
+    assert sharded[0] == pytest.approx(plain[0], rel=1e-5)
+    assert [v for _, v in sharded[1]] == pytest.approx([v for _, v in plain[1]], rel=1e-5)
+    assert len(plain[1]) == 2
