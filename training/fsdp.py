@@ -27,7 +27,10 @@ parameters, which are the optimizer's main parameters (``training/fsdp_optimizer
 
 This object stands where ``DataParallelBuffers`` stands in the training step (``zero_grad_buffer``,
 ``begin_step``, ``finish_grad_sync``, ``start_param_sync`` / ``finish_param_sync``); FSDP's own
-hooks do the communication, so most of these are bookkeeping.
+hooks do the communication, so most of these are bookkeeping. Timers: FSDP's all-gathers and
+reduce-scatters run inside the schedule, under ``forward-backward``; ``all-grads-sync`` holds only
+the expert rescale. The start-up memory record is ``FullyShardedOptimizer.memory_bytes`` (the
+padded shards, ``fsdp_rank_bytes`` for planners). Checkpoints: ``checkpoint/sharded_state.py``.
 """
 from __future__ import annotations
 
@@ -49,7 +52,6 @@ class FsdpConfig:
     strategy: str
     compute_dtype: torch.dtype          # the model's params_dtype: what forward/backward run in
     use_distributed_optimizer: bool = False
-    overlap_param_gather: bool = False
 
     @property
     def reshard_after_forward(self) -> bool:
