@@ -115,7 +115,13 @@ LAYOUTS = {
 def test_layout_reproduces_single_process_losses(run_distributed, reference, name):
     world_size, argv = LAYOUTS[name]
     losses = _losses(run_distributed, world_size, argv)
-    assert losses == pytest.approx(reference, rel=1e-5)
+    assert losses == pytest.approx(reference, rel=FSDP_REL if "fsdp" in name else 1e-5)
+
+
+# FSDP reorders only the data-parallel sums (a reduce-scatter per micro-batch instead of one
+# all-reduce of the accumulated gradient): measured 1.2e-7 relative in every FSDP layout above,
+# as plain dp2; 1e-6 keeps a factor 8
+FSDP_REL = 1e-6
 
 
 MIXED_PRECISION = {
