@@ -28,8 +28,8 @@ file and placing each piece at its offsets rebuilds the whole flattened state of
 those must cover every element (else the checkpoint is incomplete: a ValueError). Then the moments
 and main copies (parameter-shaped) are resharded exactly like the weights, and each new rank takes
 the elements of its own pieces: a change of DP size (with or without the distributed optimizer)
-redistributes the shards. The scalar ``step`` is carried over; the group hyper-parameters (lr,
-betas, …) and the loss scaler come from the checkpoint. The last pipeline stage's copy of the tied
+redistributes the shards. The scalar ``step`` and the loss scaler are carried over; the group hyper-parameters (lr,
+weight decay, betas, eps) stay the loading run's, as on a same-layout load. The last pipeline stage's copy of the tied
 word embedding (``shared_embedding``) is rebuilt from the embedding itself: both copies always hold
 the same values and the same Adam moments (their gradients are all-reduced before every step).
 
@@ -316,8 +316,6 @@ def _load_optimizer(optimizer, plan, payloads, index: dict, old_layout: dict,
         raise ValueError(f"cannot reshard the optimizer: the checkpoint has "
                          f"{len(saved['param_groups'])} parameter groups, this run has "
                          f"{len(optimizer.param_groups)}")
-    for group, hyper in zip(optimizer.param_groups, saved["param_groups"]):
-        group.update(hyper)
     for piece in optimizer.pieces:
         name = name_by_id[id(piece.model_param)]
         optimizer.load_piece(piece, _resharded_piece(piece, name, index, old_layout, sizes))

@@ -20,6 +20,7 @@ Megatron does (sequence parallelism is a no-op without a TP group).
 from __future__ import annotations
 
 import dataclasses
+import math
 import warnings
 from dataclasses import dataclass, field
 
@@ -276,13 +277,17 @@ class TransformerConfig:
         """Raise ValueError naming the fields of the first invalid setting found."""
         require_positive(self, "num_layers", "hidden_size", "num_attention_heads", "seq_length",
                           "num_query_groups", "ffn_hidden_size", "max_position_embeddings",
-                          "make_vocab_size_divisible_by", "rotary_base",
+                          "make_vocab_size_divisible_by",
                           "tensor_model_parallel_size", "pipeline_model_parallel_size",
                           "context_parallel_size", "expert_model_parallel_size")
         require_positive_or_none(self, "vocab_size", "expert_tensor_parallel_size",
                                   "microbatch_group_size_per_vp_stage",
                                   "virtual_pipeline_model_parallel_size", "recompute_num_layers")
         require_non_negative_or_none(self, "p2p_recv_ahead")
+        base = self.rotary_base       # HF's rope_theta may be fractional
+        if isinstance(base, bool) or not isinstance(base, (int, float)) or \
+                not math.isfinite(base) or base <= 0:
+            raise ValueError(f"rotary_base={base!r} must be a positive finite number")
         require_choice(self, "normalization", NORMALIZATIONS)
         require_choice(self, "activation", ACTIVATIONS)
         require_choice(self, "position_embedding_type", POSITION_EMBEDDINGS)

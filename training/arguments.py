@@ -32,6 +32,7 @@ import argparse
 import dataclasses
 import math
 import os
+import re
 import sys
 
 from tpfuse.models.cli import add_config_arguments, config_from_args
@@ -142,9 +143,27 @@ def settings_from_namespace(namespace) -> TrainerSettings:
     return TrainerSettings.from_values(values, preset=namespace.preset)
 
 
+_NEGATIVE_NUMBER = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$|^-inf$", re.IGNORECASE)
+
+
+def join_negative_values(argv: list[str]) -> list[str]:
+    """``--flag -1e-3`` → ``--flag=-1e-3``: argparse reads a value like ``-1e-3`` (an exponent)
+    as an option, so a flag given a negative number in the spaced form would fail with "expected
+    one argument" (and the number's own check — e.g. ``--lr must be > 0`` — never speak)."""
+    joined = []
+    for token in argv:
+        previous = joined[-1] if joined else ""
+        if _NEGATIVE_NUMBER.match(token) and previous.startswith("--") and "=" not in previous:
+            joined[-1] = f"{previous}={token}"
+        else:
+            joined.append(token)
+    return joined
+
+
 def parse_namespace(argv=None, defaults: dict | None = None) -> argparse.Namespace:
     """argparse's namespace of ``argv`` over Megatron's defaults, ``defaults`` and the preset."""
     parser = build_parser()
+    argv = join_negative_values(list(sys.argv[1:] if argv is None else argv))
     if defaults:
         parser.set_defaults(**_known_defaults(defaults, "pretrain's args_defaults"))
     preset = presets.preset_from_argv(argv)
@@ -171,8 +190,8 @@ def parse_args(argv=None, defaults: dict | None = None):
     check_model_precision(settings.precision, bf16=namespace.bf16)
     tokenizer = build_tokenizer(settings.data, namespace.vocab_size)
     namespace.vocab_size = model_vocab_size(settings.data, namespace.vocab_size, tokenizer)
-    check_sample_prompt(settings.sample, tokenizer)
     config = config_from_args(namespace)
     if settings.data_parallel.use_torch_fsdp2:
         check_fsdp_layout(config)
+    check_sample_prompt(settings.sample, tokenizer, config)
     return config, dataclasses.replace(settings, tokenizer=tokenizer)

@@ -238,15 +238,16 @@ class MixedPrecisionOptimizer:
 
     @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
-        """Restore from ``state_dict()`` of the same layout and sharding (pieces must match)."""
+        """Restore from ``state_dict()`` of the same layout and sharding (pieces must match):
+        the main copies, moments, step and loss scaler; the hyper-parameters stay this run's."""
         if state.get("format") != "tpfuse-mixed-precision-adamw":
             raise ValueError("optimizer state is not a tpfuse mixed-precision AdamW state "
                              f"(format {state.get('format')!r})")
         if len(state["params"]) != len(self.model_params):
             raise ValueError(f"optimizer state has {len(state['params'])} parameters, this model "
                              f"{len(self.model_params)}")
-        for group, saved in zip(self.adam.param_groups, state["param_groups"]):
-            group.update(saved)
+        # the group hyper-parameters (weight decay, betas, eps; lr: the scheduler) stay this
+        # run's: settings given to this run win over the checkpoint's (docs/checkpointing.md)
         for piece in self.pieces:
             self.load_piece(piece, state["params"][piece.position])
         if self.grad_scaler is not None and state.get("grad_scaler") is not None:

@@ -36,6 +36,9 @@ class PrecisionSettings(SettingsGroup):
     skip_nonfinite: bool = setting(
         False, "skip (and count) a step whose loss or gradient norm is inf/nan instead of "
                "stopping with an error (bf16/fp32; fp16 always skips overflows)")
+    max_consecutive_skipped_steps: int = setting(
+        100, "stop with an error after this many skipped (inf/nan) steps in a row (an "
+             "always-overflowing loss scale, a diverged run)", minimum=1, metavar="N")
 
     def check(self) -> None:
         if self.grad_reduce_in_bf16 and self.accumulate_allreduce_grads_in_fp32:

@@ -11,7 +11,9 @@ settings, scaling the loss, and what happens to a step whose loss or gradients a
 Non-finite steps: with a loss scaler (fp16, or ``--loss-scale``) an overflow is expected and the
 step is skipped (the scale backs off); otherwise (bf16/fp32) training stops with a
 FloatingPointError naming the iteration, unless ``--skip-nonfinite`` asks to skip and count such
-steps. Every rank reaches the same decision (the norm and the loss flag are all-reduced over the
+steps; ``--max-consecutive-skipped-steps N`` (default 100) stops training with an error once N
+steps in a row were skipped (a loss scale that always overflows, a run that diverged). Every
+rank reaches the same decision (the norm and the loss flag are all-reduced over the
 world), so no rank goes on alone into a collective. A skipped step changes no parameter, moment or
 lr, so nothing non-finite can reach a checkpoint.
 """
@@ -92,9 +94,11 @@ def loss_nonfinite(loss_dicts, device, key: str = "lm loss"):
 class NonFinitePolicy:
     """Skip or stop on a step the optimizer refused (see the module docstring)."""
 
-    def __init__(self, has_scaler: bool, skip_nonfinite: bool):
+    def __init__(self, has_scaler: bool, skip_nonfinite: bool,
+                 max_consecutive_skipped: int | None = None):
         self.has_scaler, self.skip_nonfinite = has_scaler, skip_nonfinite
-        self.skipped_iterations = 0
+        self.max_consecutive_skipped = max_consecutive_skipped
+        self.skipped_iterations, self.consecutive_skipped = 0, 0
 
     def after_step(self, iteration: int, result, optimizer, device) -> dict:
         """The step's log fields (grad norm, skipped, loss scale, CUDA peak memory); raises when
@@ -108,6 +112,13 @@ class NonFinitePolicy:
                     f"this step is applied or saved). Pass --skip-nonfinite to skip such steps "
                     f"instead.")
             self.skipped_iterations += 1
+        self.consecutive_skipped = self.consecutive_skipped + 1 if not result.success else 0
+        if self.max_consecutive_skipped and self.consecutive_skipped >= \
+                self.max_consecutive_skipped:
+            raise FloatingPointError(
+                f"iteration {iteration}: {self.consecutive_skipped} steps in a row were skipped "
+                f"(inf/nan loss or gradients); training stops (--max-consecutive-skipped-steps "
+                f"{self.max_consecutive_skipped})")
         fields = {"grad_norm": result.grad_norm if math.isfinite(result.grad_norm) else None,
                   "skipped": not result.success, "skipped_iterations": self.skipped_iterations}
         if optimizer.grad_scaler is not None:
