@@ -359,4 +359,5 @@ def allreduce_embedding_grads(model_chunks, state=None):
         if weight.grad is None:
             weight.grad = torch.zeros_like(weight)
         grad = weight.grad
-    dist.all_reduce(grad, group=state.embedding_group)
+    # a sharded (FSDP) gradient: both ends hold the same rows of it, the local shards are summed
+    dist.all_reduce(getattr(grad, "_local_tensor", grad), group=state.embedding_group)
