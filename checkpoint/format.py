@@ -47,6 +47,7 @@ import torch.distributed as dist
 from tpfuse.parallel.devices import collective_device
 
 from . import file_io, reshard
+from .sharded_state import full_state_dict, load_full_state_dict
 
 TRACKER = "latest_checkpointed_iteration.txt"
 MANIFEST = "manifest.json"
@@ -77,7 +78,14 @@ def layout_signature(state, optimizer=None) -> dict:
     return {"world_size": dist.get_world_size(), "tp": state.tp_size, "pp": state.pp_size,
             "dp": state.dp_size, "cp": state.size("cp"), "vpp": state.vpp_size or 1,
             "ep": state.size("ep"), "etp": state.size("etp"),
-            "distributed_optimizer": bool(getattr(optimizer, "distributed", False))}
+            "distributed_optimizer": bool(getattr(optimizer, "distributed", False)),
+            **_fsdp_signature(optimizer)}
+
+
+def _fsdp_signature(optimizer) -> dict:
+    """FSDP's pieces differ from the other layouts' (row blocks): {"fsdp": True} then, nothing
+    otherwise (signatures of checkpoints written without FSDP stay as they were)."""
+    return {"fsdp": True} if getattr(optimizer, "sharding_strategy", None) else {}
 
 
 def model_config_dict(model_chunks) -> dict | None:
@@ -169,7 +177,7 @@ def _broadcast_from_zero(value):
 # ---------------------------------------------------------------------------- saving
 def first_non_finite(model_chunks) -> str | None:
     for index, chunk in enumerate(model_chunks):
-        for name, tensor in chunk.state_dict().items():
+        for name, tensor in full_state_dict(chunk).items():
             if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
                 return f"chunk {index} {name}"
     return None
@@ -184,7 +192,7 @@ def build_payload(iteration, model_chunks, optimizer, scheduler, state, consumed
         "layout": layout_signature(state, optimizer),
         "model_signature": model_signature(model_chunks),
         "rank": dist.get_rank(),
-        "model": [chunk.state_dict() for chunk in model_chunks],
+        "model": [full_state_dict(chunk) for chunk in model_chunks],
         "model_config": model_config_dict(model_chunks),
         "optimizer": optimizer.state_dict(),
         "scheduler": scheduler.state_dict(),
@@ -432,7 +440,7 @@ def _restore_same_layout(folder, read, model_chunks, optimizer) -> dict | None:
         raise ValueError(f"checkpoint {folder} holds {len(payload['model'])} model chunks per "
                          f"rank, this rank has {len(model_chunks)}")
     for chunk, chunk_state in zip(model_chunks, payload["model"]):
-        chunk.load_state_dict(chunk_state)
+        load_full_state_dict(chunk, chunk_state)
     optimizer.load_state_dict(payload["optimizer"])
     return payload
 

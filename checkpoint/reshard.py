@@ -51,6 +51,7 @@ import os
 
 import torch
 
+from .sharded_state import copy_into
 from .sharding import (  # noqa: F401 (full_from_shards, reshard_tensor, shard_for: re-exported)
     dense_sizes, full_from_shards, full_tensor, local_part, reshard_tensor, shard_for, sizes_of)
 
@@ -288,7 +289,7 @@ def _load_weights(plan, index: dict, old_layout: dict, sizes: dict) -> None:
     with torch.no_grad():
         for param, name in plan:
             entry = index[name]
-            param.copy_(_my_slice(entry, entry["weights"], name, old_layout, sizes))
+            copy_into(param, _my_slice(entry, entry["weights"], name, old_layout, sizes))
 
 
 def _resharded_piece(piece, name: str, index: dict, old_layout: dict, sizes: dict) -> dict:

@@ -336,7 +336,7 @@ class TransformerConfig:
                              f"tensor_model_parallel_size={tp} (sequence_parallel=True)")
 
     def _validate_context_parallel(self):
-        """Sequence split, comm type, heads for a2a, no attention dropout, the window's form
+        """Sequence split, comm type, heads for a2a, the window's form
         (parallel/context_split.py)."""
         require_choice(self, "cp_comm_type", CP_COMM_TYPES)
         cp, tp = self.context_parallel_size, self.tensor_model_parallel_size
@@ -344,10 +344,6 @@ class TransformerConfig:
         if cp > 1:
             check_context_parallel_heads(self.cp_comm_type, self.num_attention_heads // tp,
                                          self.num_query_groups // tp, cp)
-            if self.attention_dropout > 0:
-                raise ValueError(
-                    f"attention_dropout={self.attention_dropout} with context_parallel_size={cp}: "
-                    "context-parallel attention has no dropout; pass --attention-dropout 0")
         if self.use_rope_scaling and (self.position_embedding_type != "rope"
                                       or not self.rope_scaling_factor > 0):
             raise ValueError(f"use_rope_scaling=True needs position_embedding_type='rope' (got "

@@ -38,6 +38,7 @@ import sys
 from tpfuse.models.cli import add_config_arguments, config_from_args
 from tpfuse.models.config import config_fields
 from tpfuse.training import presets
+from tpfuse.training.fsdp import check_fsdp_layout
 from tpfuse.training.precision_args import check_model_precision
 from tpfuse.training.sample_args import check_sample_prompt
 from tpfuse.training.settings import (DEFAULT_SPLIT, GROUPS, DataSettings, TrainerSettings,
@@ -230,5 +231,7 @@ def parse_args(argv=None, defaults: dict | None = None):
     tokenizer = build_tokenizer(settings.data, namespace.vocab_size)
     namespace.vocab_size = model_vocab_size(settings.data, namespace.vocab_size, tokenizer)
     config = config_from_args(namespace)
+    if settings.data_parallel.use_torch_fsdp2:
+        check_fsdp_layout(config)
     check_sample_prompt(settings.sample, tokenizer, config)
     return config, dataclasses.replace(settings, tokenizer=tokenizer)

@@ -46,7 +46,7 @@ from tpfuse.training.checkpointing import (Checkpointing, describe_exit, prepare
                                            resume_point)
 from tpfuse.training.logging_utils import TrainingLogger
 from tpfuse.training.observability import RunMonitor
-from tpfuse.training.memory import memory_record, memory_report
+from tpfuse.training.memory import memory_plan_report, memory_record, memory_report
 from tpfuse.training.moe_logging import router_metrics
 from tpfuse.training.sample_args import describe_sampling, sampling_kwargs
 from tpfuse.training.scheduler import LRScheduler
@@ -162,6 +162,7 @@ class _Run:
 
         for chunk in self.model:
             chunk.train()
+            _set_dropout_sample_offset(chunk, self.consumed_samples)
         num_microbatches = self.calculator.num_microbatches
         self.ddp.zero_grad_buffer()
         self.ddp.begin_step(num_microbatches)
@@ -229,7 +230,10 @@ class _Run:
         self.calculator.update(self.consumed_samples, consistency_check=True)
         iterators = self._iterators(self.train_ds, self.consumed_samples)
         tokens_per_sample = self.config.seq_length
-        logger.write_metrics(memory_record(self.optimizer, self.iteration))
+        logger.write_metrics(memory_record(self.optimizer, self.iteration, dist.get_rank()))
+        if logging.log_memory_plan:      # every rank: its own held bytes against the plan
+            print(memory_plan_report(self.optimizer, self.config, settings,
+                                     dist.get_world_size(), dist.get_rank()), flush=True)
         logger.print(memory_report(self.optimizer, self.config, self.state.dp_size,
                                    settings.training.micro_batch_size,
                                    self.calculator.num_microbatches))
@@ -307,6 +311,16 @@ class _Run:
             logger.print(f" validation loss at iteration {self.iteration} | lm loss: "
                          f"{valid_loss:.6E} |")
             logger.write_metrics({"iteration": self.iteration, "valid_loss": valid_loss})
+
+
+def _set_dropout_sample_offset(chunk, consumed_samples: int) -> None:
+    """Tell a model chunk (or the module a wrapper holds) where the step's samples start, so its
+    dropout masks follow the global sample index (models without the hook are left alone)."""
+    target = chunk
+    while not hasattr(target, "set_dropout_sample_offset") and hasattr(target, "module"):
+        target = target.module
+    if hasattr(target, "set_dropout_sample_offset"):
+        target.set_dropout_sample_offset(consumed_samples)
 
 
 def tokenizer_spec(tokenizer) -> str:

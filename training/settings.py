@@ -186,6 +186,8 @@ class LoggingSettings(SettingsGroup):
               "of the run)")
     no_progress_bar: bool = setting(False, "no tqdm progress bar on the logging rank")
     no_layout_table: bool = setting(False, "do not print the rank layout at start-up")
+    log_memory_plan: bool = setting(
+        False, "at start-up every rank prints what it holds beside tpfuse-plan's prediction")
 
 
 def _check_load_folder(load: str) -> None:

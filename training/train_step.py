@@ -24,6 +24,8 @@ import math
 import torch
 
 from .data_parallel import DataParallelBuffers
+from .fsdp import FsdpConfig, FullyShardedModel
+from .fsdp_optimizer import FullyShardedOptimizer
 from .grad_scaler import build_grad_scaler
 from .memory import peak_allocated_mib
 from .optimizer import MixedPrecisionOptimizer
@@ -35,16 +37,22 @@ def build_buffers_and_optimizer(model_chunks, config, state, *, optimizer, preci
     """(DataParallelBuffers, MixedPrecisionOptimizer) for ``model_chunks``: the buffers from
     ``precision`` and ``data_parallel`` (PrecisionSettings, DataParallelSettings), AdamW from
     ``optimizer`` (OptimizerSettings) starting at ``lr`` (``--lr``; the scheduler sets it each
-    step)."""
-    buffers = DataParallelBuffers(model_chunks,
-                                  ddp_config_from_settings(precision, data_parallel, config), state)
+    step). With ``--use-torch-fsdp2`` (``data_parallel.use_torch_fsdp2``) the chunks are
+    sharded in place by ``FullyShardedModel`` and the optimizer steps on FSDP's shards."""
     scaler = build_grad_scaler(config.fp16, precision.loss_scale, precision.initial_loss_scale,
                                precision.min_loss_scale, precision.loss_scale_window,
                                precision.hysteresis)
-    adam = MixedPrecisionOptimizer(
-        model_chunks, buffers, state, lr=lr, weight_decay=optimizer.weight_decay,
-        betas=(optimizer.adam_beta1, optimizer.adam_beta2), eps=optimizer.adam_eps,
-        clip_grad=optimizer.clip_grad, grad_scaler=scaler)
+    adam_settings = dict(lr=lr, weight_decay=optimizer.weight_decay,
+                         betas=(optimizer.adam_beta1, optimizer.adam_beta2),
+                         eps=optimizer.adam_eps, clip_grad=optimizer.clip_grad,
+                         grad_scaler=scaler)
+    if data_parallel.use_torch_fsdp2:
+        fsdp = FullyShardedModel(model_chunks, FsdpConfig(
+            data_parallel.data_parallel_sharding_strategy, config.params_dtype), state)
+        return fsdp, FullyShardedOptimizer(model_chunks, fsdp, state, **adam_settings)
+    buffers = DataParallelBuffers(model_chunks,
+                                  ddp_config_from_settings(precision, data_parallel, config), state)
+    adam = MixedPrecisionOptimizer(model_chunks, buffers, state, **adam_settings)
     return buffers, adam
 
 
