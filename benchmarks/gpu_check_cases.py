@@ -100,11 +100,27 @@ def matmul_cases(dev, shapes):
 
 # ----------------------------------------------------------------------------- attention
 
-def _sdpa_flash(dev):
+def _sdpa_backend(dev, name="FLASH_ATTENTION"):
+    """SDPA restricted to one backend on CUDA (FLASH_ATTENTION or CUDNN_ATTENTION); any on CPU."""
     if dev.type != "cuda":
         return contextlib.nullcontext()
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    return sdpa_kernel(SDPBackend.FLASH_ATTENTION)
+    return sdpa_kernel(getattr(SDPBackend, name))
+
+
+def _cudnn_runs(dev, q, k, v, causal, gqa) -> bool:
+    """Whether SDPA's cuDNN backend runs these inputs (forward and backward) here."""
+    if dev.type != "cuda":
+        return False
+    try:
+        with _sdpa_backend(dev, "CUDNN_ATTENTION"):
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
+            out.sum().backward()
+        for t in (q, k, v):
+            t.grad = None
+        return True
+    except (RuntimeError, AttributeError):
+        return False
 
 
 def attention_cases(dev, shapes):
@@ -119,9 +135,12 @@ def attention_cases(dev, shapes):
         ours = lambda q=q, k=k, v=v, c=causal: flash_attention(q, k, v, causal=c, backend="triton")  # noqa: E731
         gqa = h_kv != h
 
-        def ref(q=q, k=k, v=v, c=causal, gqa=gqa):
-            with _sdpa_flash(dev):
+        def ref(q=q, k=k, v=v, c=causal, gqa=gqa, backend="FLASH_ATTENTION"):
+            with _sdpa_backend(dev, backend):
                 return F.scaled_dot_product_attention(q, k, v, is_causal=c, enable_gqa=gqa)
+
+        def cudnn(q=q, k=k, v=v, c=causal, gqa=gqa):
+            return ref(q, k, v, c, gqa, backend="CUDNN_ATTENTION")
 
         def check(q=q, k=k, v=v, dy=dy, c=causal, ours=ours):
             out = ours()
@@ -138,6 +157,11 @@ def attention_cases(dev, shapes):
                    # backward = 5 GEMMs vs forward's 2 → fwd+bwd = 3.5 × forward
                    Timing(f"{what} fwd+bwd", lambda o=ours: fwd_bwd(o), lambda r=ref: fwd_bwd(r), 3.5 * fwd_flops,
                           "flop", 0.80)]
+        if _cudnn_runs(dev, q, k, v, causal, gqa):      # the same two against the cuDNN backend
+            timings += [Timing(f"{what} fwd vs cuDNN", lambda o=ours: _no_grad(o),
+                               lambda r=cudnn: _no_grad(r), fwd_flops, "flop", 1.0),
+                        Timing(f"{what} fwd+bwd vs cuDNN", lambda o=ours: fwd_bwd(o),
+                               lambda r=cudnn: fwd_bwd(r), 3.5 * fwd_flops, "flop", 0.80)]
         cases.append(Case("flash_attention", what, check, timings, grad_to_none=[q, k, v], tensors=[q, k, v, dy]))
     return cases
 

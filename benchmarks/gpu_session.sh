@@ -1,21 +1,54 @@
 #!/usr/bin/env bash
-# Every GPU check of the project in one run, most important first, each under its own limit.
+# The project's GPU session: every GPU check in priority order, each under its own limit, in one
+# command that fits a 10-minute run on one H200 (the limits add up to 540 s).
 #
-#   bash benchmarks/gpu_session.sh [OUTDIR]        # default OUTDIR: $OUT, else ./gpu_session_out
+#   bash benchmarks/gpu_session.sh [--dry-run] [--keep-logs] [--only NAME,NAME] OUTDIR
 #
-# One log per check goes to OUTDIR (gpu_check.txt, smoke.txt, ...); the console gets one line per
-# check (exit status, seconds) and the tail of each log. Checks that need more GPUs than the
-# machine has are listed as skipped with the reason. Limits (seconds) can be overridden through
-# the environment: GPU_CHECK_S, SMOKE_S, ATTENTION_S, MOE_S, CP_S, TRAIN_S, FUSED_S, ZB_S.
+#   1. train   train_tpfuse: a ~1.3B GPT (24 layers, hidden 2048, 16 heads, seq 2048, bf16, rope,
+#              SwiGLU, RMSNorm, flash attention) for 30 iterations with the trainer on one GPU;
+#              train_peer: the same model written plainly in PyTorch (benchmarks/plain_gpt_peer.py:
+#              SDPA, torch.compile, fused AdamW) on the same batches from the same initial weights;
+#              tokens/s, MFU (one formula: tpfuse.models.flops), peak memory, both loss curves;
+#              train_tp2 / train_pp2: 2 processes, losses against the 1-process run
+#   2. kernels gpu_check (matmul layouts vs cuBLAS, attention fwd / fwd+bwd vs SDPA's flash and
+#              cuDNN backends, norms and cross-entropy in GB/s), attention_masks (documents,
+#              window, decode vs SDPA), moe (grouped GEMM vs torch._grouped_mm); each validated
+#              at the timed shape before it is timed
+#   3. rest    generation (tokens/s of tpfuse-generate), context_parallel (cp attention work on
+#              one GPU)
+#
+# OUTDIR gets summary.json (one entry per check: name, status ok / failed / skipped, seconds,
+# limit_s, its key figures), summary.md (the table for benchmarks/RESULTS.md) and logs.tar.gz
+# (every check's log and metrics; --keep-logs also leaves them in OUTDIR/logs). A check that fails
+# or runs out of time never stops the next one. --dry-run runs every check at tiny shapes on the
+# CPU (Triton's interpreter, gloo) so the script is exercised without a GPU, each check under 6 ×
+# its device limit (summary.json's limit_s is the device limit). --only runs the named checks and
+# lists the others as skipped.
 #
 # Runs from a source checkout: when `import tpfuse` fails it tries an editable install without
 # build isolation, and failing that (no network, no build tools) maps the repository's folders
 # onto the tpfuse namespace in a throw-away PYTHONPATH, as setup.py's package_dir does.
 set -u
+dry=0 keep=0 out= only=
+while [ $# -gt 0 ]; do
+    case $1 in
+        --dry-run) dry=1 ;;
+        --keep-logs) keep=1 ;;
+        --only) only=,$2,; shift ;;
+        -*) echo "gpu_session.sh: unknown option $1" >&2; exit 2 ;;
+        *) out=$1 ;;
+    esac
+    shift
+done
+if [ -z "$out" ]; then
+    echo "usage: bash benchmarks/gpu_session.sh [--dry-run] [--keep-logs] [--only NAME,NAME] OUTDIR" >&2
+    exit 2
+fi
 repo=$(cd "$(dirname "$0")/.." && pwd)
-out=${1:-${OUT:-$repo/gpu_session_out}}
-mkdir -p "$out"
+mkdir -p "$out/logs"
 out=$(cd "$out" && pwd)
+logs=$out/logs
+: > "$out/checks.tsv"
 export PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/tpfuse_triton_cache}
 work=$(mktemp -d)          # commands run here: the checkout's tpfuse/ folder must not shadow
 cd "$work"
@@ -34,49 +67,88 @@ if ! python3 -c "import tpfuse.kernels" 2>/dev/null; then
     export PYTHONPATH="$work/path${PYTHONPATH:+:$PYTHONPATH}"
 fi
 
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda,
-      'triton', triton.__version__)"
-gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
-echo "GPUs: $gpus; logs in $out"
+gpus=0
+if [ "$dry" = 0 ]; then
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+    gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
+fi
+{
+    date -u '+%Y-%m-%d %H:%M UTC,' | tr '\n' ' '
+    printf 'commit %s, ' "$(git -C "$repo" rev-parse --short HEAD 2>/dev/null || echo unknown)"
+    python3 -c "import torch, triton; print(torch.cuda.get_device_name() if torch.cuda.is_available()
+                else 'CPU', '| torch', torch.__version__, 'cuda', torch.version.cuda,
+                'triton', triton.__version__)"
+} | tee "$out/versions.txt"
+echo "GPUs: $gpus; dry run: $dry; output in $out"
 
-check() {   # check NAME LIMIT_S COMMAND...
+check() {   # check NAME LIMIT_S COMMAND...: run it under `timeout`, record name, rc, seconds
     local name=$1 limit=$2 start=$SECONDS
     shift 2
-    timeout "$limit" "$@" > "$out/$name.txt" 2>&1
+    if [ -n "$only" ] && [[ $only != *",$name,"* ]]; then
+        skip "$name" "$limit" "not selected (--only)"
+        return
+    fi
+    timeout -k 5 "$((limit * scale))" "$@" > "$logs/$name.log" 2>&1
     local rc=$?
-    echo "== $name: rc=$rc in $((SECONDS - start)) s (limit $limit s)"
-    tail -n "${TAIL_LINES:-25}" "$out/$name.txt"
+    printf '%s\t%s\t%s\t%s\t\n' "$name" "$rc" "$((SECONDS - start))" "$limit" >> "$out/checks.tsv"
+    echo "== $name: rc=$rc in $((SECONDS - start)) s (limit $((limit * scale)) s)"
+    tail -n "${TAIL_LINES:-15}" "$logs/$name.log"
+}
+skip() {    # skip NAME LIMIT_S REASON
+    printf '%s\tskip\t0\t%s\t%s\n' "$1" "$2" "$3" >> "$out/checks.tsv"
+    echo "== $1: skipped ($3)"
 }
 
 bench=$repo/benchmarks
-check gpu_check "${GPU_CHECK_S:-300}" python3 "$bench/gpu_check.py"
-check smoke "${SMOKE_S:-260}" python3 "$bench/gpu_smoke.py"
-check attention "${ATTENTION_S:-150}" python3 "$bench/gpu_attention_check.py"
-check moe "${MOE_S:-150}" python3 "$bench/gpu_moe_check.py"
-check context_parallel "${CP_S:-150}" python3 "$bench/gpu_context_parallel_check.py"
-check train_bf16_distopt "${TRAIN_S:-200}" python3 -m tpfuse.training.launcher \
-    --preset stdlib-demo --nproc-per-node "$gpus" --tensor-model-parallel-size 1 \
-    --pipeline-model-parallel-size 1 --bf16 --use-distributed-optimizer --overlap-grad-reduce \
-    --overlap-param-gather --train-iters 20 --log-interval 5 --eval-interval 1000 --eval-iters 1 \
-    --timing-log-level 2 --save "$out/ckpt"
-if [ "$gpus" -ge 2 ]; then
-    check fused_comm "${FUSED_S:-300}" torchrun --nproc-per-node "$gpus" \
-        "$bench/gpu_fused_comm_check.py"
+scale=1     # the dry run allows each check 6 × its device limit (Triton's interpreter on a CPU)
+if [ "$dry" = 1 ]; then
+    scale=6
+    export TPFUSE_CACHE=${TPFUSE_CACHE:-$work/cache} OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+    model=(--num-layers 2 --hidden-size 64 --num-attention-heads 4 --num-query-groups 2
+           --seq-length 64 --max-position-embeddings 64 --vocab-size 250)
+    batch=(--micro-batch-size 2 --global-batch-size 4 --train-iters 3 --lr-warmup-iters 1)
+    precision=() peer_flags=(--no-compile) kernel_flag=--cpu-dry-run backend=gloo
 else
-    echo "== fused_comm: skipped (needs >= 2 GPUs for the overlap; one GPU times GEMMs only)"
+    model=(--num-layers 24 --hidden-size 2048 --num-attention-heads 16 --seq-length 2048
+           --max-position-embeddings 2048 --vocab-size 50257)
+    batch=(--micro-batch-size 4 --global-batch-size 8 --train-iters 30 --lr-warmup-iters 5)
+    precision=(--bf16) peer_flags=() kernel_flag= backend=nccl
 fi
-if [ "$gpus" -ge 4 ]; then
-    for schedule in 1f1b zb-h1; do
-        check "pipeline_$schedule" "${ZB_S:-200}" python3 -m tpfuse.training.launcher \
-            --preset stdlib-demo --nproc-per-node 4 --tensor-model-parallel-size 1 \
-            --pipeline-model-parallel-size 4 --num-layers 16 --hidden-size 1024 \
-            --num-attention-heads 16 --seq-length 1024 --max-position-embeddings 1024 \
-            --micro-batch-size 2 --global-batch-size 32 --bf16 --pipeline-schedule "$schedule" \
-            --train-iters 20 --log-interval 5 --eval-interval 1000 --eval-iters 1 \
-            --timing-log-level 2 --timing-log-option all
-    done
-else
-    echo "== pipeline_1f1b / pipeline_zb-h1: skipped (the bubble comparison needs >= 4 GPUs)"
+job=("${model[@]}" "${batch[@]}" "${precision[@]}" --swiglu --normalization RMSNorm
+     --disable-bias-linear --position-embedding-type rope --attention-dropout 0
+     --hidden-dropout 0 --mock-data --lr 3e-4 --min-lr 3e-5 --lr-decay-style cosine
+     --eval-iters 0 --eval-interval 100000 --log-interval 1 --no-progress-bar
+     --log-throughput --peak-tflops 989.4 --tensor-model-parallel-size 1
+     --pipeline-model-parallel-size 1)
+train() {   # train NAME LIMIT_S NPROC EXTRA_FLAGS...: the trainer on the job, metrics to logs/
+    local name=$1 limit=$2 nproc=$3
+    shift 3
+    check "$name" "$limit" python3 -m tpfuse.training.launcher --nproc-per-node "$nproc" \
+        "${job[@]}" --distributed-backend "$backend" --metrics-file "$logs/$name.jsonl" "$@"
+}
+
+# 1. training (280 s)
+train train_tpfuse 120 1
+check train_peer 120 python3 "$bench/plain_gpt_peer.py" "${peer_flags[@]}" "${job[@]}" \
+    --metrics-file "$logs/train_peer.jsonl"
+if [ "$dry" = 1 ]; then
+    train train_tp2 20 2 --tensor-model-parallel-size 2
+    train train_pp2 20 2 --pipeline-model-parallel-size 2
+else    # gloo places the model on the CPU and NCCL refuses two ranks on one device
+    skip train_tp2 20 "2 ranks on one GPU: gloo keeps the model on the CPU (collective_device), NCCL refuses a shared device"
+    skip train_pp2 20 "2 ranks on one GPU: gloo keeps the model on the CPU (collective_device), NCCL refuses a shared device"
 fi
+# 2. kernels (205 s)
+check gpu_check 100 python3 "$bench/gpu_check.py" ${kernel_flag:---quick} --budget-s "$((85 * scale))" \
+    --json "$logs/gpu_check.json"
+check attention_masks 75 python3 "$bench/gpu_attention_check.py" $kernel_flag
+check moe 30 python3 "$bench/gpu_moe_check.py" $kernel_flag
+# 3. what remains (55 s)
+check generation 35 python3 "$bench/gpu_generation_check.py" $kernel_flag
+check context_parallel 20 python3 "$bench/gpu_context_parallel_check.py" $kernel_flag
+
+python3 "$bench/gpu_session_summary.py" "$out" --dry-run "$dry"
+tar -czf "$out/logs.tar.gz" -C "$out" logs
+[ "$keep" = 1 ] || rm -rf "$logs"
+cat "$out/summary.md"
 rm -rf "$work"

@@ -14,6 +14,7 @@ import hashlib
 import os
 import re
 import shutil
+import stat
 import tempfile
 
 import torch
@@ -23,6 +24,33 @@ REPLACED_SUFFIX = ".replaced"        # iter_0000020.replaced/       the previous
 #                                      iteration being saved again, kept until the new one is live
 ITERATION_DIR = re.compile(r"^iter_(\d{7})$")
 HASH_CHUNK = 1 << 22
+
+
+TRACKER_CAP = 64                     # bytes: an iteration number and a newline
+MANIFEST_CAP = 64 << 20              # bytes: ~500k rank entries
+
+
+def read_regular_file(path: str, cap: int, what: str) -> bytes:
+    """The bytes of ``path`` when it is a regular file of at most ``cap`` bytes; ValueError naming
+    ``what`` otherwise (a FIFO, device or socket — also through a symlink — is refused without
+    blocking: it is opened non-blocking and its kind checked on the open descriptor).
+    FileNotFoundError when ``path`` does not exist."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise ValueError(f"{what} {path} is not a regular file (a FIFO, device, socket or "
+                             "folder); refusing to read it")
+        if info.st_size > cap:
+            raise ValueError(f"{what} {path} is {info.st_size} bytes, more than the {cap} "
+                             f"bytes such a file can hold; refusing to read it")
+        with os.fdopen(os.dup(fd), "rb") as handle:
+            data = handle.read(cap + 1)
+    finally:
+        os.close(fd)
+    if len(data) > cap:
+        raise ValueError(f"{what} {path} grew past {cap} bytes while being read")
+    return data
 
 
 def fsync_dir(path: str) -> None:
@@ -150,9 +178,11 @@ def complete_iterations(root: str) -> list[int]:
 
 
 def prune(root: str, keep_last: int, protected: int) -> list[int]:
-    """Delete all but the newest ``keep_last`` published iterations (never ``protected``)."""
-    iterations = complete_iterations(root)
-    doomed = [it for it in iterations[:-keep_last] if it != protected] if keep_last else []
+    """Delete all but the newest ``keep_last`` published iterations up to ``protected`` (the one
+    just published, kept). Only folders provably older than ``protected`` (a lower iteration:
+    superseded by it) are candidates; a newer folder — another run's — is never touched."""
+    older = [it for it in complete_iterations(root) if it < protected]
+    doomed = older[:max(0, len(older) - (keep_last - 1))] if keep_last else []
     for iteration in doomed:
         shutil.rmtree(os.path.join(root, f"iter_{iteration:07d}"), ignore_errors=True)
     return doomed

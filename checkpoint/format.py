@@ -25,7 +25,9 @@ of another iteration, rank or layout than the manifest says, or a checkpoint of 
 ``torch.load(..., weights_only=True)``. Written by the same layout (tp, pp, dp, cp, vpp sizes,
 distributed optimizer or not), each rank restores its own file exactly (model, optimizer — with
 the distributed optimizer its own shard of the fp32 main parameters and Adam moments —, loss
-scaler, scheduler, RNG). Written by another layout, the model and optimizer are resharded
+scaler, scheduler, RNG). Written by another layout — or by the same one with the distributed
+optimizer's shards over other element ranges (another gradient-bucket size) — the model and
+optimizer are resharded
 (``reshard.py``): weights, fp32 main copies, Adam moments and step, loss scaler, scheduler,
 iteration and consumed samples carry over; RNG states are not restored then. All ranks agree on
 success before returning, so a failure on one fails them all.
@@ -45,15 +47,22 @@ import torch.distributed as dist
 from tpfuse.parallel.devices import collective_device
 
 from . import file_io, reshard
+from .sharded_state import full_state_dict, load_full_state_dict
 
 TRACKER = "latest_checkpointed_iteration.txt"
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 3             # 3: manifest.json with the rank files' hashes
 # TransformerConfig categories that do not change what the weights mean (layout, dtype, memory)
 _LAYOUT_CATEGORIES = ("parallelism", "precision", "recompute")
-# model fields that only affect training or initialisation, not the function the weights compute
+# model fields that only affect training or initialisation, not the weights or the function they
+# compute: dropout, initialisation, the padding multiple (refitted), the training sequence length
+# (the position table is max_position_embeddings), and the MoE training knobs (load-balancing
+# losses, capacity and dropping, how tokens travel and how expert GEMMs run)
 _TRAINING_FIELDS = ("hidden_dropout", "attention_dropout", "init_method_std", "seed",
-                    "make_vocab_size_divisible_by")
+                    "make_vocab_size_divisible_by", "seq_length",
+                    "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_z_loss_coeff",
+                    "moe_expert_capacity_factor", "moe_pad_expert_input_to_capacity",
+                    "moe_token_drop_policy", "moe_token_dispatcher_type", "moe_grouped_gemm")
 
 
 def iteration_dir(root: str, iteration: int) -> str:
@@ -69,7 +78,14 @@ def layout_signature(state, optimizer=None) -> dict:
     return {"world_size": dist.get_world_size(), "tp": state.tp_size, "pp": state.pp_size,
             "dp": state.dp_size, "cp": state.size("cp"), "vpp": state.vpp_size or 1,
             "ep": state.size("ep"), "etp": state.size("etp"),
-            "distributed_optimizer": bool(getattr(optimizer, "distributed", False))}
+            "distributed_optimizer": bool(getattr(optimizer, "distributed", False)),
+            **_fsdp_signature(optimizer)}
+
+
+def _fsdp_signature(optimizer) -> dict:
+    """FSDP's pieces differ from the other layouts' (row blocks): {"fsdp": True} then, nothing
+    otherwise (signatures of checkpoints written without FSDP stay as they were)."""
+    return {"fsdp": True} if getattr(optimizer, "sharding_strategy", None) else {}
 
 
 def model_config_dict(model_chunks) -> dict | None:
@@ -159,9 +175,9 @@ def _broadcast_from_zero(value):
 
 
 # ---------------------------------------------------------------------------- saving
-def _non_finite(model_chunks) -> str | None:
+def first_non_finite(model_chunks) -> str | None:
     for index, chunk in enumerate(model_chunks):
-        for name, tensor in chunk.state_dict().items():
+        for name, tensor in full_state_dict(chunk).items():
             if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
                 return f"chunk {index} {name}"
     return None
@@ -176,7 +192,7 @@ def build_payload(iteration, model_chunks, optimizer, scheduler, state, consumed
         "layout": layout_signature(state, optimizer),
         "model_signature": model_signature(model_chunks),
         "rank": dist.get_rank(),
-        "model": [chunk.state_dict() for chunk in model_chunks],
+        "model": [full_state_dict(chunk) for chunk in model_chunks],
         "model_config": model_config_dict(model_chunks),
         "optimizer": optimizer.state_dict(),
         "scheduler": scheduler.state_dict(),
@@ -189,7 +205,7 @@ def build_payload(iteration, model_chunks, optimizer, scheduler, state, consumed
 def begin_save(root: str, iteration: int, model_chunks) -> str:
     """Collective: refuse non-finite weights (on every rank), create the staging folder (rank 0)
     and return its path on every rank."""
-    bad = _non_finite(model_chunks)
+    bad = first_non_finite(model_chunks)
     error = FloatingPointError(f"refusing to save checkpoint iteration {iteration}: {bad} holds "
                                "non-finite values (NaN/inf)") if bad else None
     agree(error, f"saving checkpoint iteration {iteration}")
@@ -243,16 +259,87 @@ def save_checkpoint(root: str, iteration: int, model_chunks, optimizer, schedule
 
 
 # ---------------------------------------------------------------------------- loading
-def latest_iteration(root: str) -> int | None:
-    """The newest complete checkpoint's iteration, or None when ``root`` holds none."""
+def _tracker_iteration(root: str) -> int | None:
+    """The iteration the tracker names, None without a tracker; ValueError when it is not a
+    small regular file holding an iteration number."""
     tracker = os.path.join(root, TRACKER)
-    if not os.path.exists(tracker):
+    try:
+        data = file_io.read_regular_file(tracker, file_io.TRACKER_CAP, "checkpoint tracker")
+    except FileNotFoundError:
         return None
-    text = open(tracker).read().strip()
+    text = data.decode("utf-8", errors="replace").strip()
     if not text.isdigit():
         raise ValueError(f"checkpoint tracker {tracker} is corrupt: expected an iteration number, "
                          f"found {text[:40]!r}")
     return int(text)
+
+
+def _load_manifest(path: str) -> dict:
+    """The manifest at ``path`` (a small regular JSON file); ValueError naming it otherwise."""
+    try:
+        data = file_io.read_regular_file(path, file_io.MANIFEST_CAP, "checkpoint manifest")
+    except OSError as error:
+        raise ValueError(f"checkpoint manifest {path} is missing or unreadable ({error}); the "
+                         f"folder is not a complete tpfuse checkpoint of format "
+                         f"{FORMAT_VERSION}") from error
+    try:
+        manifest = json.loads(data)
+    except ValueError as error:
+        raise ValueError(f"checkpoint manifest {path} is missing or unreadable ({error}); the "
+                         f"folder is not a complete tpfuse checkpoint of format "
+                         f"{FORMAT_VERSION}") from error
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
+        raise ValueError(f"checkpoint manifest {path} is not a tpfuse manifest (no file list)")
+    return manifest
+
+
+def _is_complete(folder: str, iteration: int) -> bool:
+    """``folder`` holds a manifest of this format and iteration whose every listed rank file is
+    there, a regular file of the recorded size (the hashes are checked when it is loaded)."""
+    try:
+        manifest = _load_manifest(os.path.join(folder, MANIFEST))
+    except ValueError:
+        return False
+    if manifest.get("format_version") != FORMAT_VERSION or manifest.get("iteration") != iteration:
+        return False
+    for name, digest in manifest["files"].items():
+        path = os.path.join(folder, os.path.basename(str(name)))
+        if not (os.path.isfile(path) and not os.path.islink(path) and isinstance(digest, dict)
+                and os.path.getsize(path) == digest.get("bytes")):
+            return False
+    return True
+
+
+def newest_complete_iteration(root: str) -> int | None:
+    """The newest iteration of ``root`` whose folder (or its kept ``.replaced`` copy) holds a
+    complete checkpoint by its manifest; None when none does. Independent of the tracker: a
+    folder whose tracker was lost (or not yet replaced when a save was killed) is still found."""
+    names = os.listdir(root) if os.path.isdir(root) else []
+    found = set()
+    for name in names:
+        base = name[:-len(file_io.REPLACED_SUFFIX)] if name.endswith(file_io.REPLACED_SUFFIX) \
+            else name
+        match = file_io.ITERATION_DIR.match(base)
+        if match:
+            found.add(int(match.group(1)))
+    for iteration in sorted(found, reverse=True):
+        folder = file_io.existing_iteration_dir(iteration_dir(root, iteration))
+        if folder is not None and _is_complete(folder, iteration):
+            return iteration
+    return None
+
+
+def latest_iteration(root: str) -> int | None:
+    """The newest complete checkpoint's iteration, or None when ``root`` holds none.
+
+    A checkpoint is recognised by its manifest, not by the tracker alone: the result is the
+    newer of the tracker's iteration and the newest folder with a complete manifest, so a lost
+    or stale tracker never makes a folder of checkpoints look empty (and a relaunch never trains
+    from scratch over them)."""
+    named = _tracker_iteration(root)
+    complete = newest_complete_iteration(root)
+    candidates = [it for it in (named, complete) if it is not None]
+    return max(candidates) if candidates else None
 
 
 def read_manifest(root: str, iteration: int) -> tuple[str, dict]:
@@ -262,13 +349,7 @@ def read_manifest(root: str, iteration: int) -> tuple[str, dict]:
         raise FileNotFoundError(f"checkpoint {iteration_dir(root, iteration)} named by "
                                 f"{os.path.join(root, TRACKER)} is missing")
     path = os.path.join(folder, MANIFEST)
-    try:
-        with open(path) as handle:
-            manifest = json.load(handle)
-    except (OSError, ValueError) as error:
-        raise ValueError(f"checkpoint manifest {path} is missing or unreadable ({error}); the "
-                         f"folder is not a complete tpfuse checkpoint of format "
-                         f"{FORMAT_VERSION}") from error
+    manifest = _load_manifest(path)
     if manifest.get("format_version") != FORMAT_VERSION or manifest.get("iteration") != iteration:
         raise ValueError(f"checkpoint manifest {path} is of format {manifest.get('format_version')}"
                          f" / iteration {manifest.get('iteration')}; expected format "
@@ -298,6 +379,9 @@ def verified_reader(manifest: dict):
             raise ValueError(f"checkpoint file {path} is not listed in the manifest")
         if not os.path.exists(path):
             raise FileNotFoundError(f"checkpoint file {path} is missing")
+        if not os.path.isfile(path):
+            raise ValueError(f"checkpoint file {path} is not a regular file (a FIFO, device or "
+                             "folder); refusing to read it")
         found = file_io.file_digest(path)
         if found != expected:
             raise ValueError(f"checkpoint file {path} is corrupt: {found['bytes']} bytes with "
@@ -328,13 +412,35 @@ def verify_checkpoint(root: str) -> int | None:
     return iteration
 
 
-def _restore_same_layout(folder, read, model_chunks, optimizer) -> dict:
+def _same_optimizer_shards(saved: dict, optimizer) -> bool:
+    """Whether this rank's optimizer pieces cover exactly the element ranges the saved state
+    does (the distributed optimizer's shards follow the gradient-bucket layout: another
+    ``--ddp-bucket-size`` gives other ranges in the same tp/pp/dp layout). True for optimizers
+    without pieces."""
+    pieces = getattr(optimizer, "pieces", None)
+    entries = saved.get("params") if isinstance(saved, dict) else None
+    if pieces is None or not isinstance(entries, list):
+        return True
+    if len(entries) != len(getattr(optimizer, "model_params", entries)):
+        return True                # another model: refused by load_state_dict with its message
+    for piece in pieces:
+        entry = entries[piece.position]
+        if entry is None or (entry["start"], entry["end"]) != (piece.start, piece.end):
+            return False
+    return True
+
+
+def _restore_same_layout(folder, read, model_chunks, optimizer) -> dict | None:
+    """This rank's own file restored as is; None (nothing restored) when its optimizer shards
+    cover other element ranges than this run's (then the reshard path loads it)."""
     payload = read(_rank_file(folder, dist.get_rank()))
+    if not _same_optimizer_shards(payload["optimizer"], optimizer):
+        return None
     if len(payload["model"]) != len(model_chunks):
         raise ValueError(f"checkpoint {folder} holds {len(payload['model'])} model chunks per "
                          f"rank, this rank has {len(model_chunks)}")
     for chunk, chunk_state in zip(model_chunks, payload["model"]):
-        chunk.load_state_dict(chunk_state)
+        load_full_state_dict(chunk, chunk_state)
     optimizer.load_state_dict(payload["optimizer"])
     return payload
 
@@ -391,6 +497,8 @@ def load_checkpoint(root: str, model_chunks, optimizer, scheduler, state) -> dic
     except Exception as caught:  # noqa: BLE001 — re-raised below, after every rank has agreed
         error = caught
     agree(error, f"loading checkpoint {root}")
+    if same_layout and any_rank_failed(payload is None):
+        same_layout = False        # another shard layout (bucket sizes): reshard, on every rank
     if not same_layout:
         payload = _load_other_layout(folder, model_chunks, optimizer, state, read)
     scheduler.load_state_dict(payload["scheduler"])

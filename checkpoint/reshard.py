@@ -28,8 +28,8 @@ file and placing each piece at its offsets rebuilds the whole flattened state of
 those must cover every element (else the checkpoint is incomplete: a ValueError). Then the moments
 and main copies (parameter-shaped) are resharded exactly like the weights, and each new rank takes
 the elements of its own pieces: a change of DP size (with or without the distributed optimizer)
-redistributes the shards. The scalar ``step`` is carried over; the group hyper-parameters (lr,
-betas, …) and the loss scaler come from the checkpoint. The last pipeline stage's copy of the tied
+redistributes the shards. The scalar ``step`` and the loss scaler are carried over; the group hyper-parameters (lr,
+weight decay, betas, eps) stay the loading run's, as on a same-layout load. The last pipeline stage's copy of the tied
 word embedding (``shared_embedding``) is rebuilt from the embedding itself: both copies always hold
 the same values and the same Adam moments (their gradients are all-reduced before every step).
 
@@ -51,6 +51,7 @@ import os
 
 import torch
 
+from .sharded_state import copy_into
 from .sharding import (  # noqa: F401 (full_from_shards, reshard_tensor, shard_for: re-exported)
     dense_sizes, full_from_shards, full_tensor, local_part, reshard_tensor, shard_for, sizes_of)
 
@@ -288,7 +289,7 @@ def _load_weights(plan, index: dict, old_layout: dict, sizes: dict) -> None:
     with torch.no_grad():
         for param, name in plan:
             entry = index[name]
-            param.copy_(_my_slice(entry, entry["weights"], name, old_layout, sizes))
+            copy_into(param, _my_slice(entry, entry["weights"], name, old_layout, sizes))
 
 
 def _resharded_piece(piece, name: str, index: dict, old_layout: dict, sizes: dict) -> dict:
@@ -315,8 +316,6 @@ def _load_optimizer(optimizer, plan, payloads, index: dict, old_layout: dict,
         raise ValueError(f"cannot reshard the optimizer: the checkpoint has "
                          f"{len(saved['param_groups'])} parameter groups, this run has "
                          f"{len(optimizer.param_groups)}")
-    for group, hyper in zip(optimizer.param_groups, saved["param_groups"]):
-        group.update(hyper)
     for piece in optimizer.pieces:
         name = name_by_id[id(piece.model_param)]
         optimizer.load_piece(piece, _resharded_piece(piece, name, index, old_layout, sizes))
@@ -350,9 +349,11 @@ def _is_global_rank_zero() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
-def load_model_weights(folder: str, read_payload, model_chunks, tp: int, tp_rank: int) -> dict:
+def load_model_weights(folder: str, read_payload, model_chunks, tp: int = 1, tp_rank: int = 0,
+                       sizes: dict | None = None) -> dict:
     """Fill only the chunks' parameters (TP rank ``tp_rank`` of ``tp``; experts unsplit over ep,
-    split over etp = tp) from a checkpoint folder of any layout; no optimizer state is read, none
+    split over etp = tp; or cut by ``sizes`` as ``sharding.sizes_of`` gives them, experts over
+    ep and etp too) from a checkpoint folder of any layout; no optimizer state is read, none
     is needed. Local, not a collective.
 
     The same checks as a resharding load (missing parameter, shape). Returns
@@ -360,6 +361,6 @@ def load_model_weights(folder: str, read_payload, model_chunks, tp: int, tp_rank
     payloads = _all_payloads(folder, read_payload)
     old_layout = payloads[0]["layout"]
     index = _index_old_shards(payloads, optimizer=False)
-    sizes = dense_sizes(tp, tp_rank)
+    sizes = sizes or dense_sizes(tp, tp_rank)
     _load_weights(_plan(model_chunks, index, sizes), index, old_layout, sizes)
     return min(payloads, key=lambda p: p["rank"])

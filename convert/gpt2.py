@@ -62,7 +62,8 @@ def mismatches(config) -> list[str]:
                "learned_absolute"),
               ("add_bias_linear", config.add_bias_linear, "True"),
               ("num_query_groups", config.num_query_groups == config.num_attention_heads,
-               "= num_attention_heads")]
+               "= num_attention_heads"),
+              ("num_moe_experts", config.num_moe_experts is None, "None: a dense MLP")]
     return [f"{name}={getattr(config, name)} (needs {need})" for name, ok, need in wanted if not ok]
 
 

@@ -1,7 +1,7 @@
 """HuggingFace ↔ tpfuse checkpoints: ``import_hf`` (``tpfuse-convert --from-hf``) and
 ``export_hf`` (``tpfuse-convert --to-hf``).
 
-    HF dir ─config.json→ architecture (model_type: gpt2 | llama) → TransformerConfig values
+    HF dir ─config.json→ architecture (model_type: gpt2 | llama | mistral | mixtral | qwen2) → TransformerConfig values
            ─safetensors→ tensors ─architecture→ single-process tpfuse tensors ─pad vocab rows→
            ─tpfuse_io.write_checkpoint→ rank files of the chosen tp × pp layout
     tpfuse ─read_checkpoint (any layout)→ single-process tensors ─trim the padded vocab rows→
@@ -17,17 +17,19 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 
 import torch
 
 from tpfuse.models.config import DTYPES, TransformerConfig
 
-from . import gpt2, llama
+from . import gpt2, llama, mistral, mixtral, qwen2
 from .common import pad_vocab, trim_vocab
-from .hf_io import read_config, read_tensors, staged_directory, write_model
+from .hf_io import file_inside, read_config, read_tensors, staged_directory, write_model
 from .tpfuse_io import TIED_OUTPUT, WORD, read_checkpoint, write_checkpoint
 
-ARCHITECTURES = {gpt2.MODEL_TYPE: gpt2, llama.MODEL_TYPE: llama}
+ARCHITECTURES = {gpt2.MODEL_TYPE: gpt2, llama.MODEL_TYPE: llama, mistral.MODEL_TYPE: mistral,
+                 mixtral.MODEL_TYPE: mixtral, qwen2.MODEL_TYPE: qwen2}
 TOKENIZER_FILE = "tokenizer.json"
 PRECISION_FLAGS = {torch.bfloat16: {"bf16": True}, torch.float16: {"fp16": True}}
 
@@ -57,6 +59,8 @@ def import_hf(hf_dir: str, save_dir: str, *, tensor_model_parallel_size: int = 1
     values = architecture.config_from_hf(hf)
     tensors = read_tensors(hf_dir)
     dtype = params_dtype or _common_dtype(tensors, hf_dir)
+    if values.get("num_moe_experts") is not None and tensor_model_parallel_size > 1:
+        values = dict(values, sequence_parallel=True)     # MoE under TP trains with SP
     config = TransformerConfig(**values, tensor_model_parallel_size=tensor_model_parallel_size,
                                pipeline_model_parallel_size=pipeline_model_parallel_size,
                                make_vocab_size_divisible_by=make_vocab_size_divisible_by,
@@ -67,7 +71,9 @@ def import_hf(hf_dir: str, save_dir: str, *, tensor_model_parallel_size: int = 1
         if name in params:
             params[name] = pad_vocab(params[name], config.padded_vocab_size)
     tokenizer = os.path.join(hf_dir, TOKENIZER_FILE)
-    has_tokenizer = os.path.exists(tokenizer)
+    has_tokenizer = os.path.lexists(tokenizer)
+    if has_tokenizer:
+        tokenizer = file_inside(hf_dir, TOKENIZER_FILE, "tokenizer")
     extra = {"tokenizer": TOKENIZER_FILE if has_tokenizer else None,
              "bos_id": hf.get("bos_token_id"), "eos_id": hf.get("eos_token_id"),
              "converted_from": f"{hf['model_type']}:{os.path.abspath(hf_dir)}"}
@@ -87,19 +93,37 @@ def architecture_for(config):
 
 
 def _tokenizer_file(load_dir: str, extra: dict) -> str | None:
+    """The checkpoint's tokenizer.json when it lies inside ``load_dir`` (a regular file named
+    relative to it); a tokenizer recorded elsewhere (an absolute path, ``..``, a symlink out) is
+    not copied — the export never copies a file the user did not name — and a note says so."""
     spec = extra.get("tokenizer")
     if not spec or spec == "byte" or spec.startswith("null:"):
         return None
-    path = spec if os.path.isabs(spec) else os.path.join(load_dir, spec)
-    return path if os.path.exists(path) else None
+    try:
+        return file_inside(load_dir, spec, "the checkpoint's tokenizer")
+    except FileNotFoundError:
+        return None
+    except ValueError as error:
+        print(f"> note: {error}; not copied into the export (copy the tokenizer.json you mean "
+              "yourself)", file=sys.stderr, flush=True)
+        return None
 
 
-def _eos_id(extra: dict, load_dir: str, vocab_size: int):
+def _eos_id(extra: dict, load_dir: str, vocab_size: int, tokenizer_file: str | None):
+    """The checkpoint's eos id, else its tokenizer's EOD (a tokenizer file only when it lies
+    inside ``load_dir``: ``tokenizer_file``)."""
     if extra.get("eos_id") is not None:
         return extra["eos_id"]
     from tpfuse.checkpoint.reading import load_tokenizer
+    from tpfuse.data.tokenizer import build_tokenizer
 
-    tokenizer = load_tokenizer(load_dir)
+    spec = extra.get("tokenizer")
+    if spec and spec != "byte" and not spec.startswith("null:"):
+        if tokenizer_file is None:
+            return None
+        tokenizer = build_tokenizer(tokenizer_file)
+    else:
+        tokenizer = load_tokenizer(load_dir)
     return tokenizer.eod if tokenizer is not None and tokenizer.eod < vocab_size else None
 
 
@@ -111,11 +135,11 @@ def export_hf(load_dir: str, save_dir: str) -> dict:
         if name in params:
             params[name] = trim_vocab(params[name], config.vocab_size)
     tensors = architecture.tensors_to_hf(params, config)
-    eos = _eos_id(extra, load_dir, config.vocab_size)
+    tokenizer = _tokenizer_file(load_dir, extra)
+    eos = _eos_id(extra, load_dir, config.vocab_size, tokenizer)
     hf = architecture.config_to_hf(config, eos)
     hf["bos_token_id"] = extra.get("bos_id", eos)
     hf["torch_dtype"] = next(name for name, d in DTYPES.items() if d == config.params_dtype)
-    tokenizer = _tokenizer_file(load_dir, extra)
     with staged_directory(save_dir) as staging:
         write_model(staging, hf, tensors)
         if tokenizer is not None:

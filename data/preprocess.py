@@ -159,6 +159,9 @@ def preprocess(sources, output_prefix, tokenizer_spec="byte", json_key="text", a
                 if ids.size:
                     writer.add_document(ids)
                     documents, tokens = documents + 1, tokens + int(ids.size)
+            if documents == 0:    # raised inside the writer: it aborts, publishes nothing
+                raise ValueError("no text to tokenize (every document is empty); nothing was "
+                                 f"written (an existing {output_prefix}.bin/.idx is kept)")
             bar.set_postfix_str(f"{documents} documents, {tokens} tokens")
     finally:
         bar.close()
@@ -204,13 +207,14 @@ def main(argv=None) -> int:
         parser.error(f"--workers must be >= 1, got {args.workers}")
     try:
         sources = collect_sources(args.input, _globs(args.pattern), _globs(args.exclude))
-        summary = preprocess(sources, args.output_prefix, args.tokenizer, args.json_key, args.append_eod,
-                             args.workers, args.eod_token, progress=not args.quiet)
-        if summary["documents"] == 0:
-            for path in (summary["bin"], summary["idx"]):
-                os.remove(path)
-            raise ValueError(f"--input {' '.join(args.input)}: no text to tokenize (every "
-                             f"document is empty); nothing was written")
+        try:
+            summary = preprocess(sources, args.output_prefix, args.tokenizer, args.json_key,
+                                 args.append_eod, args.workers, args.eod_token,
+                                 progress=not args.quiet)
+        except ValueError as err:
+            if str(err).startswith("no text to tokenize"):
+                raise ValueError(f"--input {' '.join(args.input)}: {err}") from None
+            raise
     except (ValueError, ImportError) as err:
         parser.error(str(err))
     print(f"tpfuse-preprocess: {summary['documents']} documents, {summary['tokens']} tokens "

@@ -3,7 +3,7 @@
     tpfuse-generate --load DIR (--prompt TEXT | --prompt-ids "1 2 3") --max-new-tokens N
         [--greedy | --temperature T --top-k K --top-p P] [--seed S] [--eos-id ID]
         [--json] [--nproc-per-node N --tensor-model-parallel-size N
-        --pipeline-model-parallel-size M]
+        --pipeline-model-parallel-size M --expert-model-parallel-size E]
 
 Text goes through the tokenizer the checkpoint records. ``--json`` prints one line
 ``{"prompt_ids": [...], "generated_ids": [...], "text": ...}`` (text: the continuation, null
@@ -14,7 +14,9 @@ never stop early).
 
 Launch: with ``--nproc-per-node 1`` (the default for tp = pp = 1) everything runs in this process
 without torch.distributed; otherwise N local processes (gloo on CPU, nccl on GPUs) are started as
-``tpfuse-train`` starts its ranks, N must equal tp × pp, and rank 0 prints. Started by torchrun (or
+``tpfuse-train`` starts its ranks, N must equal tp × pp × ep, and rank 0 prints. A mixture-of-experts
+checkpoint (trained at any ep) loads at any tp × pp; ``--expert-model-parallel-size E`` spreads its
+experts over E data-parallel replicas that decode the same prompt together. Started by torchrun (or
 that launcher), i.e. with WORLD_SIZE in the environment, the process is one of the ranks.
 """
 from __future__ import annotations
@@ -46,6 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="local processes (default tp × pp)")
     parser.add_argument("--tensor-model-parallel-size", type=int, default=1)
     parser.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    parser.add_argument("--expert-model-parallel-size", type=int, default=1,
+                        help="ranks the experts of an MoE checkpoint are spread over")
     parser.add_argument("--distributed-backend", default=None, choices=["gloo", "nccl"])
     parser.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
     return parser
@@ -57,17 +61,35 @@ def validate(args) -> None:
     if args.greedy and sampling:
         raise ValueError(f"--greedy cannot be combined with --{sampling[0].replace('_', '-')}")
     for name, minimum in (("tensor_model_parallel_size", 1), ("pipeline_model_parallel_size", 1),
-                          ("max_new_tokens", 0)):
+                          ("expert_model_parallel_size", 1), ("max_new_tokens", 0)):
         if getattr(args, name) < minimum:
             raise ValueError(f"--{name.replace('_', '-')} must be >= {minimum}, got "
                              f"{getattr(args, name)}")
-    model_parallel = args.tensor_model_parallel_size * args.pipeline_model_parallel_size
+    model_parallel = (args.tensor_model_parallel_size * args.pipeline_model_parallel_size
+                      * args.expert_model_parallel_size)
     if args.nproc_per_node is None:
         args.nproc_per_node = model_parallel
     if args.nproc_per_node != model_parallel:
         raise ValueError(f"--nproc-per-node {args.nproc_per_node} must equal "
-                         f"--tensor-model-parallel-size × --pipeline-model-parallel-size = "
-                         f"{model_parallel}")
+                         f"--tensor-model-parallel-size × --pipeline-model-parallel-size × "
+                         f"--expert-model-parallel-size = {model_parallel}")
+
+
+def check_experts(args) -> None:
+    """ValueError before any group: --expert-model-parallel-size > 1 needs an MoE checkpoint
+    whose expert count it divides."""
+    ep = args.expert_model_parallel_size
+    if ep == 1:
+        return
+    from tpfuse.checkpoint.reading import read_checkpoint_head
+
+    experts = (read_checkpoint_head(args.load).get("model_config") or {}).get("num_moe_experts")
+    if experts is None:
+        raise ValueError(f"--expert-model-parallel-size {ep} needs a mixture-of-experts "
+                         f"checkpoint; {args.load} holds a dense model")
+    if experts % ep:
+        raise ValueError(f"--expert-model-parallel-size {ep} does not divide the checkpoint's "
+                         f"{experts} experts")
 
 
 def prompt_ids_from(args, tokenizer) -> list[int]:
@@ -139,8 +161,9 @@ def _run_as_rank(args) -> None:
     if dist.get_world_size() != args.nproc_per_node:
         raise ValueError(f"world size {dist.get_world_size()} != tensor × pipeline parallel size "
                          f"{args.nproc_per_node}")
-    state = parallel_state.initialize_model_parallel(args.tensor_model_parallel_size,
-                                                     args.pipeline_model_parallel_size)
+    state = parallel_state.initialize_model_parallel(
+        args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+        expert_model_parallel_size=args.expert_model_parallel_size)
     result = run(args, state)
     if dist.get_rank() == 0:
         _print(result, args)
@@ -154,6 +177,7 @@ def main(argv=None) -> int:
     is_rank = "WORLD_SIZE" in os.environ
     try:
         validate(args)
+        check_experts(args)
         if is_rank:
             _run_as_rank(args)
         elif args.nproc_per_node == 1:

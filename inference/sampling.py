@@ -12,6 +12,7 @@ them draw the same token without communicating.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -26,9 +27,10 @@ class SamplingParams:
     top_p: float = 1.0
 
     def __post_init__(self):
-        if not self.temperature > 0 or self.temperature != self.temperature:
-            raise ValueError(f"temperature={self.temperature} must be > 0 (use greedy=True for "
-                             "argmax decoding)")
+        if not (self.temperature > 0 and math.isfinite(self.temperature)):
+            raise ValueError(f"temperature={self.temperature} must be a finite number > 0 (use "
+                             "greedy=True for argmax decoding; a huge temperature is uniform "
+                             "sampling)")
         if self.top_k < 0:
             raise ValueError(f"top_k={self.top_k} must be >= 0 (0 disables it)")
         if not 0.0 < self.top_p <= 1.0:

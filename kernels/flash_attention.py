@@ -19,6 +19,14 @@ over B needs only the merged out and lse (ring attention calls ``attention_forwa
     dgrad     δ = rowsum(dO ⊙ O);  dS = P ⊙ (dO Vᵀ − δ);  dQ = scale · dS K
     wgrad     dV = Σ_group Pᵀ dO;  dK = scale · Σ_group dSᵀ Q   (Σ over the query heads of a kv head)
 
+Dropout on the probabilities (``dropout``: a ``kernels.philox.AttentionDropout``): the mask of
+each element is a function of its global sample, head and query / key positions, regenerated in
+the backward (the Triton kernels draw it per tile, no s_q×s_k tensor); the lse is the undropped
+softmax's, so partial attentions merge as without dropout:
+
+    forward   O = (P ⊙ Z) V,  Z = keep / (1 − p)
+    dgrad     dS = P ⊙ (Z ⊙ (dO Vᵀ) − δ),  δ = rowsum(dO ⊙ O);   wgrad  dV = Σ_group (P ⊙ Z)ᵀ dO
+
 One query row per head (a decode step) runs the flash-decoding forward (kernels/flash_attention_decode.py:
 keys split over programs, partial (out, lse) merged), any other s_q the tiled forward.
 
@@ -35,7 +43,7 @@ from .flash_attention_bwd import attention_backward_triton
 from .flash_attention_decode import attention_decode_triton
 from .flash_attention_fwd import attention_forward_triton
 from .flash_attention_mask import build_mask, check_softmax_scale
-from .flash_attention_reference import explicit_forward
+from .flash_attention_reference import compute_dtype, explicit_backward, explicit_forward
 from .flash_attention_torch import attention_backward_torch, attention_forward_torch
 
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 128
@@ -107,36 +115,53 @@ def merge_attention(out_a, lse_a, out_b, lse_b):
 
 # ----------------------------------------------------------------------------- non-autograd building blocks
 
-def _forward(q, k, v, mask, scale, backend):
-    if _backend.resolve(backend, q, k, v) == "torch":
+def _dropout_factor(q, k, mask, dropout, dtype):
+    b, h, s_q, _ = q.shape
+    return dropout.factor(b, h, s_q, k.shape[2], mask.q_offset, mask.k_offset, q.device, dtype)
+
+
+def _forward(q, k, v, mask, scale, backend, dropout=None):
+    path = _backend.resolve(backend, q, k, v)
+    if dropout is not None and path == "torch":   # the explicit softmax: the mask materialised
+        visible = mask.visible(q.shape[2], k.shape[2], q.device)
+        return explicit_forward(q, k, v, scale, visible,
+                                _dropout_factor(q, k, mask, dropout, compute_dtype(q)))
+    if dropout is not None:
+        return attention_forward_triton(q, k, v, mask, scale, dropout)
+    if path == "torch":
         return attention_forward_torch(q, k, v, mask, scale)
     if q.shape[2] == 1:  # a decode step: the keys split over programs (flash-decoding)
         return attention_decode_triton(q, k, v, mask, scale)
     return attention_forward_triton(q, k, v, mask, scale)
 
 
-def _backward(dout, q, k, v, out, lse, mask, scale, deterministic, backend):
-    if _backend.resolve(backend, q, k, v) == "torch":
+def _backward(dout, q, k, v, out, lse, mask, scale, deterministic, backend, dropout=None):
+    path = _backend.resolve(backend, q, k, v)
+    if dropout is not None and path == "torch":
+        visible = mask.visible(q.shape[2], k.shape[2], q.device)
+        return explicit_backward(dout, q, k, v, out, lse, scale, visible,
+                                 _dropout_factor(q, k, mask, dropout, compute_dtype(q)))
+    if path == "torch":
         return attention_backward_torch(dout, q, k, v, out, lse, mask, scale)
-    return attention_backward_triton(dout, q, k, v, out, lse, mask, scale, deterministic)
+    return attention_backward_triton(dout, q, k, v, out, lse, mask, scale, deterministic, dropout)
 
 
 def attention_forward(q, k, v, causal=True, softmax_scale=None, *, window_size=None, q_document_ids=None,
-                      k_document_ids=None, q_offset=0, k_offset=0, backend=None):
+                      k_document_ids=None, q_offset=0, k_offset=0, backend=None, dropout=None):
     """``(out (b, h, s_q, d), lse (b, h, s_q) fp32)`` of attention over these keys only; no autograd.
 
     The same arguments as ``flash_attention``. Partial results over disjoint key blocks combine with
-    ``merge_attention``.
+    ``merge_attention`` (also with ``dropout``: an ``AttentionDropout``, its lse undropped).
     """
     mask, scale = _settings(q, k, v, causal, softmax_scale, dict(
         window_size=window_size, q_document_ids=q_document_ids, k_document_ids=k_document_ids,
         q_offset=q_offset, k_offset=k_offset))
-    return _forward(q, k, v, mask, scale, backend)
+    return _forward(q, k, v, mask, scale, backend, dropout)
 
 
 def attention_backward(dout, q, k, v, out, lse, causal=True, softmax_scale=None, *, window_size=None,
                        q_document_ids=None, k_document_ids=None, q_offset=0, k_offset=0,
-                       deterministic=False, backend=None):
+                       deterministic=False, backend=None, dropout=None):
     """``(dq, dk, dv)`` of attention over these keys, given dout and the out / lse of the *whole*
     attention (after every ``merge_attention``): the contribution of this key block; no autograd.
 
@@ -149,17 +174,17 @@ def attention_backward(dout, q, k, v, out, lse, causal=True, softmax_scale=None,
     if dout.shape != q.shape or out.shape != q.shape or tuple(lse.shape) != tuple(q.shape[:3]):
         raise ValueError(f"attention_backward: dout {tuple(dout.shape)} and out {tuple(out.shape)} must have "
                          f"q's shape {tuple(q.shape)}, lse {tuple(lse.shape)} must be {tuple(q.shape[:3])}")
-    return _backward(dout, q, k, v, out, lse, mask, scale, bool(deterministic), backend)
+    return _backward(dout, q, k, v, out, lse, mask, scale, bool(deterministic), backend, dropout)
 
 
 # ----------------------------------------------------------------------------- autograd Function
 
 class _FlashAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, mask, scale, deterministic, backend):
-        out, lse = _forward(q, k, v, mask, scale, backend)
+    def forward(ctx, q, k, v, mask, scale, deterministic, backend, dropout):
+        out, lse = _forward(q, k, v, mask, scale, backend, dropout)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.settings = (mask, scale, deterministic, backend)
+        ctx.settings = (mask, scale, deterministic, backend, dropout)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -167,12 +192,12 @@ class _FlashAttention(torch.autograd.Function):
     def backward(ctx, grad_out, _grad_lse):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = _backward(grad_out, q, k, v, out, lse, *ctx.settings)
-        return dq, dk, dv, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None
 
 
 def flash_attention(q, k, v, causal=True, softmax_scale=None, *, window_size=None, q_document_ids=None,
                     k_document_ids=None, q_offset=0, k_offset=0, return_lse=False, deterministic=False,
-                    backend=None):
+                    backend=None, dropout=None):
     """Attention of q ``(b, heads, s_q, d)`` over k, v ``(b, kv_heads, s_k, d)`` → ``(b, heads, s_q, d)``.
 
     - ``softmax_scale``: defaults to 1/√d; must be a positive finite number.
@@ -187,10 +212,13 @@ def flash_attention(q, k, v, causal=True, softmax_scale=None, *, window_size=Non
     - ``deterministic``: the Triton backward accumulates dq in a second kernel, in a fixed order, instead
       of with fp32 atomics inside the dK/dV kernel (the default: 5 GEMMs per tile instead of 7).
 
+    - ``dropout``: a ``kernels.philox.AttentionDropout`` (layout-invariant mask of the global
+      sample, head and positions ``q_offset + i`` / ``k_offset + j``), or None.
+
     Differentiable in q, k, v.
     """
     mask, scale = _settings(q, k, v, causal, softmax_scale, dict(
         window_size=window_size, q_document_ids=q_document_ids, k_document_ids=k_document_ids,
         q_offset=q_offset, k_offset=k_offset))
-    out, lse = _FlashAttention.apply(q, k, v, mask, scale, bool(deterministic), backend)
+    out, lse = _FlashAttention.apply(q, k, v, mask, scale, bool(deterministic), backend, dropout)
     return (out, lse) if return_lse else out

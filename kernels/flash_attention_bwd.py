@@ -17,6 +17,10 @@ block, batch·head), accumulates dQ over key tiles in a fixed order (recomputing
 Tile skipping, masking, TMA loads and config pruning follow the forward (kernels/flash_attention_fwd.py):
 ``query_range`` is ``key_range`` seen from a key block. An empty row (lse = −inf) reads lse = +inf, so
 its P = 2^(S − inf) = 0.
+
+Dropout (DROPOUT, an ``AttentionDropout``): the mask Z of each tile is regenerated from the global
+(sample, head, query, key) coordinates exactly as in the forward; dV_j = Σ_i (P ⊙ Z)_ijᵀ dO_i and
+dS = P ⊙ (Z ⊙ dP − δ) (δ = rowsum(dO ⊙ O) of the dropped output).
 """
 from __future__ import annotations
 
@@ -26,10 +30,10 @@ import triton.language as tl
 
 from . import backend as _backend
 from . import flash_attention_fwd as _fwd  # tma_usable looked up at call time (tests force the TMA path)
-from .flash_attention_fwd import (LN2, LOG2E, NO_KEY, SHARED_MEMORY_BYTES, TUNE_KEY, configs, element_size,
-                                  empty_in_layout_of, head_source, key_range, load_rows, mask_arguments,
-                                  mask_constexprs, mma, prune_with, tile_grid, tma_source, tune_bucket,
-                                  unit_stride_in_d, visible)
+from .flash_attention_fwd import (DROP_TUNE_KEY, LN2, LOG2E, NO_KEY, SHARED_MEMORY_BYTES, configs,
+                                  dropout_arguments, dropped, element_size, empty_in_layout_of, head_source,
+                                  key_range, load_rows, mask_arguments, mask_constexprs, mma, prune_with,
+                                  tile_grid, tma_source, tune_bucket, unit_stride_in_d, visible)
 
 _LOG2E = tl.constexpr(LOG2E)  # a global read inside @triton.jit code must be a constexpr
 _LN2 = tl.constexpr(LN2)
@@ -53,18 +57,20 @@ def dkdv_registers(block_m, block_n, block_d, warps):
     return (2 * block_n * block_d + 2 * block_m * block_n) / (32 * warps)
 
 
-def dkdv_fits(c, block_d, elt):
+def dkdv_fits(c, block_d, elt, dropout=False):
     """Below 160 registers of estimate, a third pipeline stage only below 96, and at d = 128 query tiles
     of at most 32 rows (measured: 64×64 at 8 warps, d = 128, estimate 96, uses all 255 registers and
-    spills 24-84 bytes under Triton 3.6 with pointer loads or every mask rule, 16 with 3 stages)."""
+    spills 24-84 bytes under Triton 3.6 with pointer loads or every mask rule, 16 with 3 stages).
+    Dropout's mask fits the same configs (measured at d = 128: at most 255 registers, no spills)."""
     bm, bn = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]
     estimate = dkdv_registers(bm, bn, block_d, c.num_warps) * elt / 2
     return (estimate < 160 and (c.num_stages == 2 or estimate < 96) and (block_d < 128 or bm <= 32)
             and dkdv_shared_bytes(bm, bn, block_d, c.num_stages, elt) <= SHARED_MEMORY_BYTES)
 
 
-def dq_fits(c, block_d, elt):
-    """fp32 dQ accumulator + the S/P and dP/dS tiles per thread ≤ 160; Q, dO once, K, V per stage."""
+def dq_fits(c, block_d, elt, dropout=False):
+    """fp32 dQ accumulator + the S/P and dP/dS tiles per thread ≤ 160; Q, dO once, K, V per stage
+    (with dropout too: measured at d = 128, no spills)."""
     bm, bn, warps, stages = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages
     estimate = (bm * block_d + 2 * bm * bn) / (32 * warps) * elt / 2
     return estimate <= 160 and (2 * bm * block_d + 2 * stages * bn * block_d) * elt <= SHARED_MEMORY_BYTES
@@ -130,8 +136,10 @@ def query_range(first, last, s_q, shift, window, start_ptr, end_ptr, exact_ptr, 
 @triton.jit
 def _dkdv_tiles(dk, dv, k_scaled, v, k_doc, q_src, do_src, b, h, dq_base, lse_ptr, delta_ptr, q_ids_ptr,
                 k_pos, offs_m, offs_d, s_q, window, stride_qm, stride_dom, stride_dqm, lo, hi, mid_lo, mid_hi,
+                drop_key, drop_threshold, drop_scale, drop_sample, drop_head, q_offset, k_global,
                 HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
-                DOCS: tl.constexpr, ATOMIC_DQ: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr):
+                DOCS: tl.constexpr, ATOMIC_DQ: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
+                DROPOUT: tl.constexpr):
     """Add the query tiles lo, lo + BLOCK_M, ... < hi of one head to (dk, dv) [and dq], masking those
     outside [mid_lo, mid_hi). ``k_pos`` = shift − key rows (NO_KEY past s_k). Rows past s_q (q = dO = 0,
     lse = δ = 0) add nothing to dK, dV (P·0, P·(0 − 0)); masked tiles mask the rules and keys past s_k."""
@@ -149,8 +157,12 @@ def _dkdv_tiles(dk, dv, k_scaled, v, k_doc, q_src, do_src, b, h, dq_base, lse_pt
                            CAUSAL, WINDOW, DOCS)                                          # (BLOCK_N, BLOCK_M)
             s_t = tl.where(keep, s_t, -float("inf"))
         p_t = tl.exp2(s_t)
-        dv += mma(p_t.to(do.dtype), do, DOT_PRECISION)
-        ds_t = p_t * (mma(v, tl.trans(do), DOT_PRECISION) - delta[None, :])                   # (BLOCK_N, BLOCK_M)
+        q_global = (rows + q_offset)[None, :]                                          # (1, BLOCK_M)
+        dv += mma(dropped(p_t, drop_key, drop_threshold, drop_scale, drop_sample, drop_head, q_global, k_global,
+                          DROPOUT).to(do.dtype), do, DOT_PRECISION)
+        dp_t = dropped(mma(v, tl.trans(do), DOT_PRECISION), drop_key, drop_threshold, drop_scale, drop_sample,
+                       drop_head, q_global, k_global, DROPOUT)
+        ds_t = p_t * (dp_t - delta[None, :])                                              # (BLOCK_N, BLOCK_M)
         dk += mma(ds_t.to(q.dtype), q, DOT_PRECISION)
         if ATOMIC_DQ:
             dq = mma(tl.trans(ds_t.to(q.dtype)), k_scaled, DOT_PRECISION) * _LN2              # (BLOCK_M, BLOCK_D)
@@ -159,7 +171,7 @@ def _dkdv_tiles(dk, dv, k_scaled, v, k_doc, q_src, do_src, b, h, dq_base, lse_pt
     return dk, dv
 
 
-@triton.autotune(configs=_dkdv_configs(), key=TUNE_KEY + ["ATOMIC_DQ"], reset_to_zero=["dq_ptr"],
+@triton.autotune(configs=_dkdv_configs(), key=DROP_TUNE_KEY + ["ATOMIC_DQ"], reset_to_zero=["dq_ptr"],
                  prune_configs_by={"early_config_prune": prune_with(dkdv_fits)})
 @triton.jit
 def _attn_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr,
@@ -169,9 +181,11 @@ def _attn_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_pt
                           stride_dqb, stride_dqh, stride_dqm, stride_dkb, stride_dkh, stride_dkn,
                           stride_dvb, stride_dvh, stride_dvn,
                           n_heads, n_kv_heads, s_q, s_k, shift, window, qk_scale, softmax_scale, q_bucket, k_bucket,
+                          drop_key, drop_threshold, drop_scale, drop_sample, drop_head, k_offset,
                           HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                           BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, DOCS: tl.constexpr,
-                          ATOMIC_DQ: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr):
+                          ATOMIC_DQ: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
+                          DROPOUT: tl.constexpr):
     """Program (key block, batch·kv head): dK, dV of the block [and its dQ contributions, atomically].
     q, k, v, dO are pointers, or TMA descriptors over (b, heads, s, d) when USE_TMA."""
     tl.static_assert(BLOCK_N % BLOCK_M == 0)  # an aligned causal diagonal then spans BLOCK_N / BLOCK_M tiles
@@ -212,8 +226,9 @@ def _attn_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_pt
         delta_row = delta_ptr + (b * n_heads + h).to(tl.int64) * s_q
         dk, dv = _dkdv_tiles(dk, dv, k_scaled, v, k_doc, q_src, do_src, b, h, dq_base, lse_row, delta_row, q_ids,
                              k_pos, offs_m, offs_d, s_q, window, stride_qm, stride_dom, stride_dqm,
-                             first, hi, mid_lo, mid_hi, HEAD_DIM, BLOCK_M, CAUSAL, WINDOW, DOCS, ATOMIC_DQ,
-                             DOT_PRECISION, USE_TMA)
+                             first, hi, mid_lo, mid_hi, drop_key, drop_threshold, drop_scale, drop_sample + b,
+                             drop_head + h, shift + k_offset, (offs_n + k_offset)[:, None], HEAD_DIM, BLOCK_M,
+                             CAUSAL, WINDOW, DOCS, ATOMIC_DQ, DOT_PRECISION, USE_TMA, DROPOUT)
     kv_ok = col_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
     dk_ptrs = dk_ptr + b.to(tl.int64) * stride_dkb + kv_h.to(tl.int64) * stride_dkh \
         + offs_n[:, None] * stride_dkn + offs_d[None, :]
@@ -225,9 +240,10 @@ def _attn_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_pt
 
 @triton.jit
 def _dq_tiles(dq, q, do, lse, delta, q_doc, k_src, v_src, b, kv_h, k_ids_ptr, q_pos, offs_n, offs_d, s_k, window,
-              stride_kn, stride_vn, qk_scale, lo, hi, mid_lo, mid_hi, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+              stride_kn, stride_vn, qk_scale, lo, hi, mid_lo, mid_hi, drop_key, drop_threshold, drop_scale,
+              drop_sample, drop_head, k_offset, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
               CAUSAL: tl.constexpr, WINDOW: tl.constexpr, DOCS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-              USE_TMA: tl.constexpr):
+              USE_TMA: tl.constexpr, DROPOUT: tl.constexpr):
     """Add the key tiles lo, lo + BLOCK_N, ... < hi to dq (in units of K, scaled at the end), masking those
     outside [mid_lo, mid_hi) (the only ones reaching past s_k); ``q_pos`` = query rows + shift."""
     for start_n in range(lo, hi, BLOCK_N):
@@ -240,12 +256,14 @@ def _dq_tiles(dq, q, do, lse, delta, q_doc, k_src, v_src, b, kv_h, k_ids_ptr, q_
             keep = visible(q_pos[:, None] - cols[None, :], q_doc[:, None], k_doc[None, :], window, CAUSAL, WINDOW,
                            DOCS)
             p = tl.where(keep & (cols[None, :] < s_k), p, 0.0)
-        ds = p * (mma(do, tl.trans(v), DOT_PRECISION) - delta[:, None])
+        dp = dropped(mma(do, tl.trans(v), DOT_PRECISION), drop_key, drop_threshold, drop_scale, drop_sample,
+                     drop_head, (q_pos + k_offset)[:, None], (cols + k_offset)[None, :], DROPOUT)
+        ds = p * (dp - delta[:, None])
         dq += mma(ds.to(k.dtype), k, DOT_PRECISION)
     return dq
 
 
-@triton.autotune(configs=_dq_configs(), key=TUNE_KEY,
+@triton.autotune(configs=_dq_configs(), key=DROP_TUNE_KEY,
                  prune_configs_by={"early_config_prune": prune_with(dq_fits)})
 @triton.jit
 def _attn_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
@@ -254,9 +272,10 @@ def _attn_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
                         stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
                         stride_dqb, stride_dqh, stride_dqm,
                         n_heads, group, s_q, s_k, shift, window, qk_scale, softmax_scale, q_bucket, k_bucket,
+                        drop_key, drop_threshold, drop_scale, drop_sample, drop_head, k_offset,
                         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, DOCS: tl.constexpr,
-                        DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr):
+                        DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, DROPOUT: tl.constexpr):
     """Program (query block, batch·head): dQ over the visible key tiles in order (deterministic). q, k, v,
     dO are pointers, or TMA descriptors over (b, heads, s, d) when USE_TMA."""
     tl.static_assert(BLOCK_M % BLOCK_N == 0)  # an aligned causal diagonal then spans BLOCK_M / BLOCK_N tiles
@@ -287,7 +306,8 @@ def _attn_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     dq = _dq_tiles(dq, q, do, lse, delta, q_doc, k_src, v_src, b, kv_h, k_ids_ptr + b.to(tl.int64) * s_k,
                    offs_m + shift, offs_n, offs_d, s_k, window, stride_kn, stride_vn, qk_scale, first, hi, mid_lo,
-                   mid_hi, HEAD_DIM, BLOCK_N, CAUSAL, WINDOW, DOCS, DOT_PRECISION, USE_TMA)
+                   mid_hi, drop_key, drop_threshold, drop_scale, drop_sample + b, drop_head + h, k_offset,
+                   HEAD_DIM, BLOCK_N, CAUSAL, WINDOW, DOCS, DOT_PRECISION, USE_TMA, DROPOUT)
     dq_ptrs = dq_ptr + b.to(tl.int64) * stride_dqb + h.to(tl.int64) * stride_dqh \
         + offs_m[:, None] * stride_dqm + offs_d[None, :]
     tl.store(dq_ptrs, (dq * softmax_scale).to(dq_ptr.dtype.element_ty),
@@ -307,8 +327,11 @@ def _strides(*tensors):
     return [s for t in tensors for s in t.stride()[:3]]
 
 
-def attention_backward_triton(grad_out, q, k, v, out, lse, mask, softmax_scale: float, deterministic: bool):
-    """(dq, dk, dv) in the dtypes and layout orders of q, k, v; lse (b, h, s_q) fp32 of the whole attention."""
+def attention_backward_triton(grad_out, q, k, v, out, lse, mask, softmax_scale: float, deterministic: bool,
+                              dropout=None):
+    """(dq, dk, dv) in the dtypes and layout orders of q, k, v; lse (b, h, s_q) fp32 of the whole attention;
+    ``dropout``: the forward's ``AttentionDropout`` (its mask regenerated per tile)."""
+    drop_args, has_dropout = dropout_arguments(dropout, mask)
     grad_out, q, k, v, out = unit_stride_in_d(grad_out, q, k, v, out)
     lse = lse.float().contiguous()
     b, n_heads, s_q, head_dim = q.shape
@@ -324,17 +347,18 @@ def attention_backward_triton(grad_out, q, k, v, out, lse, mask, softmax_scale: 
         dq.zero_()
     dk, dv = empty_in_layout_of(k), empty_in_layout_of(v)
     scalars = (mask.shift, mask.window_size or 0, softmax_scale * LOG2E, softmax_scale, tune_bucket(s_q),
-               tune_bucket(s_k))
+               tune_bucket(s_k), *drop_args)
     use_tma = _fwd.tma_usable(q, k, v, grad_out)
     dkdv_grid = lambda meta: (triton.cdiv(s_k, meta["BLOCK_N"]), b * n_kv_heads)  # noqa: E731
     _backend.launch(_attn_bwd_dkdv_kernel, dkdv_grid, *_sources(q, k, v, grad_out, use_tma, CPU_DKDV_META, constexprs),
                     lse, delta, dq, dk, dv, *mask_arguments(mask, q, k, rows_are_queries=False),
                     *_strides(q, k, v, grad_out, dq, dk, dv), n_heads, n_kv_heads, s_q, s_k, *scalars,
-                    ATOMIC_DQ=atomic, USE_TMA=use_tma, cpu_meta=CPU_DKDV_META, **constexprs)
+                    ATOMIC_DQ=atomic, USE_TMA=use_tma, DROPOUT=has_dropout, cpu_meta=CPU_DKDV_META, **constexprs)
     if atomic:
         return dq.to(q.dtype), dk, dv
     dq_grid = lambda meta: (triton.cdiv(s_q, meta["BLOCK_M"]), b * n_heads)  # noqa: E731
     _backend.launch(_attn_bwd_dq_kernel, dq_grid, *_sources(q, k, v, grad_out, use_tma, CPU_DQ_META, constexprs),
                     lse, delta, dq, *mask_arguments(mask, q, k), *_strides(q, k, v, grad_out, dq), n_heads,
-                    n_heads // n_kv_heads, s_q, s_k, *scalars, USE_TMA=use_tma, cpu_meta=CPU_DQ_META, **constexprs)
+                    n_heads // n_kv_heads, s_q, s_k, *scalars, USE_TMA=use_tma, DROPOUT=has_dropout,
+                    cpu_meta=CPU_DQ_META, **constexprs)
     return dq, dk, dv

@@ -32,6 +32,7 @@ import triton.language as tl
 
 from . import backend as _backend
 from .flash_attention_mask import document_ranges
+from .philox import attention_keep
 
 try:
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -44,6 +45,7 @@ _LN2 = tl.constexpr(LN2)  # a global read inside @triton.jit code must be a cons
 NO_KEY = tl.constexpr(-2 ** 30)  # a key position offset that fails every mask (|positions| < 2^29)
 CPU_FWD_META = {"BLOCK_M": 32, "BLOCK_N": 16}  # interpreter blocks: small, several per s = 67
 TUNE_KEY = ["q_bucket", "k_bucket", "HEAD_DIM", "CAUSAL", "WINDOW", "DOCS", "DOT_PRECISION"]
+DROP_TUNE_KEY = TUNE_KEY + ["DROPOUT"]
 SHARED_MEMORY_BYTES = 232448  # per block on sm_90 (227 KB)
 
 
@@ -51,18 +53,24 @@ SHARED_MEMORY_BYTES = 232448  # per block on sm_90 (227 KB)
 # (bf16/fp16 at d = 64 and 128): a config that passes compiles without spills and fits the 227 KB of
 # shared memory; the autotuner never times the others.
 
-def fwd_fits(c, block_d, elt):
+def fwd_fits(c, block_d, elt, dropout=False):
     """Q once and K, V per pipeline stage in shared memory; the fp32 accumulator and score tile per
-    thread ≤ 160 registers (measured: 128×64 at 4 warps, d = 128, estimate 192, spills 184 bytes)."""
+    thread ≤ 160 registers (measured: 128×64 at 4 warps, d = 128, estimate 192, spills 184 bytes).
+    Dropout's Philox words count two more registers per score element (measured: 128×128 at
+    8 warps, d = 128, estimate 256, spills 3984 bytes; 128×64, estimate 160, none)."""
     bm, bn = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]
     estimate = (bm * block_d + bm * bn) / (32 * c.num_warps) * elt / 2
+    if dropout:
+        estimate += 2 * bm * bn / (32 * c.num_warps)
     return estimate <= 160 and (bm * block_d + 2 * c.num_stages * bn * block_d) * elt <= SHARED_MEMORY_BYTES
 
 
 def prune_with(fits):
     """early_config_prune: the configs that fit at this head width and dtype; the smallest if none does."""
     def prune(configs, named_args, **kwargs):
-        kept = [c for c in configs if fits(c, kwargs["BLOCK_D"], element_size(named_args["q_ptr"]))]
+        dropout = bool(kwargs.get("DROPOUT", False))
+        kept = [c for c in configs
+                if fits(c, kwargs["BLOCK_D"], element_size(named_args["q_ptr"]), dropout)]
         return kept or [min(configs, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] * c.num_stages)]
     return prune
 
@@ -199,13 +207,28 @@ def online_softmax_step(s, m_i, l_i):
 
 
 @triton.jit
+def dropped(p, drop_key, drop_threshold, drop_scale, sample, head, q_global, k_global,
+            DROPOUT: tl.constexpr):
+    """P ⊙ Z of a tile: kept entries · 1/(1 − p), dropped 0 (``q_global`` (rows, 1) and
+    ``k_global`` (1, cols) or transposed: the tile's global positions); P itself without DROPOUT."""
+    if DROPOUT:
+        keep = attention_keep(drop_key, drop_threshold, sample, head, q_global, k_global)
+        return tl.where(keep, p * drop_scale, 0.0)
+    else:
+        return p
+
+
+@triton.jit
 def _fwd_tiles(acc, l_i, m_i, q, q_doc, k_src, v_src, b, kv_h, k_ids_ptr, q_pos, offs_n, offs_d, s_k, window,
-               stride_kn, stride_vn, qk_scale, lo, hi, mid_lo, mid_hi, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+               stride_kn, stride_vn, qk_scale, lo, hi, mid_lo, mid_hi, drop_key, drop_threshold, drop_scale,
+               drop_sample, drop_head, k_offset, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
                CAUSAL: tl.constexpr, WINDOW: tl.constexpr, DOCS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-               USE_TMA: tl.constexpr):
+               USE_TMA: tl.constexpr, DROPOUT: tl.constexpr):
     """Online-softmax update of (acc, l_i, m_i) with the key tiles lo, lo + BLOCK_N, ... < hi, masking
     those outside [mid_lo, mid_hi); ``q_pos`` = query rows + shift (positions relative to k_offset).
-    One loop with a per-tile branch, not one loop per kind of tile: fewer live values, no spills."""
+    One loop with a per-tile branch, not one loop per kind of tile: fewer live values, no spills.
+    DROPOUT: the accumulator takes P ⊙ Z (mask of the global positions q_pos + k_offset,
+    cols + k_offset), the normaliser l the undropped P."""
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n                                                       # (BLOCK_N,)
         k = load_rows(k_src, b, kv_h, start_n, offs_n, stride_kn, s_k, offs_d, HEAD_DIM, USE_TMA)  # (BLOCK_N, BLOCK_D)
@@ -215,20 +238,24 @@ def _fwd_tiles(acc, l_i, m_i, q, q_doc, k_src, v_src, b, kv_h, k_ids_ptr, q_pos,
             keep = visible(q_pos[:, None] - cols[None, :], q_doc[:, None], k_doc[None, :], window, CAUSAL, WINDOW, DOCS)
             s = tl.where(keep & (cols[None, :] < s_k), s, -float("inf"))  # keys past s_k would join the softmax
         p, alpha, l_i, m_i = online_softmax_step(s, m_i, l_i)
+        p = dropped(p, drop_key, drop_threshold, drop_scale, drop_sample, drop_head,
+                    (q_pos + k_offset)[:, None], (cols + k_offset)[None, :], DROPOUT)
         v = load_rows(v_src, b, kv_h, start_n, offs_n, stride_vn, s_k, offs_d, HEAD_DIM, USE_TMA)
         acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, DOT_PRECISION)
     return acc, l_i, m_i
 
 
-@triton.autotune(configs=_fwd_configs(), key=TUNE_KEY, prune_configs_by={"early_config_prune": prune_with(fwd_fits)})
+@triton.autotune(configs=_fwd_configs(), key=DROP_TUNE_KEY,
+                 prune_configs_by={"early_config_prune": prune_with(fwd_fits)})
 @triton.jit
 def _attn_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, q_ids_ptr, k_ids_ptr, start_ptr, end_ptr, exact_ptr,
                      stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
                      stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om,
                      n_heads, group, s_q, s_k, shift, window, qk_scale, q_bucket, k_bucket,
+                     drop_key, drop_threshold, drop_scale, drop_sample, drop_head, k_offset,
                      HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                      CAUSAL: tl.constexpr, WINDOW: tl.constexpr, DOCS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                     USE_TMA: tl.constexpr):
+                     USE_TMA: tl.constexpr, DROPOUT: tl.constexpr):
     """Program (query block, batch·head). Writes O (b, h, s_q, d) and lse (b, h, s_q) fp32. q, k, v are
     pointers, or TMA descriptors over (b, heads, s, d) when USE_TMA."""
     tl.static_assert(BLOCK_M % BLOCK_N == 0)  # an aligned causal diagonal then spans BLOCK_M / BLOCK_N tiles
@@ -256,8 +283,9 @@ def _attn_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, q_ids_ptr, k_ids_ptr, 
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, q_doc, k_src, v_src, b, kv_h, k_ids_ptr + b.to(tl.int64) * s_k,
                                offs_m + shift, offs_n, offs_d, s_k, window, stride_kn, stride_vn, qk_scale,
-                               first, hi, mid_lo, mid_hi, HEAD_DIM, BLOCK_N, CAUSAL, WINDOW, DOCS, DOT_PRECISION,
-                               USE_TMA)
+                               first, hi, mid_lo, mid_hi, drop_key, drop_threshold, drop_scale, drop_sample + b,
+                               drop_head + h, k_offset, HEAD_DIM, BLOCK_N, CAUSAL, WINDOW, DOCS, DOT_PRECISION,
+                               USE_TMA, DROPOUT)
     empty = l_i == 0.0                                                  # no visible key: out 0, lse −inf
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
     lse = tl.where(empty, -float("inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * _LN2)
@@ -335,13 +363,24 @@ def mask_arguments(mask, q, k, rows_are_queries=True):
     return q_ids, k_ids, start, end, exact
 
 
+def dropout_arguments(dropout, mask):
+    """(key, threshold, scale, first sample, head offset, k_offset) and the DROPOUT constexpr of
+    the attention kernels; zeros without dropout."""
+    if dropout is None:
+        return (0, 0, 1.0, 0, 0, 0), False
+    return (dropout.key, dropout.threshold, dropout.scale, dropout.first_sample,
+            dropout.head_offset, mask.k_offset), True
+
+
 def mask_constexprs(mask, q):
     return dict(CAUSAL=mask.causal, WINDOW=mask.window_size is not None, DOCS=mask.has_documents,
                 DOT_PRECISION=dot_precision(q), HEAD_DIM=q.shape[-1], BLOCK_D=head_block(q.shape[-1]))
 
 
-def attention_forward_triton(q, k, v, mask, softmax_scale: float):
-    """(out (b, h, s_q, d) in q's dtype and layout order, lse (b, h, s_q) fp32)."""
+def attention_forward_triton(q, k, v, mask, softmax_scale: float, dropout=None):
+    """(out (b, h, s_q, d) in q's dtype and layout order, lse (b, h, s_q) fp32); ``dropout``: an
+    ``AttentionDropout`` (the lse stays undropped)."""
+    drop_args, has_dropout = dropout_arguments(dropout, mask)
     q, k, v = unit_stride_in_d(q, k, v)
     b, n_heads, s_q, _ = q.shape
     s_k = k.shape[2]
@@ -356,6 +395,6 @@ def attention_forward_triton(q, k, v, mask, softmax_scale: float):
                     q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                     v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
                     n_heads, n_heads // k.shape[1], s_q, s_k, mask.shift, mask.window_size or 0,
-                    softmax_scale * LOG2E, tune_bucket(s_q), tune_bucket(s_k),
-                    USE_TMA=use_tma, cpu_meta=CPU_FWD_META, **mask_constexprs(mask, q))
+                    softmax_scale * LOG2E, tune_bucket(s_q), tune_bucket(s_k), *drop_args,
+                    USE_TMA=use_tma, DROPOUT=has_dropout, cpu_meta=CPU_FWD_META, **mask_constexprs(mask, q))
     return out, lse

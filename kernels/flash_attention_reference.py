@@ -13,6 +13,13 @@ visible key (an *empty* row) gets out 0 and lse −inf, and no gradient; the for
 that autograd through it stays finite there too. Math in fp32 (float64 inputs: float64); out in
 q's dtype, lse in the compute dtype.
 
+Dropout on the probabilities (``drop``: keep / (1 − p), broadcastable to ``(b, h, s_q, s_k)``;
+the lse stays the undropped softmax's, so partial attentions still merge by it):
+
+    O = (P ⊙ Z) V;   dV = Σ_group (P ⊙ Z)ᵀ dO;   dS = P ⊙ (Z ⊙ (dO Vᵀ) − δ),  δ = rowsum(dO ⊙ O)
+
+(δ = Σ_j P_ij Z_ij (dO·V_j) = rowsum(dO ⊙ O) still, O being the dropped output.)
+
 Users: ``flash_attention.attention_reference`` (every kernel path is tested against it), the
 torch path's calls off the CPU (``flash_attention_torch``), the context-parallel blocks of head
 dims the kernels do not take, and the TP attention layer's dropout / small-head-dim path
@@ -48,14 +55,16 @@ def explicit_probs(q, k, scale: float, visible=None):
     return probs, lse.masked_fill(empty, float("-inf"))
 
 
-def explicit_forward(q, k, v, scale: float, visible=None):
-    """``(out (b, h, s_q, d) in q's dtype, lse (b, h, s_q))``."""
+def explicit_forward(q, k, v, scale: float, visible=None, drop=None):
+    """``(out (b, h, s_q, d) in q's dtype, lse (b, h, s_q))``; ``drop``: the dropout factor."""
     probs, lse = explicit_probs(q, k, scale, visible)
+    if drop is not None:
+        probs = probs * drop
     out = probs @ repeat_kv(v, q.shape[1] // k.shape[1], probs.dtype)
     return out.to(q.dtype), lse
 
 
-def explicit_backward(dout, q, k, v, out, lse, scale: float, visible=None):
+def explicit_backward(dout, q, k, v, out, lse, scale: float, visible=None, drop=None):
     """``(dq, dk, dv)`` in the dtypes of q, k, v for these keys, given the whole attention's
     ``out`` and ``lse`` (empty rows, lse −inf: P = 0 there, so they add nothing)."""
     scores = explicit_scores(q, k, scale, visible)
@@ -63,9 +72,13 @@ def explicit_backward(dout, q, k, v, out, lse, scale: float, visible=None):
     probs = torch.exp(scores - lse.to(dtype).masked_fill(torch.isinf(lse), 0.0)[..., None])
     dout_c = dout.to(dtype)
     delta = (dout_c * out.to(dtype)).sum(-1, keepdim=True)                   # (b, h, s_q, 1)
-    dscores = probs * (dout_c @ repeat_kv(v, group, dtype).transpose(-1, -2) - delta)
+    dprobs = dout_c @ repeat_kv(v, group, dtype).transpose(-1, -2)
+    if drop is not None:
+        dprobs = dprobs * drop
+    dscores = probs * (dprobs - delta)
     dq = scale * dscores @ repeat_kv(k, group, dtype)
     grouped = (k.shape[0], k.shape[1], group, k.shape[2], k.shape[3])
     dk = (scale * dscores.transpose(-1, -2) @ q.to(dtype)).reshape(grouped).sum(2)
-    dv = (probs.transpose(-1, -2) @ dout_c).reshape(grouped).sum(2)
+    kept = probs if drop is None else probs * drop
+    dv = (kept.transpose(-1, -2) @ dout_c).reshape(grouped).sum(2)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)

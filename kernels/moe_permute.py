@@ -139,16 +139,24 @@ def permute_torch(x, row_map, num_rows):
     return rows
 
 
+def _gather_slots(rows, row_map):
+    """(T, k, H) fp32: row ``row_map[t, j]`` per slot (unused slots read row 0, or a zero row
+    when there are no rows at all, e.g. a rank whose experts received no token)."""
+    if rows.shape[0] == 0:
+        rows = rows.new_zeros((1, rows.shape[1]))
+    return rows[row_map.clamp(min=0).long()].float()
+
+
 def unpermute_torch(rows, row_map, probs):
     used = row_map >= 0
     weights = used.float() if probs is None else probs.float() * used           # (T, k)
-    gathered = rows[row_map.clamp(min=0).long()].float()                        # (T, k, H)
+    gathered = _gather_slots(rows, row_map)                                     # (T, k, H)
     return (gathered * weights[..., None]).sum(1).to(rows.dtype)
 
 
 def unpermute_backward_torch(dy, rows, row_map, probs):
     used = row_map >= 0
-    gathered = rows[row_map.clamp(min=0).long()].float()                        # (T, k, H)
+    gathered = _gather_slots(rows, row_map)                                     # (T, k, H)
     dprobs = ((gathered * dy.float()[:, None, :]).sum(-1) * used).to(probs.dtype)
     drows = torch.zeros_like(rows)
     tokens, targets = _used_slots(row_map)

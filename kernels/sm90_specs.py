@@ -115,9 +115,14 @@ def elementwise_cases():
     bda = _module("bias_dropout_add")
     tile = bda.tile_params(4096, is_cuda=True)
     meta = {"BLOCK_R": tile["BLOCK_R"], "BLOCK_Q": tile["BLOCK_Q"]}
-    out.append(_case("bias_dropout_add fwd", bda._bias_dropout_add_fwd_kernel, meta, tile["num_warps"], 3,
-                     {"HAS_BIAS": True, "DROPOUT": True}))
-    out.append(_case("bias_dropout_add bwd", bda._dropout_bwd_kernel, meta, tile["num_warps"], 3))
+    coords = {"pos_ptr": "*i32", "sample_ptr": "*i32", "key": "i64"}
+    for layout_invariant in (False, True):   # seeded by element index / by global coordinates
+        label = f"{'coordinates' if layout_invariant else 'seed'}: BLOCK_R={meta['BLOCK_R']}, BLOCK_Q={meta['BLOCK_Q']}"
+        out.append(_case("bias_dropout_add fwd", bda._bias_dropout_add_fwd_kernel, meta, tile["num_warps"], 3,
+                         {"HAS_BIAS": True, "DROPOUT": True, "COORDS": layout_invariant}, types=coords,
+                         label=label))
+        out.append(_case("bias_dropout_add bwd", bda._dropout_bwd_kernel, meta, tile["num_warps"], 3,
+                         {"COORDS": layout_invariant}, types=coords, label=label))
     return out
 
 
@@ -173,15 +178,18 @@ def attention_cases():
     causal = {"CAUSAL": True, "WINDOW": False, "DOCS": False}
     every_rule = {"CAUSAL": True, "WINDOW": True, "DOCS": True}
     out = []
+    dropout = dict(causal, DROPOUT=True)
     for label, masks, tma, head_dim, which in (("causal, TMA", causal, True, 128, kernels),
                                                ("causal, TMA", causal, True, 64, kernels[1:2]),
                                                ("documents+window, TMA", every_rule, True, 128, kernels[:2]),
-                                               ("causal, pointers", causal, False, 128, kernels[:2])):
+                                               ("causal, pointers", causal, False, 128, kernels[:2]),
+                                               ("causal + dropout, TMA", dropout, True, 128, kernels)):
         for name, kernel, extra, tma_rows in which:
-            constexprs = dict(masks, **extra, HEAD_DIM=head_dim, BLOCK_D=head_dim, DOT_PRECISION=0, USE_TMA=tma)
+            constexprs = dict({"DROPOUT": False}, **masks, **extra, HEAD_DIM=head_dim, BLOCK_D=head_dim,
+                              DOT_PRECISION=0, USE_TMA=tma)
             example = {"q_ptr": torch.empty(1, dtype=torch.bfloat16)}
             for config in kernel.early_config_prune(kernel.configs, example, **constexprs):
-                types = dict(ids, dq_ptr="*fp32" if extra.get("ATOMIC_DQ") else "*bf16")
+                types = dict(ids, dq_ptr="*fp32" if extra.get("ATOMIC_DQ") else "*bf16", drop_key="i64")
                 if tma:
                     types.update({arg: f"tensordesc<bf16[1, 1, {config.kwargs[rows]}, {head_dim}]>"
                                   for arg, rows in tma_rows.items()})

@@ -20,6 +20,7 @@ Megatron does (sequence parallelism is a no-op without a TP group).
 from __future__ import annotations
 
 import dataclasses
+import math
 import warnings
 from dataclasses import dataclass, field
 
@@ -77,12 +78,17 @@ class TransformerConfig:
     position_embedding_type: str = _f(
         "model", "position embedding: learned_absolute | rope", "learned_absolute")
     rotary_base: int = _f("model", "base of the rotary embedding frequencies", 10000)
+    use_rope_scaling: bool = _f("model", "Llama 3.x rotary frequency scaling (HF rope_type "
+                                "'llama3' with its original context 8192, factors 1 / 4)", False)
+    rope_scaling_factor: float = _f("model", "the factor of --use-rope-scaling", 8.0)
     window_size: tuple[int, int] | None = _f(
         "model", "sliding-window attention (Megatron/TE's L,R: a query sees the L keys before it "
         "and itself; R must be 0 as attention is causal; L=-1: no window; HF/Mistral "
         "sliding_window = L+1)", None)
     add_bias_linear: bool = _f("model", "biases in the linear layers", True,
                                negative_flag="--disable-bias-linear")
+    add_qkv_bias: bool = _f("model", "a bias in the QKV projection also without "
+                            "add_bias_linear (Qwen2's layout)", False)
     untie_embeddings_and_output_weights: bool = _f(
         "model", "separate output-layer weight (default: tied to the word embedding)", False)
     hidden_dropout: float = _f("model", "dropout after embeddings, attention and MLP", 0.1)
@@ -276,13 +282,17 @@ class TransformerConfig:
         """Raise ValueError naming the fields of the first invalid setting found."""
         require_positive(self, "num_layers", "hidden_size", "num_attention_heads", "seq_length",
                           "num_query_groups", "ffn_hidden_size", "max_position_embeddings",
-                          "make_vocab_size_divisible_by", "rotary_base",
+                          "make_vocab_size_divisible_by",
                           "tensor_model_parallel_size", "pipeline_model_parallel_size",
                           "context_parallel_size", "expert_model_parallel_size")
         require_positive_or_none(self, "vocab_size", "expert_tensor_parallel_size",
                                   "microbatch_group_size_per_vp_stage",
                                   "virtual_pipeline_model_parallel_size", "recompute_num_layers")
         require_non_negative_or_none(self, "p2p_recv_ahead")
+        base = self.rotary_base       # HF's rope_theta may be fractional
+        if isinstance(base, bool) or not isinstance(base, (int, float)) or \
+                not math.isfinite(base) or base <= 0:
+            raise ValueError(f"rotary_base={base!r} must be a positive finite number")
         require_choice(self, "normalization", NORMALIZATIONS)
         require_choice(self, "activation", ACTIVATIONS)
         require_choice(self, "position_embedding_type", POSITION_EMBEDDINGS)
@@ -326,7 +336,7 @@ class TransformerConfig:
                              f"tensor_model_parallel_size={tp} (sequence_parallel=True)")
 
     def _validate_context_parallel(self):
-        """Sequence split, comm type, heads for a2a, no attention dropout, the window's form
+        """Sequence split, comm type, heads for a2a, the window's form
         (parallel/context_split.py)."""
         require_choice(self, "cp_comm_type", CP_COMM_TYPES)
         cp, tp = self.context_parallel_size, self.tensor_model_parallel_size
@@ -334,10 +344,11 @@ class TransformerConfig:
         if cp > 1:
             check_context_parallel_heads(self.cp_comm_type, self.num_attention_heads // tp,
                                          self.num_query_groups // tp, cp)
-            if self.attention_dropout > 0:
-                raise ValueError(
-                    f"attention_dropout={self.attention_dropout} with context_parallel_size={cp}: "
-                    "context-parallel attention has no dropout; pass --attention-dropout 0")
+        if self.use_rope_scaling and (self.position_embedding_type != "rope"
+                                      or not self.rope_scaling_factor > 0):
+            raise ValueError(f"use_rope_scaling=True needs position_embedding_type='rope' (got "
+                             f"{self.position_embedding_type!r}) and rope_scaling_factor > 0 "
+                             f"(got {self.rope_scaling_factor})")
         if self.window_size is not None:
             left, right = self.window_size
             if left < 0 or right != 0:

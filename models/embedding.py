@@ -8,7 +8,9 @@
                backward all-gather, so every TP rank gets the full position-weight gradient)
     sum → dropout → (s[/tp], b, h)
 
-Dropout on replicated activations draws from the default generator (same mask on every TP rank);
+With ``dropout_coordinates`` (what GPTModel passes) the dropout mask is the layout-invariant
+one of (seed, site 0, global sample, global position, hidden index): ``tp_layers.random``.
+Without, dropout on replicated activations draws from the default generator (same mask on every TP rank);
 under sequence parallelism each rank holds different tokens and draws from the model-parallel
 stream (Megatron's embedding dropout inside ``get_cuda_rng_tracker().fork()``).
 """
@@ -21,7 +23,7 @@ from torch import nn
 from tpfuse.parallel.mappings import scatter_to_sequence_parallel_region
 from tpfuse.tp_layers import VocabParallelEmbedding
 from tpfuse.tp_layers.init import draw_master_weight, normal_init
-from tpfuse.tp_layers.random import partitioned_region_rng
+from tpfuse.tp_layers.random import EMBEDDING_SITE, coordinate_dropout, partitioned_region_rng
 
 
 class GPTEmbedding(nn.Module):
@@ -43,7 +45,8 @@ class GPTEmbedding(nn.Module):
             weight.tensor_model_parallel = False
             weight.sequence_parallel = False      # its gradient is complete on every TP rank
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                dropout_coordinates=None) -> torch.Tensor:
         if self.sequence_parallel:
             hidden = self.word_embeddings(input_ids)                  # (s/tp, b, h)
         else:                                        # ids looked up in (s, b) order: no transpose copy
@@ -55,7 +58,11 @@ class GPTEmbedding(nn.Module):
             hidden = hidden + positions                # (s[/tp], b, h)
         hidden = hidden.contiguous()
         p = self.config.hidden_dropout
-        if self.training and p > 0:
+        if self.training and p > 0 and dropout_coordinates is not None:
+            rows = dropout_coordinates.rows(EMBEDDING_SITE, hidden.shape[0], hidden.shape[1],
+                                            self.tp.rank, self.sequence_parallel)
+            hidden = coordinate_dropout(hidden, p, rows)
+        elif self.training and p > 0:
             with partitioned_region_rng(self.sequence_parallel and self.tp.size > 1):
                 hidden = F.dropout(hidden, p, training=True)
         return hidden

@@ -55,6 +55,7 @@ from tpfuse.moe.layer import MoELayer
 from tpfuse.parallel.context_split import local_token_index
 from tpfuse.tp_layers import (ColumnParallelLinear, Norm, TransformerLayer,
                               vocab_parallel_cross_entropy)
+from tpfuse.tp_layers.random import DropoutCoordinates
 from tpfuse.tp_layers.rope import default_position_ids, rotary_cos_sin
 
 from .embedding import GPTEmbedding, draw_position_master, draw_vocab_master, draw_word_master
@@ -127,6 +128,7 @@ class GPTModel(nn.Module):
         self.share_embeddings_and_output_weights = not config.untie_embeddings_and_output_weights
         self.layer_indices = layers_for(config, state.pp_rank if state else 0, vp_stage)
         self.input_tensor = None
+        self.dropout_first_sample, self.dropout_forwards = 0, 0
         self.router_losses = RouterLossTracker(state.cp_size if state is not None else 1)
 
         word_master = None
@@ -167,7 +169,7 @@ class GPTModel(nn.Module):
                 recompute_modules=(tuple(c.recompute_modules)
                                    if c.recompute_granularity == "selective" else ()),
                 state=self.state, window_size=c.attention_window, cp_comm_type=c.cp_comm_type,
-                mlp_builder=mlp_builder)
+                mlp_builder=mlp_builder, layer_number=index + 1, add_qkv_bias=c.add_qkv_bias)
 
     def _build_output(self, word_master):
         c = self.config
@@ -206,6 +208,26 @@ class GPTModel(nn.Module):
         """The loss scaler's factor, applied to the router losses' gradient too."""
         self.router_losses.set_grad_scale(scale)
 
+    def set_dropout_sample_offset(self, consumed_samples: int) -> None:
+        """The global index of the first sample of the step about to run (the trainer's consumed
+        samples): the k-th training forward of the step then holds samples
+        ``consumed + (k·dp + dp_rank)·b + [0, b)``, the data sampler's order."""
+        self.dropout_first_sample, self.dropout_forwards = consumed_samples, 0
+
+    def dropout_coordinates(self, batch: int, local_tokens: int, device):
+        """This micro-batch's ``DropoutCoordinates`` (training with dropout), else None; counts
+        the forward. Positions: this cp rank's tokens' global ones (``local_token_index``)."""
+        c = self.config
+        if not (self.training and (c.hidden_dropout > 0 or c.attention_dropout > 0)):
+            return None
+        dp_rank, dp_size = (self.state.dp_rank, self.state.dp_size) if self.state else (0, 1)
+        cp, cp_rank = (self.state.cp_size, self.state.cp_rank) if self.state else (1, 0)
+        step = self.dropout_forwards * dp_size + dp_rank
+        self.dropout_forwards += 1
+        return DropoutCoordinates(
+            c.seed, self.dropout_first_sample + step * batch,
+            local_token_index(local_tokens * cp, cp, cp_rank, device))
+
     def shared_embedding_or_output_weight(self):
         """The tied word-embedding weight this chunk holds (None when it holds neither end)."""
         if self.pre_process:
@@ -241,11 +263,14 @@ class GPTModel(nn.Module):
             raise ValueError("inference_context needs sequence_parallel=False (a decode step has "
                              "one token per sequence); build the model for inference with "
                              "tpfuse.inference.load_model or sequence_parallel=False")
+        coordinates = None
+        if inference_context is None and has_input:
+            coordinates = self.dropout_coordinates(*self._local_batch_tokens(input_ids))
         if self.pre_process:
             if position_ids is None:
                 offset = inference_context.sequence_len_offset if inference_context else 0
                 position_ids = offset + default_position_ids(*input_ids.shape, input_ids.device)
-            hidden = self.embedding(input_ids, position_ids)          # (s[/tp], b, h)
+            hidden = self.embedding(input_ids, position_ids, coordinates)  # (s[/tp], b, h)
         elif self.input_tensor is None:
             raise RuntimeError("GPTModel chunk without pre_process: call set_input_tensor(...) "
                                "before forward")
@@ -254,7 +279,8 @@ class GPTModel(nn.Module):
         rotary = self._rotary_tables(hidden, position_ids)            # once for all layers
         if inference_context is None:
             hidden = run_layers(self.layers, hidden, position_ids, self.config, self.training,
-                                rotary_pos_emb=rotary, document_ids=document_ids)
+                                rotary_pos_emb=rotary, document_ids=document_ids,
+                                dropout_coordinates=coordinates)
         else:
             for layer in self.layers:                                 # KV cache: no recompute
                 hidden = layer(hidden, position_ids, inference_context=inference_context,
@@ -281,18 +307,22 @@ class GPTModel(nn.Module):
             tp = c.tensor_model_parallel_size if c.sequence_parallel else 1
             position_ids = default_position_ids(hidden.shape[1], hidden.shape[0] * tp,
                                                 hidden.device)
-        return rotary_cos_sin(position_ids, c.kv_channels, c.rotary_base)
+        return rotary_cos_sin(position_ids, c.kv_channels, c.rotary_base,
+                              c.rope_scaling_factor if c.use_rope_scaling else None)
+
+    def _local_batch_tokens(self, input_ids):
+        """(b, this cp rank's s/cp tokens, device) of the forward's input."""
+        if input_ids is not None:
+            return (*input_ids.shape, input_ids.device)
+        # a later pipeline stage called without ids: (s/cp[/tp], b, h) received
+        tp = self.state.tp_size if self.state is not None and self.config.sequence_parallel else 1
+        return (self.input_tensor.shape[1], self.input_tensor.shape[0] * tp,
+                self.input_tensor.device)
 
     def _context_parallel_positions(self, input_ids):
         """``(b, s/cp)`` global positions of this cp rank's two chunks (the default positions)."""
-        if input_ids is not None:
-            batch, local = input_ids.shape
-        else:           # a later pipeline stage called without ids: (s/cp[/tp], b, h) received
-            local = self.input_tensor.shape[0] * (self.state.tp_size
-                                                  if self.config.sequence_parallel else 1)
-            batch = self.input_tensor.shape[1]
+        batch, local, device = self._local_batch_tokens(input_ids)
         cp = self.state.cp_size
-        device = input_ids.device if input_ids is not None else self.input_tensor.device
         return local_token_index(local * cp, cp, self.state.cp_rank, device).expand(batch, local)
 
 
@@ -330,4 +360,5 @@ def allreduce_embedding_grads(model_chunks, state=None):
         if weight.grad is None:
             weight.grad = torch.zeros_like(weight)
         grad = weight.grad
-    dist.all_reduce(grad, group=state.embedding_group)
+    # a sharded (FSDP) gradient: both ends hold the same rows of it, the local shards are summed
+    dist.all_reduce(getattr(grad, "_local_tensor", grad), group=state.embedding_group)

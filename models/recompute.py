@@ -18,10 +18,11 @@ import torch
 from tpfuse.tp_layers.checkpointing import checkpoint
 
 
-def _run(layers, hidden, position_ids, rotary_pos_emb, document_ids=None):
+def _run(layers, hidden, position_ids, rotary_pos_emb, document_ids=None,
+         dropout_coordinates=None):
     for layer in layers:
         hidden = layer(hidden, position_ids, rotary_pos_emb=rotary_pos_emb,
-                       document_ids=document_ids)
+                       document_ids=document_ids, dropout_coordinates=dropout_coordinates)
     return hidden
 
 
@@ -32,15 +33,17 @@ def _distribute_group(config, layers):
 
 
 def run_layers(layers, hidden, position_ids, config, training, rotary_pos_emb=None,
-               document_ids=None):
+               document_ids=None, dropout_coordinates=None):
     """Apply ``layers`` in order, with full recompute as the config says (only when gradients
     are needed)."""
     if config.recompute_granularity != "full" or not training or not torch.is_grad_enabled():
-        return _run(layers, hidden, position_ids, rotary_pos_emb, document_ids)
+        return _run(layers, hidden, position_ids, rotary_pos_emb, document_ids,
+                    dropout_coordinates)
     n, group = config.recompute_num_layers, _distribute_group(config, layers)
 
     def group_of(chunk):
-        return lambda h: _run(chunk, h, position_ids, rotary_pos_emb, document_ids)
+        return lambda h: _run(chunk, h, position_ids, rotary_pos_emb, document_ids,
+                              dropout_coordinates)
 
     if config.recompute_method == "uniform":
         for start in range(0, len(layers), n):
@@ -52,5 +55,5 @@ def run_layers(layers, hidden, position_ids, config, training, rotary_pos_emb=No
             hidden = checkpoint(group_of([layer]), hidden, distribute_group=group)
         else:
             hidden = layer(hidden, position_ids, rotary_pos_emb=rotary_pos_emb,
-                           document_ids=document_ids)
+                           document_ids=document_ids, dropout_coordinates=dropout_coordinates)
     return hidden

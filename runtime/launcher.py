@@ -24,6 +24,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -36,6 +37,7 @@ ERROR_FILE_ENV = "TPFUSE_ERROR_FILE"
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT,
                      signal.SIGUSR1, signal.SIGUSR2)
 STOP_GRACE_S = 10.0
+_TIMEOUT = re.compile(r"timed? ?out|timeout", re.IGNORECASE)   # a collective's timeout error
 FAILURE_GRACE_S = 3.0   # after a rank fails, the others may finish reporting their own errors
 PR_SET_PDEATHSIG = 1
 
@@ -153,10 +155,16 @@ class _Job:
         print(f"tpfuse-train: rank {rank} {what}; stopping the other ranks", file=sys.stderr,
               flush=True)
         self._wait_for_exits(FAILURE_GRACE_S)   # ranks failing too report before SIGTERM
+        running = [r for r, proc in enumerate(self.procs) if proc.poll() is None]
         self.stop()
         first = self.first_traceback()
         if first:
             print(f"tpfuse-train: {first}", file=sys.stderr, flush=True)
+        if running and first and _TIMEOUT.search(first):
+            print(f"tpfuse-train: rank {rank}'s collective timed out while rank(s) {running} "
+                  f"were still running without an error: the stopped rank is most likely "
+                  f"among {running} (it never reached the collective), not rank {rank}",
+                  file=sys.stderr, flush=True)
         return exit_code
 
 

@@ -68,6 +68,9 @@ def _parallel(tp=1, pp=1, vpp_layers=None, sp=False, cp=1, cp_comm_type="p2p"):
 DISTRIBUTED_OPTIMIZER = ["--use-distributed-optimizer", "--overlap-grad-reduce",
                          "--ddp-bucket-size", "2000"]
 
+FSDP_ZERO2 = ["--use-torch-fsdp2", "--data-parallel-sharding-strategy", "optim_grads"]
+FSDP_ZERO3 = ["--use-torch-fsdp2", "--data-parallel-sharding-strategy", "optim_grads_params"]
+
 LAYOUTS = {
     # name: (world size, flags)
     "tp2": (2, _parallel(tp=2)),
@@ -94,6 +97,17 @@ LAYOUTS = {
     "cp2": (2, _parallel(cp=2)),
     "pp2-cp2-allgather": (4, _parallel(pp=2, cp=2, cp_comm_type="all_gather")),
     "dp2-cp2-a2a": (4, _parallel(cp=2, cp_comm_type="a2a")),
+    # FSDP2 (fully_shard over dp x cp): ZeRO-2 keeps gathered parameters until backward, ZeRO-3
+    # gathers them again; both reduce-scatter every micro-batch's gradient into fp32 shards
+    "dp2-fsdp-zero2": (2, _parallel() + FSDP_ZERO2),
+    "dp2-fsdp-zero3": (2, _parallel() + FSDP_ZERO3),
+    "dp4-fsdp-zero3": (4, _parallel() + FSDP_ZERO3),
+    # TP shards are FSDP's local tensors; SP's replicated norm weights are counted on tp rank 0
+    "tp2-sp-dp2-fsdp-zero2": (4, _parallel(tp=2, sp=True) + FSDP_ZERO2),
+    # every virtual chunk its own FSDP root; the tied embedding's shards summed first <-> last
+    "pp2-vpp2-dp2-fsdp-zero3": (4, _parallel(pp=2, vpp_layers=2) + FSDP_ZERO3),
+    # sharded over dp x cp: the context-parallel ranks are FSDP ranks too
+    "cp2-dp2-fsdp-zero3": (4, _parallel(cp=2) + FSDP_ZERO3),
 }
 
 
@@ -101,7 +115,13 @@ LAYOUTS = {
 def test_layout_reproduces_single_process_losses(run_distributed, reference, name):
     world_size, argv = LAYOUTS[name]
     losses = _losses(run_distributed, world_size, argv)
-    assert losses == pytest.approx(reference, rel=1e-5)
+    assert losses == pytest.approx(reference, rel=FSDP_REL if "fsdp" in name else 1e-5)
+
+
+# FSDP reorders only the data-parallel sums (a reduce-scatter per micro-batch instead of one
+# all-reduce of the accumulated gradient): measured 1.2e-7 relative in every FSDP layout above,
+# as plain dp2; 1e-6 keeps a factor 8
+FSDP_REL = 1e-6
 
 
 MIXED_PRECISION = {
@@ -116,6 +136,11 @@ MIXED_PRECISION = {
     # dynamic loss scaling over the distributed optimizer's shards (unscale, norm, skip per shard)
     "fp16-dp2-distopt": (2, ["--fp16", "--initial-loss-scale", "65536"] + _parallel()
                          + DISTRIBUTED_OPTIMIZER, 2.0**-11),
+    # FSDP's mixed precision: bf16 compute, fp32 reduce-scatter and fp32 sharded masters
+    "bf16-dp2-fsdp-zero3": (2, ["--bf16"] + _parallel() + FSDP_ZERO3, 2.0**-8),
+    # the loss scaler over FSDP's shards (unscale, norm, skip per shard)
+    "fp16-dp2-fsdp-zero2": (2, ["--fp16", "--initial-loss-scale", "65536"] + _parallel()
+                            + FSDP_ZERO2, 2.0**-11),
 }
 
 
@@ -200,6 +225,21 @@ def test_distributed_optimizer_resumes_exactly_and_reshards_dp4_to_dp2(run_distr
     halved = _losses(run_distributed, 2, DISTRIBUTED_OPTIMIZER + save)
     assert (len(first), len(same), len(halved)) == (4, 3, 3)
     assert first + same + halved == pytest.approx(reference, rel=1e-5)
+
+
+def test_fsdp_resumes_exactly_and_reshards_dp4_to_dp2_to_no_fsdp(run_distributed, reference,
+                                                                  tmp_path):
+    """FSDP checkpoints hold whole TP shards (gathered) and the optimizer's row-block pieces:
+    4 iterations at dp 4 with ZeRO-3, 2 more resumed at the same layout (each rank its own file),
+    2 at dp 2 with ZeRO-2 (resharded), the last 2 at dp 2 without FSDP (plain data parallelism,
+    whole-parameter state rebuilt from the pieces): the 10 losses are the single-process curve."""
+    save = ["--save", str(tmp_path / "ckpt"), "--load", str(tmp_path / "ckpt")]
+    first = _losses(run_distributed, 4, FSDP_ZERO3 + save + ["--train-iters", "4"])
+    same = _losses(run_distributed, 4, FSDP_ZERO3 + save + ["--train-iters", "6"])
+    halved = _losses(run_distributed, 2, FSDP_ZERO2 + save + ["--train-iters", "8"])
+    plain = _losses(run_distributed, 2, save)
+    assert (len(first), len(same), len(halved), len(plain)) == (4, 2, 2, 2)
+    assert first + same + halved + plain == pytest.approx(reference, rel=1e-5)
 
 
 CORPUS_WORDS = ("def", "x", "return a + b", "class Model:", "pass", "import torch", "for i in r",
@@ -307,6 +347,10 @@ MOE_LAYOUTS = {
     "pp2-dp2-ep2-grouped-zb-h1": (4, _parallel(pp=2) + [
         "--expert-model-parallel-size", "2", "--moe-grouped-gemm", "--pipeline-schedule",
         "zb-h1", "--overlap-grad-reduce", "--ddp-bucket-size", "2000"]),
+    # FSDP: the experts their own units over edp 2 (gradients divided by dp 4, not edp) ...
+    "dp4-ep2-fsdp-zero3": (4, FSDP_ZERO3 + ["--expert-model-parallel-size", "2"]),
+    # ... and unsharded at edp 1 (FSDP ignores them; scaled by 1/dp after backward)
+    "ep2-fsdp-zero2": (2, FSDP_ZERO2 + ["--expert-model-parallel-size", "2"]),
 }
 
 
@@ -342,3 +386,57 @@ def test_moe_checkpoint_reshards_across_expert_layouts(run_distributed, moe_refe
     resumed = _losses(run_distributed, 2, MOE + save + _parallel(tp=2, sp=True) + [
         "--load", str(tmp_path / "ckpt")])
     assert first + resumed == pytest.approx(moe_reference, rel=1e-5)
+
+
+# ---------------------------------------------------------------- dropout on
+# Megatron's default dropouts (hidden and attention 0.1): every mask is a function of (seed,
+# layer, global sample, global position, hidden index or head and key position), so each
+# layout draws the single process's masks and the curve is the same within the same 1e-5
+# (4 iterations keep the run short; a mask drawn per rank would move the loss by ~1e-3).
+DROPOUT = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1",
+           "--train-iters", "4", "--lr-decay-iters", "4"]
+
+
+@pytest.fixture(scope="module")
+def dropout_reference(run_distributed, reference):
+    losses = _losses(run_distributed, 1, DROPOUT)
+    assert len(losses) == 4
+    assert losses != pytest.approx(reference[:4], rel=1e-4)   # the dropout is on
+    return losses
+
+
+DROPOUT_LAYOUTS = {
+    "tp2-sp": (2, _parallel(tp=2, sp=True)),
+    "pp2": (2, _parallel(pp=2)),
+    "pp2-vpp2": (2, _parallel(pp=2, vpp_layers=2)),
+    "dp2": (2, _parallel()),
+    # recompute regenerates the masks: full (uniform groups) and selective (attention, norms, MLP)
+    "tp2-full-recompute": (2, _parallel(tp=2) + [
+        "--recompute-granularity", "full", "--recompute-method", "uniform",
+        "--recompute-num-layers", "2"]),
+    "tp2-selective-recompute-sp": (2, _parallel(tp=2, sp=True) + [
+        "--recompute-activations", "--recompute-modules", "core_attn", "layernorm", "mlp"]),
+    # context parallelism, each comm type: every attention block draws the single-process mask
+    # of its global (query, key) positions; Ulysses' heads keep their global index
+    "cp2-p2p": (2, _parallel(cp=2)),
+    "cp2-allgather": (2, _parallel(cp=2, cp_comm_type="all_gather")),
+    "cp2-a2a": (2, _parallel(cp=2, cp_comm_type="a2a")),
+    "tp2-cp2-sp-p2p": (4, _parallel(tp=2, sp=True, cp=2)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(DROPOUT_LAYOUTS))
+def test_dropout_layout_reproduces_single_process_losses(run_distributed, dropout_reference,
+                                                         name):
+    world_size, argv = DROPOUT_LAYOUTS[name]
+    losses = _losses(run_distributed, world_size, DROPOUT + argv)
+    assert losses == pytest.approx(dropout_reference, rel=1e-5)
+
+
+def test_dropout_moe_ep2_reproduces_single_process(run_distributed):
+    """The MoE model with dropout on: ep = 2 (two data-parallel replicas each holding half the
+    experts) draws the single process's masks."""
+    single = _losses(run_distributed, 1, MOE + DROPOUT)
+    layout = _losses(run_distributed, 2, MOE + DROPOUT + ["--expert-model-parallel-size", "2"])
+    assert single[-1] < single[0]
+    assert layout == pytest.approx(single, rel=1e-5)

@@ -15,6 +15,8 @@ from tpfuse.kernels.flash_attention_reference import (explicit_backward, explici
 from tpfuse.kernels.layer_norm import layer_norm
 from tpfuse.kernels.matmul import matmul
 from tpfuse.kernels.matmul_rs import matmul_reduce_scatter
+from tpfuse.kernels.philox import (AttentionDropout, RowCoordinates, attention_keep_mask,
+                                   dropout_key, hidden_keep_mask)
 from tpfuse.kernels.rms_norm import rms_norm
 from tpfuse.kernels.wgrad import linear_with_grad_accumulation
 from tpfuse.parallel.mappings import (copy_to_region, gather_from_region,
@@ -27,7 +29,7 @@ __all__ = [
     "explicit_forward", "explicit_probs", "repeat_kv", "attention_forward", "bias_dropout_add",
     "cross_entropy", "cross_entropy_loss_from_stats", "cross_entropy_shard_grad",
     "cross_entropy_shard_stats", "MAX_HEAD_DIM", "MIN_HEAD_DIM", "flash_attention", "layer_norm",
-    "merge_attention",
+    "merge_attention", "AttentionDropout", "RowCoordinates", "attention_keep_mask", "dropout_key", "hidden_keep_mask",
     "linear_with_grad_accumulation", "matmul", "matmul_reduce_scatter", "rms_norm", "copy_to_region", "gather_from_region",
     "gather_from_sequence_parallel_region", "reduce_from_region",
     "reduce_scatter_to_sequence_parallel_region", "scatter_to_region",

@@ -14,10 +14,14 @@ On CPU without sequence parallelism the QKV and projection GEMMs run on batch-fi
 (b, s, ·) and the output is an (s, b, h) view of the projection's (b, s, h): ATen's CPU flash
 attention is faster on batch-first q/k/v (``qkv_layout.py``); the values are the same.
 
-Attention dropout (``attention_dropout > 0`` in training) needs the probabilities, which the flash
-kernel never materialises: that case runs an explicit fp32 softmax → dropout → @ v path, and the
-dropout draws from the model-parallel RNG stream (``get_rng_tracker().fork()``), as this rank's
-heads are a partitioned region. The same explicit path serves head dims the flash kernel does not
+Attention dropout (``attention_dropout > 0`` in training) with the model's
+``dropout_coordinates``: the kernels' ``AttentionDropout``, a mask of (seed, layer, global sample,
+global head, global query and key positions), the same at every tp / cp layout: inside the
+flash kernels (regenerated per tile in backward; on CPU the kernels' torch path materialises it),
+on the explicit fp32 softmax → dropout → @ v path for head dims the kernels do not take, and at
+cp > 1 inside every block of the context-parallel attention. Without coordinates (a layer used
+on its own) the explicit path draws from the model-parallel RNG stream
+(``get_rng_tracker().fork()``), as this rank's heads are a partitioned region. The explicit path also serves head dims the flash kernel does not
 support (``kernels.flash_attention`` takes 16 ≤ d ≤ 128; tiny test models use d = 4).
 ``forward`` returns ``(output, bias)`` (bias added by the caller's bias-dropout-add; ``None``
 without ``add_bias_linear``, and at tp = 1, where no reduction separates the projection GEMM from
@@ -63,7 +67,7 @@ from .context_parallel import (canonical_comm_type, check_context_parallel_heads
 from .init import normal_init
 from .linear import ColumnParallelLinear, RowParallelLinear
 from .qkv_layout import batch_first_attention, split_qkv
-from .random import get_rng_tracker
+from .random import ATTENTION_PROBS, dropout_site, get_rng_tracker
 from .rope import apply_rotary, default_position_ids, rotary_cos_sin
 
 POSITION_EMBEDDINGS = ("learned_absolute", "rope")
@@ -97,10 +101,6 @@ def check_context_parallel_layer(cp_size: int, comm_type: str, heads_local: int,
     if cp_size == 1:
         return
     check_context_parallel_heads(comm_type, heads_local, groups_local, cp_size)
-    if attention_dropout > 0:
-        raise ValueError(f"attention_dropout={attention_dropout} with context_parallel_size="
-                         f"{cp_size}: context-parallel attention runs the flash building blocks, "
-                         "which have no dropout; set attention_dropout=0 (--attention-dropout 0)")
 
 
 class ParallelAttention(nn.Module):
@@ -111,8 +111,10 @@ class ParallelAttention(nn.Module):
                  init_method_std: float = 0.02, output_layer_init_std: float | None = None,
                  params_dtype: torch.dtype = torch.float32, recompute_core_attention: bool = False,
                  group=None, state=None, window_size: int | None = None,
-                 cp_comm_type: str = "p2p", cp_group=None):
+                 cp_comm_type: str = "p2p", cp_group=None, layer_number: int = 1,
+                 add_qkv_bias: bool = False):
         super().__init__()
+        self.layer_number = layer_number
         self.tp = resolve_tp_group(group, state)
         self.cp = resolve_cp_group(cp_group, state, group)
         self.recompute_core_attention = recompute_core_attention
@@ -140,7 +142,8 @@ class ParallelAttention(nn.Module):
                       params_dtype=params_dtype, group=self.tp.group)
         qkv_rows = (num_attention_heads + 2 * groups) * self.head_dim
         self.linear_qkv = ColumnParallelLinear(
-            hidden_size, qkv_rows, init_method=normal_init(init_method_std), **common)
+            hidden_size, qkv_rows, init_method=normal_init(init_method_std),
+            **dict(common, bias=add_bias_linear or add_qkv_bias))
         self.linear_proj = RowParallelLinear(
             num_attention_heads * self.head_dim, hidden_size, input_is_parallel=True,
             skip_bias_add=True, init_method=normal_init(output_layer_init_std or init_method_std),
@@ -152,7 +155,7 @@ class ParallelAttention(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, position_ids: torch.Tensor | None = None,
                 inference_context=None, rotary_pos_emb=None,
-                document_ids: torch.Tensor | None = None):
+                document_ids: torch.Tensor | None = None, dropout_coordinates=None):
         seq, batch = self.full_sequence_length(hidden_states), hidden_states.shape[1]
         if inference_context is not None and self.cp.size > 1:
             raise ValueError(f"inference_context with context_parallel_size={self.cp.size}: the "
@@ -180,9 +183,9 @@ class ParallelAttention(nn.Module):
             context = self._cached_attention(q, k, v, inference_context)
         elif self.recompute_core_attention and self.training:
             context = checkpoint(self._core_attention, q, k, v, cos, sin,   # keeps q, k, v
-                                 document_ids)
+                                 document_ids, dropout_coordinates)
         else:
-            context = self._core_attention(q, k, v, cos, sin, document_ids)
+            context = self._core_attention(q, k, v, cos, sin, document_ids, dropout_coordinates)
         width = self.heads_local * self.head_dim
         if batch_first:                                           # a view of the torch path's output
             output, bias = self.linear_proj(context.transpose(1, 2).reshape(batch, seq, width),
@@ -197,22 +200,41 @@ class ParallelAttention(nn.Module):
             return q, k
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
-    def _core_attention(self, q, k, v, cos, sin, document_ids=None):
+    def _core_attention(self, q, k, v, cos, sin, document_ids=None, dropout_coordinates=None):
         """Rotary (when cos/sin are given) and causal attention (within the window and the
         documents): [b, h_l, s, d] → [b, h_l, s, d] (the region ``core_attn`` recompute re-runs);
         context-parallel over the cp group when cp > 1 (s = this rank's s/cp tokens)."""
         q, k = self._rotate(q, k, cos, sin)
         dropout = self.attention_dropout if self.training else 0.0
+        drop = self._attention_dropout(dropout, dropout_coordinates, q.shape[0])
         if self.cp.size > 1:
+            if dropout > 0 and drop is None:
+                raise ValueError("attention dropout under context parallelism needs the model's "
+                                 "dropout_coordinates (global sample and positions of the tokens)")
             return context_parallel_attention(
                 q.contiguous(), k.contiguous(), v.contiguous(), self.cp, self.cp_comm_type,
-                window_size=self.window_size, document_ids=document_ids)
-        if dropout > 0 or not FLASH_HEAD_DIMS[0] <= self.head_dim <= FLASH_HEAD_DIMS[1]:
+                window_size=self.window_size, document_ids=document_ids, dropout=drop)
+        flash_dims = FLASH_HEAD_DIMS[0] <= self.head_dim <= FLASH_HEAD_DIMS[1]
+        if drop is not None and flash_dims:         # the kernels draw the mask per tile
+            return _deps.flash_attention(q, k, v, causal=True, window_size=self.window_size,
+                                         q_document_ids=document_ids,
+                                         k_document_ids=document_ids, dropout=drop)
+        if dropout > 0 or not flash_dims:
             return self._explicit_attention(q, k, v, dropout, q_document_ids=document_ids,
-                                            k_document_ids=document_ids)
+                                            k_document_ids=document_ids, drop=drop)
         return _deps.flash_attention(q, k, v, causal=True,   # strided views in and out
                                      window_size=self.window_size, q_document_ids=document_ids,
                                      k_document_ids=document_ids)
+
+    def _attention_dropout(self, p: float, coordinates, batch: int):
+        """The kernels' ``AttentionDropout`` of this layer (None without dropout or coordinates):
+        global sample ``first_sample + i``, global head ``tp_rank · h_l + j``; the attention
+        calls' offsets are the tokens' global positions (cp = 1: 0..s−1; cp > 1: the chunks')."""
+        if p == 0 or coordinates is None:
+            return None
+        key = _deps.dropout_key(coordinates.seed, dropout_site(self.layer_number, ATTENTION_PROBS))
+        return _deps.AttentionDropout(p, key, coordinates.first_sample,
+                                      self.tp.rank * self.heads_local)
 
     def default_position_ids(self, batch: int, seq: int, device) -> torch.Tensor:
         """``(b, s)`` positions of the local tokens: 0..s−1, or under context parallelism the
@@ -239,7 +261,7 @@ class ParallelAttention(nn.Module):
                                         q_document_ids=q_ids, k_document_ids=k_ids)
 
     def _explicit_attention(self, q, k, v, dropout: float, q_offset: int = 0,
-                            q_document_ids=None, k_document_ids=None):
+                            q_document_ids=None, k_document_ids=None, drop=None):
         """softmax(q kᵀ/√d + mask) → dropout (TP stream) → @ v, in fp32 (flash has no dropout):
         the kernels' explicit path (``kernels.flash_attention_reference.explicit_probs``).
 
@@ -251,7 +273,10 @@ class ParallelAttention(nn.Module):
                                    q_offset=q_offset)
         visible = mask.visible(q.shape[2], k.shape[2], q.device)                # (b | 1, 1, s_q, s_k)
         probs, _ = _deps.explicit_probs(q, k, 1.0 / math.sqrt(self.head_dim), visible)
-        if dropout > 0:
+        if drop is not None:                         # layout-invariant: global coordinates
+            b, h, s_q, s_k = probs.shape
+            probs = probs * drop.factor(b, h, s_q, s_k, q_offset, 0, probs.device, probs.dtype)
+        elif dropout > 0:
             with get_rng_tracker().fork():
                 probs = F.dropout(probs, dropout, training=True)
         return (probs @ _deps.repeat_kv(v, self.heads_per_group, probs.dtype)).to(q.dtype)

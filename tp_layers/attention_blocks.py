@@ -11,6 +11,10 @@ keywords: causal, ``window_size``, document ids, position offsets, held in the k
 - a pair whose every key is visible to every query (no window, no documents) is passed as a full,
   unshifted mask and a diagonal pair as an aligned causal one (the kernels' cheapest tile loops).
 
+Attention dropout (``dropout``: the kernels' ``AttentionDropout``) masks each probability by its
+global sample, head and the positions the mask's offsets give, so a block draws exactly the
+single-process mask of its (query, key) rectangle; its lse stays undropped and merges as before.
+
 ``chunk_pairs`` lists which (query chunk, key chunk) pairs of a causal / windowed sequence hold any
 visible key, ``ChunkPlan`` turns them into block calls with their masks; ``BlockAttention`` is the
 autograd Function over one call. Context-parallel attention cuts its work into c × c blocks
@@ -42,39 +46,56 @@ def default_scale(head_dim: int, softmax_scale: float | None) -> float:
 
 # ----------------------------------------------------------------------------- dispatch
 
-def block_forward(q, k, v, scale: float, mask: AttentionMask):
+def _drop_factor(q, k, mask: AttentionMask, dropout):
+    """The explicit path's dropout factor (b, h, s_q, s_k) fp32, or None without dropout."""
+    if dropout is None:
+        return None
+    b, h, s_q, _ = q.shape
+    return dropout.factor(b, h, s_q, k.shape[2], mask.q_offset, mask.k_offset, q.device,
+                          torch.float64 if q.dtype == torch.float64 else torch.float32)
+
+
+def _kernel_mask(mask: AttentionMask, s_q: int, s_k: int, dropout) -> AttentionMask:
+    """The mask the kernels get: simplified, unless dropout needs its absolute offsets."""
+    return mask if dropout is not None else mask.simplified(s_q, s_k)
+
+
+def block_forward(q, k, v, scale: float, mask: AttentionMask, dropout=None):
     """``(out (b, h, s_q, d), lse (b, h, s_q) fp32)`` of q over these keys only."""
     if not kernel_takes(q.shape[-1]):
-        return _deps.explicit_forward(q, k, v, scale, mask.visible(q.shape[2], k.shape[2], q.device))
-    mask = mask.simplified(q.shape[2], k.shape[2])
-    return _deps.attention_forward(q, k, v, softmax_scale=scale, **mask.keywords())
+        return _deps.explicit_forward(q, k, v, scale, mask.visible(q.shape[2], k.shape[2], q.device),
+                                      _drop_factor(q, k, mask, dropout))
+    mask = _kernel_mask(mask, q.shape[2], k.shape[2], dropout)
+    return _deps.attention_forward(q, k, v, softmax_scale=scale, dropout=dropout,
+                                   **mask.keywords())
 
 
-def block_backward(dout, q, k, v, out, lse, scale: float, mask: AttentionMask):
+def block_backward(dout, q, k, v, out, lse, scale: float, mask: AttentionMask, dropout=None):
     """``(dq, dk, dv)``: this key block's part of the gradient (dq sums over blocks)."""
     if not kernel_takes(q.shape[-1]):
         return _deps.explicit_backward(dout, q, k, v, out, lse, scale,
-                                       mask.visible(q.shape[2], k.shape[2], q.device))
-    mask = mask.simplified(q.shape[2], k.shape[2])
+                                       mask.visible(q.shape[2], k.shape[2], q.device),
+                                       _drop_factor(q, k, mask, dropout))
+    mask = _kernel_mask(mask, q.shape[2], k.shape[2], dropout)
     return _deps.attention_backward(dout, q, k, v, out, lse, softmax_scale=scale,
-                                    **mask.keywords())
+                                    dropout=dropout, **mask.keywords())
 
 
 class BlockAttention(torch.autograd.Function):
     """``out = attention(q, k, v)`` over one block, differentiable in q, k, v (any head dim)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, scale, mask):
-        out, lse = block_forward(q, k, v, scale, mask)
+    def forward(ctx, q, k, v, scale, mask, dropout=None):
+        out, lse = block_forward(q, k, v, scale, mask, dropout)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.settings = (scale, mask)
+        ctx.settings = (scale, mask, dropout)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = block_backward(dout.contiguous(), q, k, v, out, lse, *ctx.settings)
-        return dq, dk, dv, None, None
+        return dq, dk, dv, None, None, None
 
 
 # ------------------------------------------------------------------------ which pairs to compute
@@ -111,6 +132,7 @@ class ChunkPlan:
     causal: bool
     window_size: int | None
     document_ids: torch.Tensor | None   # (b, s) of the whole sequence, natural order
+    dropout: object = None              # the kernels' AttentionDropout, or None
 
     def chunks_of(self, cp_rank: int) -> tuple[int, int]:
         return cp_rank, 2 * self.cp_size - 1 - cp_rank
@@ -152,7 +174,7 @@ def attend_key_chunks(q, kv, plan: ChunkPlan, key_chunks, out, lse) -> None:
     c = plan.chunk_len
     for qi, ki, mask in plan.pairs(key_chunks):
         part_out, part_lse = block_forward(chunk(q, qi, c), chunk(kv[0], ki, c),
-                                           chunk(kv[1], ki, c), plan.scale, mask)
+                                           chunk(kv[1], ki, c), plan.scale, mask, plan.dropout)
         merge_into(chunk(out, qi, c), lse.narrow(-1, qi * c, c), part_out, part_lse)
 
 
@@ -164,7 +186,7 @@ def attend_key_chunks_backward(dout, q, kv, out, lse, plan: ChunkPlan, key_chunk
     for qi, ki, mask in plan.pairs(key_chunks):
         part_dq, part_dk, part_dv = block_backward(
             chunk(dout, qi, c), chunk(q, qi, c), chunk(kv[0], ki, c), chunk(kv[1], ki, c),
-            chunk(out, qi, c), lse.narrow(-1, qi * c, c), plan.scale, mask)
+            chunk(out, qi, c), lse.narrow(-1, qi * c, c), plan.scale, mask, plan.dropout)
         chunk(dq, qi, c).add_(part_dq)
         chunk(dkv[0], ki, c).add_(part_dk)
         chunk(dkv[1], ki, c).add_(part_dv)

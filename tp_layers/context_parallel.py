@@ -26,6 +26,8 @@ once per call, a ``(b, s)`` integer tensor), and return ``(b, h, 2c, d)``.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import torch.distributed as dist
 
@@ -131,12 +133,15 @@ def _sequence_to_heads(x, cp):
     return received.transpose(0, 1).reshape(b, cp.size * n_part, s // cp.size, d)
 
 
-def ulysses_attention(q, k, v, cp, scale, causal, window_size, ids):
-    """All-to-all to (h/cp heads, whole sequence), one attention call, all-to-all back."""
+def ulysses_attention(q, k, v, cp, scale, causal, window_size, ids, dropout=None):
+    """All-to-all to (h/cp heads, whole sequence), one attention call, all-to-all back. Rank j
+    holds heads [j·h/cp, (j+1)·h/cp) of the local ones: dropout's head offset moves by that."""
     q_full, k_full, v_full = (_heads_to_sequence(t, cp) for t in (q, k, v))
     mask = AttentionMask(causal=causal, window_size=window_size, q_document_ids=ids,
                      k_document_ids=ids)
-    out = BlockAttention.apply(q_full, k_full, v_full, scale, mask)          # (b, h/cp, s, d)
+    if dropout is not None:
+        dropout = replace(dropout, head_offset=dropout.head_offset + cp.rank * q_full.shape[1])
+    out = BlockAttention.apply(q_full, k_full, v_full, scale, mask, dropout)  # (b, h/cp, s, d)
     return _sequence_to_heads(out, cp)
 
 
@@ -144,27 +149,29 @@ def ulysses_attention(q, k, v, cp, scale, causal, window_size, ids):
 
 def context_parallel_attention(q, k, v, cp, comm_type: str = "p2p", *, causal: bool = True,
                                softmax_scale: float | None = None, window_size: int | None = None,
-                               document_ids: torch.Tensor | None = None) -> torch.Tensor:
+                               document_ids: torch.Tensor | None = None,
+                               dropout=None) -> torch.Tensor:
     """Exact attention of this rank's queries over the whole sequence (see the module docstring).
 
     ``q (b, h, 2c, d)``, ``k, v (b, g, 2c, d)``: this cp rank's chunks r and 2·cp−1−r; ``cp`` a
     ``tp_layers._group.CPGroup``; ``document_ids (b, 2c)`` int or None; ``window_size`` as
-    flash_attention's (the last W positions). Differentiable in q, k, v.
+    flash_attention's (the last W positions); ``dropout``: the kernels' ``AttentionDropout``
+    (each block draws the single-process mask of its global positions). Differentiable in q, k, v.
     """
     comm_type = canonical_comm_type(comm_type)
     scale = default_scale(q.shape[-1], softmax_scale)
     if cp.size == 1:
         mask = AttentionMask(causal=causal, window_size=window_size, q_document_ids=document_ids,
                          k_document_ids=document_ids)
-        return BlockAttention.apply(q, k, v, scale, mask)
+        return BlockAttention.apply(q, k, v, scale, mask, dropout)
     if q.shape[2] % 2:
         raise ValueError(f"context-parallel attention: local sequence {q.shape[2]} must hold two "
                          "equal chunks")
     check_context_parallel_heads(comm_type, q.shape[1], k.shape[1], cp.size)
     ids = None if document_ids is None else gather_document_ids(document_ids, cp)
     if comm_type == "a2a":
-        return ulysses_attention(q, k, v, cp, scale, causal, window_size, ids)
-    plan = ChunkPlan(cp.size, cp.rank, q.shape[2] // 2, scale, causal, window_size, ids)
+        return ulysses_attention(q, k, v, cp, scale, causal, window_size, ids, dropout)
+    plan = ChunkPlan(cp.size, cp.rank, q.shape[2] // 2, scale, causal, window_size, ids, dropout)
     if comm_type == "p2p":
         return ring_attention(q, k, v, cp, plan)
     return AllGatherAttention.apply(q, k, v, cp, plan)

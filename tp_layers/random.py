@@ -23,15 +23,23 @@ block — ``torch.nn.functional.dropout``, or the seed ``kernels.bias_dropout_ad
 CPU generator — uses the tracked stream; on exit the stream's state is saved and the previous
 state restored. A stream's state in ``get_states()`` is its CUDA generator state when it has one
 (Megatron's format) plus its CPU state under ``"<name>/cpu"``, else its CPU generator state.
+
+GPT models do not draw their dropout masks from these streams: each mask is a function of the
+seed, the layer and the element's global coordinates (``DropoutCoordinates`` below, Philox in
+``kernels/philox.py``), so every layout draws the single process's masks. The tracker remains
+for layers used on their own (no coordinates given) and for Megatron-style code.
 """
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 
 import torch
 
+
 from tpfuse.parallel.state import resolve_state_or_none
 
+from ._deps import RowCoordinates, dropout_key, hidden_keep_mask
 from ._group import resolve_tp_group
 
 MODEL_PARALLEL_RNG = "model-parallel-rng"
@@ -176,3 +184,58 @@ def model_parallel_seed(seed: int, state=None, group=None, *, ep_rank: int | Non
 def partitioned_region_rng(partitioned: bool):
     """``fork()`` when the activations are partitioned across TP ranks, else the default stream."""
     return _TRACKER.fork() if partitioned else contextlib.nullcontext()
+
+
+# ----------------------------------------------------------------------------- layout-invariant
+# Dropout masks as pure functions of global coordinates (``kernels/philox.py``): the model
+# builds one ``DropoutCoordinates`` per micro-batch forward and hands it to its embedding and
+# layers; a layer derives each of its dropouts' coordinates from it. Nothing is drawn from a
+# generator, so no tracker stream is involved and recompute (which re-runs the forward with the
+# same coordinates) regenerates the same masks.
+
+EMBEDDING_SITE = 0
+ATTENTION_OUTPUT, MLP_OUTPUT, ATTENTION_PROBS = 1, 2, 3
+SITES_PER_LAYER = 4
+
+
+def dropout_site(layer_number: int, kind: int) -> int:
+    """The Philox site of a dropout: 4 · (global layer number, from 1) + kind; the embedding's
+    is 0."""
+    return SITES_PER_LAYER * layer_number + kind
+
+
+@dataclass(frozen=True)
+class DropoutCoordinates:
+    """Where a micro-batch sits in the global problem.
+
+    ``seed``: the run's seed; ``first_sample``: the global index of the micro-batch's first
+    sample (its position in the order the data sampler consumes samples, counted over every
+    data-parallel rank); ``positions``: ``(s/cp,)`` global sequence positions of this rank's
+    tokens (chunks r and 2·cp−1−r under context parallelism, else 0..s−1)."""
+    seed: int
+    first_sample: int
+    positions: torch.Tensor
+
+    def samples(self, batch: int, device=None) -> torch.Tensor:
+        """``(b,)`` global sample indices of the micro-batch's rows."""
+        return self.first_sample + torch.arange(batch, device=device)
+
+    def rows(self, site: int, seq_local: int, batch: int, tp_rank: int = 0,
+             sequence_parallel: bool = False) -> RowCoordinates:
+        """Row coordinates of an ``(s_local, b, h)`` activation flattened to ``(s_local·b, h)``
+        (row = token · b + sample): under sequence parallelism TP rank t holds tokens
+        ``[t·s_local, (t+1)·s_local)`` of this rank's sequence."""
+        start = tp_rank * seq_local if sequence_parallel else 0
+        positions = self.positions[start:start + seq_local]
+        if positions.shape[0] != seq_local:
+            raise ValueError(f"DropoutCoordinates hold {self.positions.shape[0]} positions; an "
+                             f"activation of {seq_local} tokens at offset {start} lies outside")
+        samples = self.samples(batch, positions.device)
+        return RowCoordinates(dropout_key(self.seed, site),
+                              positions.repeat_interleave(batch), samples.repeat(seq_local))
+
+
+def coordinate_dropout(x: torch.Tensor, p: float, coordinates: RowCoordinates) -> torch.Tensor:
+    """``x ⊙ m / (1 − p)`` for x ``(..., H)`` with the layout-invariant mask of its rows."""
+    keep = hidden_keep_mask(p, coordinates, x.shape[-1], x.device)
+    return x * (keep.to(x.dtype) * (1.0 / (1.0 - p))).reshape(x.shape)

@@ -19,12 +19,35 @@ def default_position_ids(batch: int, seq_len: int, device=None) -> torch.Tensor:
     return torch.arange(seq_len, device=device).expand(batch, seq_len)
 
 
-def rotary_cos_sin(position_ids: torch.Tensor, head_dim: int, base: float = 10000.0):
-    """cos, sin of shape ``(b, 1, s, d)`` (fp32) for ``position_ids (b, s)``."""
+LLAMA3_LOW_FREQ_FACTOR, LLAMA3_HIGH_FREQ_FACTOR, LLAMA3_ORIGINAL_CONTEXT = 1.0, 4.0, 8192
+
+
+def llama3_scaled(inv_freq: torch.Tensor, factor: float) -> torch.Tensor:
+    """Llama 3.x rotary scaling (Megatron's ``--use-rope-scaling``, HF's rope_type 'llama3'),
+    with Llama 3's constants: original context C = 8192, low / high frequency factors 1 / 4.
+
+    A frequency of wavelength λ = 2π / f is kept when λ < C / 4 (high frequencies), divided by
+    ``factor`` when λ > C / 1 (low frequencies), and in between interpolated:
+    f' = (1 − t) · f / factor + t · f with t = (C / λ − 1) / (4 − 1)."""
+    low, high, context = LLAMA3_LOW_FREQ_FACTOR, LLAMA3_HIGH_FREQ_FACTOR, LLAMA3_ORIGINAL_CONTEXT
+    wavelength = 2 * torch.pi / inv_freq
+    smooth = (context / wavelength - low) / (high - low)
+    interpolated = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    scaled = torch.where(wavelength > context / low, inv_freq / factor, inv_freq)
+    medium = (wavelength >= context / high) & (wavelength <= context / low)
+    return torch.where(medium, interpolated, scaled)
+
+
+def rotary_cos_sin(position_ids: torch.Tensor, head_dim: int, base: float = 10000.0,
+                   scaling_factor: float | None = None):
+    """cos, sin of shape ``(b, 1, s, d)`` (fp32) for ``position_ids (b, s)``; ``scaling_factor``:
+    Llama 3's frequency scaling by that factor (``llama3_scaled``), None: none."""
     if head_dim % 2:
         raise ValueError(f"rotary embeddings need an even head dim, got {head_dim}")
     exponents = torch.arange(0, head_dim, 2, device=position_ids.device, dtype=torch.float32)
     inv_freq = base ** (-exponents / head_dim)                          # (d/2,)
+    if scaling_factor is not None:
+        inv_freq = llama3_scaled(inv_freq, scaling_factor)
     angles = position_ids.float()[..., None] * inv_freq                 # (b, s, d/2)
     angles = torch.cat([angles, angles], dim=-1)[:, None]               # (b, 1, s, d)
     return angles.cos(), angles.sin()

@@ -8,7 +8,11 @@ from ``position_ids (b, s)`` over the full sequence, default 0..s−1). Under co
 is this cp rank's s/cp tokens (its two load-balanced chunks). ``document_ids (b, s)`` keep
 attention inside packed documents; ``window_size`` / ``cp_comm_type``: ParallelAttention's.
 
-Hidden dropout (in ``bias_dropout_add``, whose seed is drawn from the active generator):
+Hidden and attention dropout with ``dropout_coordinates`` (``random.DropoutCoordinates``, what
+a GPT model passes): every mask is a function of (seed, ``layer_number``, the element's global
+sample, position and hidden / head index), the same at every layout (``kernels/philox.py``).
+Without coordinates (a layer used on its own) the hidden dropout's seed is drawn from the active
+generator:
 without sequence parallelism the activations are replicated over TP, so the seed comes from the
 default generator and every TP rank drops the same elements; with sequence parallelism each rank
 holds different tokens, so the seed comes from the model-parallel stream (``fork()``). Norm
@@ -40,7 +44,7 @@ from .attention import ParallelAttention
 from .mlp import ParallelMLP
 from .norm import Norm
 from .qkv_layout import batch_first_attention
-from .random import partitioned_region_rng
+from .random import ATTENTION_OUTPUT, MLP_OUTPUT, dropout_site, partitioned_region_rng
 
 
 class TransformerLayer(nn.Module):
@@ -54,7 +58,7 @@ class TransformerLayer(nn.Module):
                  output_layer_init_std: float | None = None,
                  params_dtype: torch.dtype = torch.float32, recompute_modules=(), state=None,
                  group=None, window_size: int | None = None, cp_comm_type: str = "p2p",
-                 mlp_builder=None):
+                 mlp_builder=None, layer_number: int = 1, add_qkv_bias: bool = False):
         super().__init__()
         if not 0.0 <= hidden_dropout < 1.0:
             raise ValueError(f"hidden_dropout must be in [0, 1), got {hidden_dropout}")
@@ -64,7 +68,7 @@ class TransformerLayer(nn.Module):
         self.recompute_modules = tuple(recompute_modules)
         self.tp = resolve_tp_group(group, state)
         self.hidden_size, self.hidden_dropout = hidden_size, hidden_dropout
-        self.sequence_parallel = sequence_parallel
+        self.sequence_parallel, self.layer_number = sequence_parallel, layer_number
         norm = dict(normalization=normalization, eps=layernorm_epsilon,
                     sequence_parallel=sequence_parallel, params_dtype=params_dtype,
                     group=self.tp.group)
@@ -76,15 +80,16 @@ class TransformerLayer(nn.Module):
             hidden_size, num_attention_heads, num_query_groups=num_query_groups,
             attention_dropout=attention_dropout, position_embedding_type=position_embedding_type,
             rotary_base=rotary_base, recompute_core_attention="core_attn" in recompute_modules,
-            window_size=window_size, cp_comm_type=cp_comm_type,
-            cp_group=resolve_cp_group(None, state, group).group, **common)
+            window_size=window_size, cp_comm_type=cp_comm_type, add_qkv_bias=add_qkv_bias,
+            cp_group=resolve_cp_group(None, state, group).group, layer_number=layer_number,
+            **common)
         self.pre_mlp_norm = Norm(hidden_size, **norm)
         self.mlp = (mlp_builder() if mlp_builder is not None else
                     ParallelMLP(hidden_size, ffn_hidden_size, activation=activation, **common))
 
     def forward(self, hidden_states: torch.Tensor, position_ids: torch.Tensor | None = None,
                 inference_context=None, rotary_pos_emb=None,
-                document_ids: torch.Tensor | None = None):
+                document_ids: torch.Tensor | None = None, dropout_coordinates=None):
         if hidden_states.dim() != 3 or hidden_states.shape[-1] != self.hidden_size:
             raise ValueError(f"hidden_states must be (s, b, {self.hidden_size}), got "
                              f"{tuple(hidden_states.shape)}")
@@ -95,13 +100,15 @@ class TransformerLayer(nn.Module):
                                                   position_ids,
                                                   inference_context=inference_context,
                                                   rotary_pos_emb=rotary_pos_emb,
-                                                  document_ids=document_ids)
+                                                  document_ids=document_ids,
+                                                  dropout_coordinates=dropout_coordinates)
         if "layernorm" in recompute:
             input_norm.discard(attn_out)             # the QKV GEMM has taken its input
-        hidden_states = self._bias_dropout_add(attn_out, attn_bias, hidden_states)
+        hidden_states = self._bias_dropout_add(attn_out, attn_bias, hidden_states,
+                                               dropout_coordinates, ATTENTION_OUTPUT)
         if "mlp" in recompute:
-            return checkpoint(self._mlp_block, hidden_states, False)
-        return self._mlp_block(hidden_states, "layernorm" in recompute)
+            return checkpoint(self._mlp_block, hidden_states, False, dropout_coordinates)
+        return self._mlp_block(hidden_states, "layernorm" in recompute, dropout_coordinates)
 
     def _attention_input(self, hidden_states, input_norm):
         """The input norm's output (s, b, h) for the attention. When the attention runs
@@ -113,18 +120,24 @@ class TransformerLayer(nn.Module):
             return input_norm(hidden_states)
         return input_norm(hidden_states.transpose(0, 1).contiguous()).transpose(0, 1)
 
-    def _mlp_block(self, hidden_states, recompute_norm: bool):
+    def _mlp_block(self, hidden_states, recompute_norm: bool, dropout_coordinates=None):
         """pre-MLP norm → MLP → bias-dropout-add(+hidden_states): (s or s/tp, b, h)."""
         norm = DiscardedOutput(self.pre_mlp_norm) if recompute_norm else self.pre_mlp_norm
         mlp_out, mlp_bias = self.mlp(norm(hidden_states))
         if recompute_norm:
             norm.discard(mlp_out)                    # fc1 has taken its input
-        return self._bias_dropout_add(mlp_out, mlp_bias, hidden_states)
+        return self._bias_dropout_add(mlp_out, mlp_bias, hidden_states, dropout_coordinates,
+                                      MLP_OUTPUT)
 
-    def _bias_dropout_add(self, x, bias, residual):
+    def _bias_dropout_add(self, x, bias, residual, dropout_coordinates=None, kind=MLP_OUTPUT):
         if not (self.training and self.hidden_dropout > 0):
             if bias is None:                         # the bias went into the GEMM: nothing to fuse
                 return residual + x
             return _deps.bias_dropout_add(x, bias, residual, 0.0, False, seed=0)
+        if dropout_coordinates is not None:          # (s[/tp], b, h): rows token-major
+            rows = dropout_coordinates.rows(dropout_site(self.layer_number, kind), x.shape[0],
+                                            x.shape[1], self.tp.rank, self.sequence_parallel)
+            return _deps.bias_dropout_add(x, bias, residual, self.hidden_dropout, True,
+                                          coordinates=rows)
         with partitioned_region_rng(self.sequence_parallel):
             return _deps.bias_dropout_add(x, bias, residual, self.hidden_dropout, True)

@@ -32,11 +32,13 @@ import argparse
 import dataclasses
 import math
 import os
+import re
 import sys
 
 from tpfuse.models.cli import add_config_arguments, config_from_args
 from tpfuse.models.config import config_fields
 from tpfuse.training import presets
+from tpfuse.training.fsdp import check_fsdp_layout
 from tpfuse.training.precision_args import check_model_precision
 from tpfuse.training.sample_args import check_sample_prompt
 from tpfuse.training.settings import (DEFAULT_SPLIT, GROUPS, DataSettings, TrainerSettings,
@@ -141,9 +143,27 @@ def settings_from_namespace(namespace) -> TrainerSettings:
     return TrainerSettings.from_values(values, preset=namespace.preset)
 
 
+_NEGATIVE_NUMBER = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$|^-inf$", re.IGNORECASE)
+
+
+def join_negative_values(argv: list[str]) -> list[str]:
+    """``--flag -1e-3`` → ``--flag=-1e-3``: argparse reads a value like ``-1e-3`` (an exponent)
+    as an option, so a flag given a negative number in the spaced form would fail with "expected
+    one argument" (and the number's own check — e.g. ``--lr must be > 0`` — never speak)."""
+    joined = []
+    for token in argv:
+        previous = joined[-1] if joined else ""
+        if _NEGATIVE_NUMBER.match(token) and previous.startswith("--") and "=" not in previous:
+            joined[-1] = f"{previous}={token}"
+        else:
+            joined.append(token)
+    return joined
+
+
 def parse_namespace(argv=None, defaults: dict | None = None) -> argparse.Namespace:
     """argparse's namespace of ``argv`` over Megatron's defaults, ``defaults`` and the preset."""
     parser = build_parser()
+    argv = join_negative_values(list(sys.argv[1:] if argv is None else argv))
     if defaults:
         parser.set_defaults(**_known_defaults(defaults, "pretrain's args_defaults"))
     preset = presets.preset_from_argv(argv)
@@ -160,16 +180,58 @@ def parse_namespace(argv=None, defaults: dict | None = None) -> argparse.Namespa
     return namespace
 
 
+CHECKPOINT_SHAPE_FIELDS = (
+    "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
+    "normalization", "layernorm_epsilon", "activation",
+    "position_embedding_type", "rotary_base", "use_rope_scaling", "rope_scaling_factor",
+    "window_size", "add_bias_linear", "add_qkv_bias", "untie_embeddings_and_output_weights",
+    "num_moe_experts", "moe_ffn_hidden_size", "moe_router_topk", "moe_layer_freq",
+    "moe_shared_expert_intermediate_size", "moe_router_score_function",
+    "moe_router_pre_softmax", "moe_router_num_groups", "moe_router_group_topk",
+    "moe_router_topk_scaling_factor")
+
+
+def apply_checkpoint_args(namespace) -> None:
+    """``--use-checkpoint-args``: the shape fields above from ``--load``'s recorded model config.
+
+    ``--seq-length`` stays this run's, and the vocabulary is the tokenizer's (as without the flag;
+    loading refuses a different real vocabulary by name). ``max_position_embeddings``: a learned position table is
+    a weight, so the checkpoint's limit is kept (and the config checks seq_length against it);
+    rotary positions have no table, so the limit becomes max(checkpoint's, --seq-length) and a
+    converted rotary model trains at any sequence length."""
+    from tpfuse.checkpoint.reading import read_checkpoint_head
+
+    try:
+        saved = read_checkpoint_head(namespace.load).get("model_config")
+    except FileNotFoundError as error:
+        raise ValueError(f"--use-checkpoint-args: {error}") from None
+    if saved is None:
+        raise ValueError(f"--use-checkpoint-args: checkpoint {namespace.load} records no model "
+                         "config (written by an older tpfuse); give the model flags")
+    for name in CHECKPOINT_SHAPE_FIELDS:
+        if name in saved and hasattr(namespace, name):
+            value = saved[name]
+            setattr(namespace, name, tuple(value) if name == "window_size" and value else value)
+    limit = saved.get("max_position_embeddings") or saved.get("seq_length")
+    if saved.get("position_embedding_type") == "rope":
+        limit = max(limit, namespace.seq_length)
+    namespace.max_position_embeddings = limit
+
+
 def parse_args(argv=None, defaults: dict | None = None):
     """``(config, settings)``: the TransformerConfig and the TrainerSettings of ``argv``, both
     validated; ``settings.tokenizer`` holds the built tokenizer."""
     namespace = parse_namespace(argv, defaults)
+    if getattr(namespace, "use_checkpoint_args", False) and namespace.load:
+        apply_checkpoint_args(namespace)
     _check_finite(namespace)
     _default_split(namespace)
     settings = settings_from_namespace(namespace)
     check_model_precision(settings.precision, bf16=namespace.bf16)
     tokenizer = build_tokenizer(settings.data, namespace.vocab_size)
     namespace.vocab_size = model_vocab_size(settings.data, namespace.vocab_size, tokenizer)
-    check_sample_prompt(settings.sample, tokenizer)
     config = config_from_args(namespace)
+    if settings.data_parallel.use_torch_fsdp2:
+        check_fsdp_layout(config)
+    check_sample_prompt(settings.sample, tokenizer, config)
     return config, dataclasses.replace(settings, tokenizer=tokenizer)

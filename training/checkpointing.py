@@ -9,7 +9,11 @@
 - End: the final state is saved unless the last iteration was just saved, and an asynchronous
   save is waited for, so the job never exits with a checkpoint half published.
 - ``--keep-last-checkpoints N`` deletes all but the newest N published checkpoints (never the one
-  the tracker names) after each publication.
+  just published, never one newer than it) after each publication.
+- A checkpoint folder is recognised by its manifest (``format.latest_iteration``), so a folder
+  whose tracker was lost resumes rather than looking empty. The trainer never replaces a folder it
+  did not write in this run: saving an iteration whose folder already exists is refused (naming
+  it) unless this run wrote it or resumed from it.
 """
 from __future__ import annotations
 
@@ -53,14 +57,36 @@ class Checkpointing:
     """The loop's saving policy; ``run`` is the training run (model, optimizer, scheduler, state,
     iteration, consumed_samples, and ``prepare_save() -> extra`` called before each save)."""
 
-    def __init__(self, args):
+    def __init__(self, args, resumed_from: int | None = None):
         self.args = args
+        # iterations whose folder in --save this run may replace: the ones it wrote, and the one
+        # it resumed from when it loads from the same folder (the same state)
+        self.own = set()
+        if resumed_from is not None and args.load and args.save and \
+                os.path.realpath(args.load) == os.path.realpath(args.save):
+            self.own.add(resumed_from)
         self.saver = AsyncCheckpointSaver(args.save, args.keep_last_checkpoints) \
             if args.save and args.async_save else None
         self.exits = ExitConditions(args)
-        self.last_saved = None
+        # resumed from --save itself: that iteration is saved already (a requeued finished job
+        # rewrites nothing)
+        self.last_saved = resumed_from if resumed_from in self.own else None
+
+    def check_not_foreign(self, iteration: int) -> None:
+        """Collective: refuse (on every rank) to save ``iteration`` over a folder another run
+        wrote."""
+        final = ckpt.iteration_dir(self.args.save, iteration)
+        error = None
+        if iteration not in self.own and checkpoint_io.existing_iteration_dir(final):
+            error = FileExistsError(
+                f"--save {self.args.save} already holds {os.path.basename(final)}, written by "
+                "another run (this run did not resume from it): refusing to replace it. Resume "
+                f"with --load {self.args.save}, or save into another folder")
+        ckpt.agree(error, f"saving checkpoint iteration {iteration}")
 
     def save(self, run) -> None:
+        self.check_not_foreign(run.iteration)
+        self.own.add(run.iteration)
         extra = run.prepare_save()
         items = (run.iteration, run.model, run.optimizer, run.scheduler, run.state,
                  run.consumed_samples, extra)

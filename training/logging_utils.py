@@ -44,13 +44,43 @@ def format_log_line(iteration: int, train_iters: int, record: dict,
     return " | ".join(parts) + " |"
 
 
+def read_metrics(path: str) -> tuple[list[dict], bool]:
+    """(records of ``path``, whether a torn last line was dropped). A last line that is not a
+    complete JSON record (what a full disk or a kill mid-write leaves) is dropped with a warning
+    naming the file; an unreadable line before it is a ValueError naming the file and line."""
+    with open(path, "rb") as handle:
+        lines = handle.read().split(b"\n")
+    records, torn = [], False
+    numbered = [(number, line) for number, line in enumerate(lines, start=1) if line.strip()]
+    for position, (number, line) in enumerate(numbered):
+        try:
+            record = json.loads(line)
+            if not isinstance(record, dict):
+                raise ValueError("not a JSON object")
+        except ValueError as error:
+            if position == len(numbered) - 1:
+                print(f"WARNING: --metrics-file {path}: its last line ({number}) is not a "
+                      f"complete record (a write cut short); dropping it", file=sys.stderr,
+                      flush=True)
+                torn = True
+                break
+            raise ValueError(f"--metrics-file {path}:{number}: not a JSON record ({error}); "
+                             "fix or move the file") from None
+        records.append(record)
+    return records, torn
+
+
 def truncate_metrics(path: str, start_iteration: int, drop_valid_at_start: bool) -> int:
     """Rewrite ``path`` (atomically) without the records after ``start_iteration`` (and without
-    the validation record at it when the run evaluates there again); returns how many went."""
+    the validation record at it when the run evaluates there again) and without a torn last
+    line; returns how many records went. The new file is written through an exclusive temporary
+    file renamed over ``path`` (``checkpoint.file_io.atomic_write_bytes``: no predictable name a
+    planted symlink could redirect)."""
+    from tpfuse.checkpoint.file_io import atomic_write_bytes
+
     if not os.path.exists(path):
         return 0
-    with open(path) as handle:
-        records = [json.loads(line) for line in handle if line.strip()]
+    records, torn = read_metrics(path)
 
     def keep(record):
         iteration = record.get("iteration", 0)
@@ -58,11 +88,8 @@ def truncate_metrics(path: str, start_iteration: int, drop_valid_at_start: bool)
             drop_valid_at_start and "valid_loss" in record))
 
     kept = [r for r in records if keep(r)]
-    if len(kept) < len(records):
-        tmp = f"{path}.truncating"
-        with open(tmp, "w") as handle:
-            handle.writelines(json.dumps(r) + "\n" for r in kept)
-        os.replace(tmp, path)
+    if len(kept) < len(records) or torn:
+        atomic_write_bytes(path, "".join(json.dumps(r) + "\n" for r in kept).encode())
     return len(records) - len(kept)
 
 

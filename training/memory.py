@@ -77,10 +77,29 @@ def activation_bytes(config, micro_batch_size: int, num_microbatches: int | None
 
 
 # -------------------------------------------------------------------- the start-up report
-def memory_record(optimizer, iteration: int) -> dict:
-    """The one metrics-file record written before the first iteration of a run (bytes on this
-    rank); ``iteration`` is where the run starts (0, or the resumed iteration)."""
-    return {"iteration": iteration, "memory_bytes": optimizer.memory_bytes()}
+def memory_record(optimizer, iteration: int, rank: int = 0) -> dict:
+    """The one metrics-file record written before the first iteration of a run (bytes on the
+    global rank ``rank``, the logging rank); ``iteration`` is where the run starts (0, or the
+    resumed iteration)."""
+    return {"iteration": iteration, "rank": rank, "memory_bytes": optimizer.memory_bytes()}
+
+
+def memory_plan_report(optimizer, config, settings, world_size: int, rank: int) -> str:
+    """``--log-memory-plan``: tpfuse-plan's four static kinds for this rank beside what it holds
+    (MiB; ``=`` where they agree to the byte), and the planned activation peak."""
+    from .plan_report import plan_layout
+
+    (planned,) = plan_layout(config, settings, world_size, ranks=[rank])["ranks"]
+    held = optimizer.memory_bytes()
+    parts = []
+    for kind, value in held.items():
+        plan = planned["memory_bytes"][kind]
+        mark = "=" if plan == value else "!="
+        parts.append(f"{kind.replace('_', ' ')} {value / MIB:.2f} {mark} plan {plan / MIB:.2f}")
+    activations = planned["memory_bytes"]["activations"] / MIB
+    return (f"> rank {rank} memory (MiB) held vs tpfuse-plan: " + ", ".join(parts)
+            + f" | planned activation peak {activations:.2f} MiB "
+            f"(micro-batches in flight per chunk {planned['in_flight_microbatches']})")
 
 
 def memory_report(optimizer, config, dp: int, micro_batch_size: int,

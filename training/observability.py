@@ -17,11 +17,12 @@ ImportError naming the flag and the package, raised at start-up.
 """
 from __future__ import annotations
 
-import json
+import io
 import os
 
 import torch
 
+from tpfuse.checkpoint.file_io import atomic_write_bytes
 from tpfuse.training.throughput import throughput
 
 SCALARS = {"loss": "lm loss", "lr": "learning-rate", "grad_norm": "grad-norm",
@@ -138,14 +139,14 @@ def write_loss_curve(metrics_file: str) -> str | None:
     """Train and validation loss of ``metrics_file`` drawn into a PNG beside it (its path)."""
     if not os.path.exists(metrics_file):
         return None
+    from tpfuse.training.logging_utils import read_metrics
+
     train, valid = [], []
-    with open(metrics_file) as handle:
-        for line in handle:
-            record = json.loads(line)
-            if record.get("loss") is not None:
-                train.append((record["iteration"], record["loss"]))
-            if record.get("valid_loss") is not None:
-                valid.append((record["iteration"], record["valid_loss"]))
+    for record in read_metrics(metrics_file)[0]:
+        if record.get("loss") is not None:
+            train.append((record["iteration"], record["loss"]))
+        if record.get("valid_loss") is not None:
+            valid.append((record["iteration"], record["valid_loss"]))
     if not train and not valid:
         return None
     import matplotlib
@@ -162,8 +163,10 @@ def write_loss_curve(metrics_file: str) -> str | None:
     axes.legend()
     axes.grid(alpha=0.3)
     path = loss_curve_path(metrics_file)
-    figure.savefig(path, dpi=100, bbox_inches="tight")
+    image = io.BytesIO()
+    figure.savefig(image, format="png", dpi=100, bbox_inches="tight")
     plt.close(figure)
+    atomic_write_bytes(path, image.getvalue())    # exclusive temporary file, then rename
     return path
 
 

@@ -119,8 +119,7 @@ class MixedPrecisionOptimizer:
         self.model_params = buffers.params
         self.clip_grad, self.grad_scaler = clip_grad, grad_scaler
         self.distributed = buffers.config.use_distributed_optimizer
-        self.pieces = (_shard_pieces(self.model_params, buffers, state) if self.distributed
-                       else _whole_pieces(self.model_params, state))
+        self.pieces = self._build_pieces(buffers, state)
         names = {id(p): n for chunk in model_chunks for n, p in chunk.named_parameters()}
         decay = [p.main for p in self.pieces if decays(names[id(p.model_param)], p.model_param)]
         no_decay = [p.main for p in self.pieces
@@ -131,7 +130,15 @@ class MixedPrecisionOptimizer:
             lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, fused=True)
         self._init_adam_state()
         self._piece_of_main = {id(p.main): p for p in self.pieces}
-        self._grad_views = [p.grad_view() for p in self.pieces]   # main_grad is persistent
+        self._grad_views = self._build_grad_views()
+
+    def _build_pieces(self, buffers, state) -> list:
+        """What this rank steps on: whole parameters, or the distributed optimizer's shards."""
+        return (_shard_pieces(self.model_params, buffers, state) if self.distributed
+                else _whole_pieces(self.model_params, state))
+
+    def _build_grad_views(self) -> list:
+        return [p.grad_view() for p in self.pieces]   # main_grad is persistent
 
     def _init_adam_state(self) -> None:
         """Allocate the moments now (torch allocates them at the first step): memory is known
@@ -231,15 +238,16 @@ class MixedPrecisionOptimizer:
 
     @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
-        """Restore from ``state_dict()`` of the same layout and sharding (pieces must match)."""
+        """Restore from ``state_dict()`` of the same layout and sharding (pieces must match):
+        the main copies, moments, step and loss scaler; the hyper-parameters stay this run's."""
         if state.get("format") != "tpfuse-mixed-precision-adamw":
             raise ValueError("optimizer state is not a tpfuse mixed-precision AdamW state "
                              f"(format {state.get('format')!r})")
         if len(state["params"]) != len(self.model_params):
             raise ValueError(f"optimizer state has {len(state['params'])} parameters, this model "
                              f"{len(self.model_params)}")
-        for group, saved in zip(self.adam.param_groups, state["param_groups"]):
-            group.update(saved)
+        # the group hyper-parameters (weight decay, betas, eps; lr: the scheduler) stay this
+        # run's: settings given to this run win over the checkpoint's (docs/checkpointing.md)
         for piece in self.pieces:
             self.load_piece(piece, state["params"][piece.position])
         if self.grad_scaler is not None and state.get("grad_scaler") is not None:

@@ -36,6 +36,9 @@ class PrecisionSettings(SettingsGroup):
     skip_nonfinite: bool = setting(
         False, "skip (and count) a step whose loss or gradient norm is inf/nan instead of "
                "stopping with an error (bf16/fp32; fp16 always skips overflows)")
+    max_consecutive_skipped_steps: int = setting(
+        100, "stop with an error after this many skipped (inf/nan) steps in a row (an "
+             "always-overflowing loss scale, a diverged run)", minimum=1, metavar="N")
 
     def check(self) -> None:
         if self.grad_reduce_in_bf16 and self.accumulate_allreduce_grads_in_fp32:
@@ -48,6 +51,39 @@ class PrecisionSettings(SettingsGroup):
         if not 0 < self.min_loss_scale <= self.initial_loss_scale:
             raise ValueError(f"--min-loss-scale must be in (0, --initial-loss-scale "
                              f"{self.initial_loss_scale}], got {self.min_loss_scale}")
+
+
+SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+FSDP_STRATEGIES = ("optim_grads", "optim_grads_params")
+
+
+def check_sharding_strategy(data_parallel) -> None:
+    """``--use-torch-fsdp2`` takes a strategy FSDP shards by, and excludes the ZeRO-1 path."""
+    strategy = data_parallel.data_parallel_sharding_strategy
+    if not data_parallel.use_torch_fsdp2:
+        if strategy not in ("no_shard", "optim"):
+            raise ValueError(f"--data-parallel-sharding-strategy {strategy} needs "
+                             "--use-torch-fsdp2 (tpfuse shards gradients and parameters with "
+                             "PyTorch's fully_shard)")
+        if strategy == "optim" and not data_parallel.use_distributed_optimizer:
+            raise ValueError("--data-parallel-sharding-strategy optim is the distributed "
+                             "optimizer: pass --use-distributed-optimizer")
+        return
+    if data_parallel.use_distributed_optimizer:
+        raise ValueError("--use-torch-fsdp2 and --use-distributed-optimizer exclude each other: "
+                         "FSDP shards the optimizer state itself (drop --use-distributed-"
+                         "optimizer, or drop --use-torch-fsdp2 for ZeRO-1)")
+    if strategy not in FSDP_STRATEGIES:
+        raise ValueError(f"--use-torch-fsdp2 with --data-parallel-sharding-strategy {strategy}: "
+                         f"FSDP shards by {' or '.join(FSDP_STRATEGIES)} (no_shard is plain data "
+                         "parallelism and optim the distributed optimizer: drop "
+                         "--use-torch-fsdp2 for those)")
+    for flag, given in (("--overlap-grad-reduce", data_parallel.overlap_grad_reduce),
+                        ("--overlap-param-gather", data_parallel.overlap_param_gather),
+                        ("--ddp-bucket-size", data_parallel.ddp_bucket_size is not None)):
+        if given:
+            raise ValueError(f"{flag} belongs to the bucketed data-parallel buffers; "
+                             "--use-torch-fsdp2 reduces and gathers per FSDP unit (drop it)")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -65,8 +101,17 @@ class DataParallelSettings(SettingsGroup):
                "(needs --use-distributed-optimizer)")
     ddp_bucket_size: int | None = setting(
         None, "elements per gradient bucket (default max(40M, 1M x dp))")
+    use_torch_fsdp2: bool = setting(
+        False, "shard the model over the data-parallel (dp x cp) group with PyTorch's "
+               "fully_shard (FSDP2), one unit per transformer layer plus the embedding/output")
+    data_parallel_sharding_strategy: str = setting(
+        "no_shard", "what --use-torch-fsdp2 shards: optim_grads (ZeRO-2: optimizer state and "
+                    "gradients) or optim_grads_params (ZeRO-3: parameters too); no_shard is "
+                    "plain data parallelism, optim the distributed optimizer",
+        choices=SHARDING_STRATEGIES)
 
     def check(self) -> None:
+        check_sharding_strategy(self)
         if self.overlap_param_gather and not self.use_distributed_optimizer:
             raise ValueError("--overlap-param-gather needs --use-distributed-optimizer")
         if self.ddp_bucket_size is not None and self.ddp_bucket_size < 1:

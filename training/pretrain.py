@@ -28,6 +28,7 @@ One optimizer step::
 from __future__ import annotations
 
 import functools
+import math
 import inspect
 import time
 from dataclasses import dataclass, field
@@ -45,7 +46,7 @@ from tpfuse.training.checkpointing import (Checkpointing, describe_exit, prepare
                                            resume_point)
 from tpfuse.training.logging_utils import TrainingLogger
 from tpfuse.training.observability import RunMonitor
-from tpfuse.training.memory import memory_record, memory_report
+from tpfuse.training.memory import memory_plan_report, memory_record, memory_report
 from tpfuse.training.moe_logging import router_metrics
 from tpfuse.training.sample_args import describe_sampling, sampling_kwargs
 from tpfuse.training.scheduler import LRScheduler
@@ -104,7 +105,8 @@ class _Run:
             precision=settings.precision, data_parallel=settings.data_parallel,
             lr=settings.scheduler.lr)
         self.nonfinite = NonFinitePolicy(self.optimizer.grad_scaler is not None,
-                                         settings.precision.skip_nonfinite)
+                                         settings.precision.skip_nonfinite,
+                                         settings.precision.max_consecutive_skipped_steps)
         self.scheduler = _build_scheduler(self.optimizer, training, settings.scheduler)
         self.forward_backward = get_forward_backward_func(self.state, config.pipeline_schedule)
         self.timers = Timers(settings.timing.timing_log_level, settings.timing.timing_log_option,
@@ -112,13 +114,14 @@ class _Run:
         self.calculator = MicrobatchCalculator(
             length.global_batch_size, training.micro_batch_size, self.state.dp_size,
             rampup_batch_size=training.rampup_batch_size)
-        self.iteration, self.consumed_samples = 0, 0
+        self.iteration, self.consumed_samples, self.resumed_from = 0, 0, None
         self.is_logger = (self.state.is_pipeline_last_stage() and self.state.tp_rank == 0
                           and self.state.dp_rank == 0 and self.state.rank_in("cp") == 0)
         if resumes and not checkpoint.finetune:
             loaded = ckpt.load_checkpoint(checkpoint.load, self.model, self.optimizer,
                                           self.scheduler, self.state)
             self.iteration, self.consumed_samples = loaded["iteration"], loaded["consumed_samples"]
+            self.resumed_from = self.iteration
         self.train_ds, self.valid_ds = self._build_datasets(datasets_provider)
 
     # ------------------------------------------------------------------ data
@@ -159,6 +162,7 @@ class _Run:
 
         for chunk in self.model:
             chunk.train()
+            _set_dropout_sample_offset(chunk, self.consumed_samples)
         num_microbatches = self.calculator.num_microbatches
         self.ddp.zero_grad_buffer()
         self.ddp.begin_step(num_microbatches)
@@ -221,12 +225,15 @@ class _Run:
                                 sinks=monitor.sinks,
                                 show_throughput=settings.observability.log_throughput,
                                 evaluates_at_start=evaluation.eval_at_start)
-        checkpointing = Checkpointing(checkpoint)
+        checkpointing = Checkpointing(checkpoint, resumed_from=self.resumed_from)
         collector = ManualGC(settings.gc)
         self.calculator.update(self.consumed_samples, consistency_check=True)
         iterators = self._iterators(self.train_ds, self.consumed_samples)
         tokens_per_sample = self.config.seq_length
-        logger.write_metrics(memory_record(self.optimizer, self.iteration))
+        logger.write_metrics(memory_record(self.optimizer, self.iteration, dist.get_rank()))
+        if logging.log_memory_plan:      # every rank: its own held bytes against the plan
+            print(memory_plan_report(self.optimizer, self.config, settings,
+                                     dist.get_world_size(), dist.get_rank()), flush=True)
         logger.print(memory_report(self.optimizer, self.config, self.state.dp_size,
                                    settings.training.micro_batch_size,
                                    self.calculator.num_microbatches))
@@ -274,6 +281,7 @@ class _Run:
                     logger.print(describe_exit(result.exit_reason, bool(checkpoint.save),
                                                checkpoint.save))
                     break
+            self._check_finite_end(result)
             checkpointing.finish(self)
         finally:
             collector.stop()
@@ -284,6 +292,17 @@ class _Run:
         result.consumed_samples = self.consumed_samples
         return result
 
+    def _check_finite_end(self, result) -> None:
+        """Collective: a run whose final weights (any rank) or last loss are non-finite ends with
+        a FloatingPointError on every rank, not a success."""
+        bad = ckpt.first_non_finite(self.model)
+        loss = result.train_losses[-1] if result.train_losses else None
+        if bad is None and loss is not None and not math.isfinite(loss):
+            bad = f"the last training loss ({loss})"
+        error = FloatingPointError(f"training ended at iteration {self.iteration} with non-finite "
+                                   f"values: {bad}") if bad else None
+        ckpt.agree(error, f"training (iteration {self.iteration})")
+
     def _evaluate_and_log(self, logger, result, collector) -> None:
         with collector.around_evaluation():
             valid_loss = self.evaluate()
@@ -292,6 +311,16 @@ class _Run:
             logger.print(f" validation loss at iteration {self.iteration} | lm loss: "
                          f"{valid_loss:.6E} |")
             logger.write_metrics({"iteration": self.iteration, "valid_loss": valid_loss})
+
+
+def _set_dropout_sample_offset(chunk, consumed_samples: int) -> None:
+    """Tell a model chunk (or the module a wrapper holds) where the step's samples start, so its
+    dropout masks follow the global sample index (models without the hook are left alone)."""
+    target = chunk
+    while not hasattr(target, "set_dropout_sample_offset") and hasattr(target, "module"):
+        target = target.module
+    if hasattr(target, "set_dropout_sample_offset"):
+        target.set_dropout_sample_offset(consumed_samples)
 
 
 def tokenizer_spec(tokenizer) -> str:

@@ -68,9 +68,10 @@ def describe_sampling(sample: SampleSettings) -> str:
             f"top-p {chosen['top_p']:g}, seed {chosen['seed']}")
 
 
-def check_sample_prompt(sample: SampleSettings, tokenizer) -> None:
-    """The prompt must be text the tokenizer takes (checked before any training, on every
-    rank)."""
+def check_sample_prompt(sample: SampleSettings, tokenizer, config=None) -> None:
+    """The prompt must be text the tokenizer takes, its ids inside the model's vocabulary and,
+    for learned positions, no longer than ``max_position_embeddings`` (checked before any
+    training, on every rank: a sample that cannot be generated fails now, not after the run)."""
     if not sample.sample_prompt:
         return
     try:
@@ -80,3 +81,14 @@ def check_sample_prompt(sample: SampleSettings, tokenizer) -> None:
     if not ids:
         raise ValueError(f"--sample-prompt {sample.sample_prompt!r} gives no tokens with "
                          f"{tokenizer!r} (NullTokenizer takes ids: \"1 2 3\")")
+    if config is None:
+        return
+    outside = [int(t) for t in ids if not 0 <= int(t) < config.vocab_size]
+    if outside:
+        raise ValueError(f"--sample-prompt {sample.sample_prompt!r}: token ids {outside[:5]} lie "
+                         f"outside the model's vocabulary [0, {config.vocab_size}) (--vocab-size)")
+    if config.position_embedding_type == "learned_absolute" and \
+            len(ids) > config.max_position_embeddings:
+        raise ValueError(f"--sample-prompt is {len(ids)} tokens long, more than the model's "
+                         f"{config.max_position_embeddings} positions "
+                         "(--max-position-embeddings)")

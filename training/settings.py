@@ -29,6 +29,7 @@ trainer's functions receive the group they need (``ManualGC(settings.gc)``,
 """
 from __future__ import annotations
 
+import os
 import typing
 from dataclasses import dataclass, field, fields
 
@@ -185,6 +186,21 @@ class LoggingSettings(SettingsGroup):
               "of the run)")
     no_progress_bar: bool = setting(False, "no tqdm progress bar on the logging rank")
     no_layout_table: bool = setting(False, "do not print the rank layout at start-up")
+    log_memory_plan: bool = setting(
+        False, "at start-up every rank prints what it holds beside tpfuse-plan's prediction")
+
+
+def _check_load_folder(load: str) -> None:
+    """``--load`` must be a tpfuse checkpoint folder (or one that does not exist yet): a file, or
+    a HuggingFace model folder, would otherwise be taken as empty and trained over from scratch."""
+    if os.path.exists(load) and not os.path.isdir(load):
+        raise ValueError(f"--load {load} is a file, not a checkpoint folder")
+    if os.path.isfile(os.path.join(load, "config.json")) and not any(
+            name.startswith("iter_") or name == "latest_checkpointed_iteration.txt"
+            for name in os.listdir(load)):
+        raise ValueError(f"--load {load} is a HuggingFace model folder, not a tpfuse checkpoint: "
+                         f"convert it first (tpfuse-convert --from-hf {load} --save DIR), then "
+                         "train from it with --load DIR --finetune")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -202,6 +218,10 @@ class CheckpointSettings(SettingsGroup):
                "checkpoint); optimizer, scheduler, RNG and iteration start fresh (Megatron's)")
     exit_on_missing_checkpoint: bool = setting(
         False, "with --load: fail instead of starting fresh when it holds no checkpoint")
+    use_checkpoint_args: bool = setting(
+        False, "with --load: the model's shape flags (layers, sizes, heads, norms, positions, "
+               "experts ...) come from the checkpoint's recorded config, not the command line "
+               "(Megatron's); --seq-length stays this run's")
     async_save: bool = setting(
         False, "write checkpoints beside training (at most one in flight, published atomically, "
                "waited for at exit)")
@@ -217,10 +237,19 @@ class CheckpointSettings(SettingsGroup):
         False, "on SIGTERM: save at the next iteration boundary, then exit 0")
 
     def check(self) -> None:
+        for flag, path in (("--save", self.save), ("--load", self.load)):
+            if path is not None and not path.strip():
+                raise ValueError(f"{flag} is an empty string: give a folder (or leave {flag} out)")
+        if self.load:
+            _check_load_folder(self.load)
+        if self.save and os.path.exists(self.save) and not os.path.isdir(self.save):
+            raise ValueError(f"--save {self.save} is a file, not a folder")
         if self.save_interval is not None and not self.save:
             raise ValueError("--save-interval needs --save DIR")
         if self.async_save and not self.save:
             raise ValueError("--async-save needs --save DIR")
+        if self.use_checkpoint_args and not self.load:
+            raise ValueError("--use-checkpoint-args needs --load DIR")
         if self.exit_on_missing_checkpoint and not self.load:
             raise ValueError("--exit-on-missing-checkpoint needs --load DIR")
 

@@ -11,7 +11,9 @@ settings, scaling the loss, and what happens to a step whose loss or gradients a
 Non-finite steps: with a loss scaler (fp16, or ``--loss-scale``) an overflow is expected and the
 step is skipped (the scale backs off); otherwise (bf16/fp32) training stops with a
 FloatingPointError naming the iteration, unless ``--skip-nonfinite`` asks to skip and count such
-steps. Every rank reaches the same decision (the norm and the loss flag are all-reduced over the
+steps; ``--max-consecutive-skipped-steps N`` (default 100) stops training with an error once N
+steps in a row were skipped (a loss scale that always overflows, a run that diverged). Every
+rank reaches the same decision (the norm and the loss flag are all-reduced over the
 world), so no rank goes on alone into a collective. A skipped step changes no parameter, moment or
 lr, so nothing non-finite can reach a checkpoint.
 """
@@ -22,6 +24,8 @@ import math
 import torch
 
 from .data_parallel import DataParallelBuffers
+from .fsdp import FsdpConfig, FullyShardedModel
+from .fsdp_optimizer import FullyShardedOptimizer
 from .grad_scaler import build_grad_scaler
 from .memory import peak_allocated_mib
 from .optimizer import MixedPrecisionOptimizer
@@ -33,16 +37,22 @@ def build_buffers_and_optimizer(model_chunks, config, state, *, optimizer, preci
     """(DataParallelBuffers, MixedPrecisionOptimizer) for ``model_chunks``: the buffers from
     ``precision`` and ``data_parallel`` (PrecisionSettings, DataParallelSettings), AdamW from
     ``optimizer`` (OptimizerSettings) starting at ``lr`` (``--lr``; the scheduler sets it each
-    step)."""
-    buffers = DataParallelBuffers(model_chunks,
-                                  ddp_config_from_settings(precision, data_parallel, config), state)
+    step). With ``--use-torch-fsdp2`` (``data_parallel.use_torch_fsdp2``) the chunks are
+    sharded in place by ``FullyShardedModel`` and the optimizer steps on FSDP's shards."""
     scaler = build_grad_scaler(config.fp16, precision.loss_scale, precision.initial_loss_scale,
                                precision.min_loss_scale, precision.loss_scale_window,
                                precision.hysteresis)
-    adam = MixedPrecisionOptimizer(
-        model_chunks, buffers, state, lr=lr, weight_decay=optimizer.weight_decay,
-        betas=(optimizer.adam_beta1, optimizer.adam_beta2), eps=optimizer.adam_eps,
-        clip_grad=optimizer.clip_grad, grad_scaler=scaler)
+    adam_settings = dict(lr=lr, weight_decay=optimizer.weight_decay,
+                         betas=(optimizer.adam_beta1, optimizer.adam_beta2),
+                         eps=optimizer.adam_eps, clip_grad=optimizer.clip_grad,
+                         grad_scaler=scaler)
+    if data_parallel.use_torch_fsdp2:
+        fsdp = FullyShardedModel(model_chunks, FsdpConfig(
+            data_parallel.data_parallel_sharding_strategy, config.params_dtype), state)
+        return fsdp, FullyShardedOptimizer(model_chunks, fsdp, state, **adam_settings)
+    buffers = DataParallelBuffers(model_chunks,
+                                  ddp_config_from_settings(precision, data_parallel, config), state)
+    adam = MixedPrecisionOptimizer(model_chunks, buffers, state, **adam_settings)
     return buffers, adam
 
 
@@ -84,9 +94,11 @@ def loss_nonfinite(loss_dicts, device, key: str = "lm loss"):
 class NonFinitePolicy:
     """Skip or stop on a step the optimizer refused (see the module docstring)."""
 
-    def __init__(self, has_scaler: bool, skip_nonfinite: bool):
+    def __init__(self, has_scaler: bool, skip_nonfinite: bool,
+                 max_consecutive_skipped: int | None = None):
         self.has_scaler, self.skip_nonfinite = has_scaler, skip_nonfinite
-        self.skipped_iterations = 0
+        self.max_consecutive_skipped = max_consecutive_skipped
+        self.skipped_iterations, self.consecutive_skipped = 0, 0
 
     def after_step(self, iteration: int, result, optimizer, device) -> dict:
         """The step's log fields (grad norm, skipped, loss scale, CUDA peak memory); raises when
@@ -100,6 +112,13 @@ class NonFinitePolicy:
                     f"this step is applied or saved). Pass --skip-nonfinite to skip such steps "
                     f"instead.")
             self.skipped_iterations += 1
+        self.consecutive_skipped = self.consecutive_skipped + 1 if not result.success else 0
+        if self.max_consecutive_skipped and self.consecutive_skipped >= \
+                self.max_consecutive_skipped:
+            raise FloatingPointError(
+                f"iteration {iteration}: {self.consecutive_skipped} steps in a row were skipped "
+                f"(inf/nan loss or gradients); training stops (--max-consecutive-skipped-steps "
+                f"{self.max_consecutive_skipped})")
         fields = {"grad_norm": result.grad_norm if math.isfinite(result.grad_norm) else None,
                   "skipped": not result.success, "skipped_iterations": self.skipped_iterations}
         if optimizer.grad_scaler is not None:

@@ -140,13 +140,21 @@ def test_unsupported_settings_are_named(hf_dir, tmp_path, capsys):
                                                                           tmp_path / "o", capsys)
 
 
-def test_rope_scaling_is_refused():
-    from tpfuse.convert.llama import rope_theta
+def test_rope_scaling_llama3_is_read_and_other_kinds_are_refused():
+    """Llama 3's scaling (with its constants) maps to Megatron's flags; other kinds or other
+    constants are refused by name (a silent fallback would change every rotary angle)."""
+    from tpfuse.convert.llama import rope_scaling, rope_theta
 
     assert rope_theta({"rope_theta": 500000.0}) == 500000
     assert rope_theta({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4}}) == 10000
-    with pytest.raises(ValueError, match="rope_type='llama3' is not supported"):
-        rope_theta({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}})
+    assert rope_scaling({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}) == {
+        "use_rope_scaling": True, "rope_scaling_factor": 8.0}
+    assert rope_scaling({"rope_parameters": {"rope_type": "default"}}) == {}
+    with pytest.raises(ValueError, match="rope_type='yarn' is not supported"):
+        rope_scaling({"rope_scaling": {"rope_type": "yarn", "factor": 8.0}})
+    with pytest.raises(ValueError, match="high_freq_factor=2.0 is not supported"):
+        rope_scaling({"rope_parameters": {"rope_type": "llama3", "factor": 8.0,
+                                          "high_freq_factor": 2.0}})
 
 
 def test_wrong_directory_kinds_and_existing_output(hf_dir, tmp_path, capsys):
@@ -208,3 +216,80 @@ def test_finetune_starts_training_from_a_converted_checkpoint(run_distributed, t
     assert all(torch.equal(after[n]["param"], before[n]["param"]) for n in before)
     errors = run_distributed(2, _pretrain_error, FINETUNE + ["--load", root])
     assert all("holds model weights only" in e and "--finetune" in e for e in errors)
+
+
+# ---------------------------------------------------------------- only files inside the folder
+def test_export_never_copies_a_tokenizer_outside_the_checkpoint(tmp_path):
+    from tpfuse.convert.tpfuse_io import write_checkpoint
+
+    secret = tmp_path / "secret.txt"
+    secret.write_text("private key")
+    config = TransformerConfig(**GPT2, make_vocab_size_divisible_by=16, seed=5)
+    model = GPTModel(config)
+    params = {model.global_parameter_names()[n]: p.detach() for n, p in model.named_parameters()}
+    for name, spec in (("abs", str(secret)), ("dotdot", "../secret.txt")):
+        write_checkpoint(str(tmp_path / name), config, params, {"tokenizer": spec})
+        export_hf(str(tmp_path / name), str(tmp_path / f"hf-{name}"))
+        assert sorted(os.listdir(tmp_path / f"hf-{name}")) == ["config.json", "model.safetensors"]
+
+
+def test_a_tokenizer_json_symlink_out_of_the_model_folder_is_refused(hf_dir, tmp_path, capsys):
+    secret = tmp_path / "secret.txt"
+    secret.write_text("private key")
+    os.symlink(secret, hf_dir / "tokenizer.json")
+    message = _convert_error(hf_dir, tmp_path / "o", capsys)
+    assert "tokenizer" in message and "symlink leading out of" in message
+
+
+@pytest.mark.parametrize("entry", ["../outside.safetensors", "ABSOLUTE"])
+def test_index_entries_outside_the_model_folder_are_refused(hf_dir, tmp_path, capsys, entry):
+    outside = tmp_path / "outside.safetensors"
+    os.replace(hf_dir / "model.safetensors", outside)
+    names = load_file(str(outside))
+    entry = str(outside) if entry == "ABSOLUTE" else entry
+    (hf_dir / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {name: entry for name in names}}))
+    message = _convert_error(hf_dir, tmp_path / "o", capsys)
+    assert "is not a file name inside" in message and "'..' are refused" in message
+
+
+def test_non_finite_and_twice_named_tensors_are_refused(hf_dir, tmp_path, capsys):
+    tensors = load_file(str(hf_dir / "model.safetensors"))
+    name = "transformer.h.0.mlp.c_fc.weight"
+    save_file({name: tensors[name].clone()}, str(hf_dir / "second.safetensors"),
+              metadata={"format": "pt"})
+    (hf_dir / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+        **{n: "model.safetensors" for n in tensors}, name: "second.safetensors"}}))
+    message = _convert_error(hf_dir, tmp_path / "o", capsys)
+    assert f"tensor {name!r} is in both" in message
+    os.remove(hf_dir / "model.safetensors.index.json")
+    _rewrite_tensors(hf_dir, lambda t: t[name].view(-1).__setitem__(3, float("nan")))
+    message = _convert_error(hf_dir, tmp_path / "o2", capsys)
+    assert name in message and "non-finite" in message
+
+
+@pytest.mark.parametrize("field, value, need", [
+    ("n_embd", "32", "a positive integer"), ("n_layer", 0, "a positive integer"),
+    ("n_head", 2.5, "a positive integer"), ("layer_norm_epsilon", "tiny", "a positive finite"),
+    ("resid_pdrop", 1.5, "in [0, 1)"), ("vocab_size", None, None)])
+def test_malformed_config_fields_are_named(hf_dir, tmp_path, capsys, field, value, need):
+    if value is None:
+        config = _config(hf_dir)
+        config.pop(field)
+        (hf_dir / "config.json").write_text(json.dumps(config))
+        assert f"lacks {field!r}" in _convert_error(hf_dir, tmp_path / "o", capsys)
+        return
+    _rewrite_config(hf_dir, **{field: value})
+    message = _convert_error(hf_dir, tmp_path / "o", capsys)
+    assert f"field {field!r}" in message and need in message
+
+
+def test_a_fractional_rope_theta_converts(tmp_path):
+    root, _ = _tpfuse_checkpoint(tmp_path, LLAMA)
+    export_hf(root, str(tmp_path / "hf"))
+    _rewrite_config(tmp_path / "hf", rope_theta=10000.5)
+    config = import_hf(str(tmp_path / "hf"), str(tmp_path / "again"),
+                       make_vocab_size_divisible_by=16)
+    assert config.rotary_base == 10000.5
+    (loaded,) = load_model(str(tmp_path / "again"))
+    assert loaded.config.rotary_base == 10000.5

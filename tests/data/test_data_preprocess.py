@@ -145,3 +145,17 @@ def test_empty_input_fails_and_writes_nothing(tmp_path, capsys):
     assert exit_.value.code == 2
     assert "no text to tokenize" in capsys.readouterr().err
     assert not list(tmp_path.glob("c.*"))
+
+
+def test_empty_input_over_an_existing_prefix_keeps_the_old_pair(tmp_path, capsys):
+    (tmp_path / "good.txt").write_text("some text")
+    prefix = str(tmp_path / "corpus")
+    assert main(["--input", str(tmp_path / "good.txt"), "--output-prefix", prefix, "--quiet"]) == 0
+    old = {s: open(f"{prefix}.{s}", "rb").read() for s in ("bin", "idx")}
+    (tmp_path / "empty.txt").write_text("")
+    with pytest.raises(SystemExit) as exit_:
+        main(["--input", str(tmp_path / "empty.txt"), "--output-prefix", prefix, "--quiet"])
+    assert exit_.value.code == 2 and "no text to tokenize" in capsys.readouterr().err
+    assert {s: open(f"{prefix}.{s}", "rb").read() for s in ("bin", "idx")} == old
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.bin", "corpus.idx", "empty.txt",
+                                                          "good.txt"]   # no temporary left

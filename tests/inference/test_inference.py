@@ -283,3 +283,11 @@ def test_generate_cli_names_a_missing_checkpoint(tmp_path, monkeypatch, capsys):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     assert main(["--load", str(tmp_path), "--prompt", "a", "--max-new-tokens", "2"]) == 2
     assert "holds no complete tpfuse checkpoint" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("nan")])
+def test_a_non_finite_temperature_is_refused_clearly(value):
+    from tpfuse.inference.sampling import SamplingParams
+
+    with pytest.raises(ValueError, match="must be a finite number > 0"):
+        SamplingParams(temperature=value)

@@ -165,3 +165,34 @@ def test_triton_row_strided_views_use_the_mask_of_their_logical_elements(poisone
     out = bias_dropout_add(x, bias, residual, p, True, seed, backend="triton")
     ref = bias_dropout_add_reference(x, bias, residual, p, mask)
     _close(out, ref, residual.abs() + (x.abs() + bias.abs()) / (1 - p), torch.float32, "out")
+
+
+# ---------------------------------------------------------------- layout-invariant masks
+
+def _coordinates(rows, seed=3, site=11):
+    from tpfuse.kernels.philox import RowCoordinates, dropout_key
+
+    return RowCoordinates(dropout_key(seed, site), (torch.arange(rows) * 7) % 23,
+                          torch.arange(rows) // 5 + 1000)
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5])
+def test_coordinate_mask_equal_on_both_backends_forward_and_backward(p):
+    """With global coordinates both backends draw the mask of kernels/philox.py, bit for bit."""
+    from tpfuse.kernels.philox import hidden_keep_mask
+
+    coords = _coordinates(ROWS)
+    expected = hidden_keep_mask(p, coords, HIDDEN)
+    gen = torch.Generator().manual_seed(0)
+    x, residual = torch.randn(ROWS, HIDDEN, generator=gen), torch.randn(ROWS, HIDDEN, generator=gen)
+    bias, dy = torch.randn(HIDDEN, generator=gen), torch.randn(ROWS, HIDDEN, generator=gen)
+    reference = bias_dropout_add_reference(x, bias, residual, p, expected)
+    for backend in BACKENDS:
+        ones = bias_dropout_add(torch.ones(ROWS, HIDDEN), None, torch.zeros(ROWS, HIDDEN), p,
+                                True, backend=backend, coordinates=coords)
+        assert torch.equal(ones != 0, expected), backend
+        xs = x.clone().requires_grad_()
+        out = bias_dropout_add(xs, bias, residual, p, True, backend=backend, coordinates=coords)
+        _close(out, reference, residual.abs() + (x + bias).abs() / (1 - p), torch.float32, backend)
+        out.backward(dy)
+        assert torch.equal(xs.grad != 0, expected & (dy != 0)), backend

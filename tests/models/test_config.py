@@ -97,7 +97,6 @@ def test_sequence_parallel_without_tp_is_disabled_like_megatron():
           sequence_parallel=True, seq_length=12), "seq_length=12 is not divisible by 2 × "
                                                   "context_parallel_size (2)"
                                    " × tensor_model_parallel_size (2)"),
-    (dict(context_parallel_size=2), "attention_dropout=0.1 with context_parallel_size=2"),
     (dict(context_parallel_size=4, attention_dropout=0.0, seq_length=16, num_query_groups=2,
           cp_comm_type="a2a"), "query groups (kv heads) per tensor-parallel rank = 2 is not "
                                "divisible by context_parallel_size=4"),

@@ -202,8 +202,6 @@ BAD_SETTINGS = [  # (flags, what the message names)
     (["--context-parallel-size", "2", "--attention-dropout", "0.0", "--num-query-groups", "1",
       "--cp-comm-type", "a2a"], "cp_comm_type='a2a': query groups (kv heads) per tensor-parallel "
                                 "rank = 1 is not divisible by context_parallel_size=2"),
-    (["--context-parallel-size", "2", "--attention-dropout", "0.1"],
-     "attention_dropout=0.1 with context_parallel_size=2"),
     (["--context-parallel-size", "3", "--attention-dropout", "0.0"],
      "world size 2 is not divisible by tensor_model_parallel_size (1) × "
      "pipeline_model_parallel_size (1) × context_parallel_size (3)"),

@@ -164,3 +164,47 @@ def test_memory_record_before_the_first_iteration(run_distributed, tmp_path, pre
     expected = dict(zip(("parameters", "main_parameters", "gradients", "optimizer_state"),
                         (b * numel for b in bytes_per)))
     assert held == expected
+
+
+# -------------------------------------------------------------------- runs that went bad
+def test_consecutive_skipped_steps_stop_training_naming_the_flag(run_distributed):
+    argv = ["--bf16", "--skip-nonfinite", "--train-iters", "6", "--lr-decay-iters", "6",
+            "--max-consecutive-skipped-steps", "3"]
+    (message,) = run_distributed(1, _run_injected, argv, 0, {2, 3, 4, 5}, math.nan, 4)
+    assert isinstance(message, str) and "iteration 4" in message
+    assert "--max-consecutive-skipped-steps 3" in message
+
+
+def test_the_skipped_steps_limit_has_a_default():
+    from tpfuse.training.precision_args import PrecisionSettings
+
+    assert PrecisionSettings().max_consecutive_skipped_steps == 100
+
+
+def _poisoning_forward_step(iteration_to_poison, microbatches):
+    """The GPT forward_step; from ``iteration_to_poison`` on, a weight holds NaN."""
+    from tpfuse.pretrain_gpt import forward_step
+
+    calls = [0]
+
+    def step(data_iterator, model):
+        calls[0] += 1
+        if calls[0] // microbatches + 1 >= iteration_to_poison:
+            with torch.no_grad():
+                model.layers[0].self_attention.linear_qkv.bias.fill_(math.nan)
+        return forward_step(data_iterator, model)
+    return step
+
+
+def _run_poisoned(argv):
+    try:
+        _pretrain(argv, _poisoning_forward_step(3, 4))
+    except FloatingPointError as error:
+        return str(error)
+    return None
+
+
+def test_a_run_ending_with_non_finite_weights_fails(run_distributed):
+    argv = ["--skip-nonfinite", "--train-iters", "3", "--lr-decay-iters", "3"]
+    (message,) = run_distributed(1, _run_poisoned, argv)
+    assert message and "non-finite" in message and "iteration 3" in message

@@ -104,3 +104,22 @@ def test_wandb_offline(tmp_path, monkeypatch):
     writer.log(1, {"loss": 2.5})
     writer.close()
     assert os.listdir(tmp_path / "wandb")
+
+
+def test_trimming_the_metrics_file_never_writes_through_a_planted_link(tmp_path):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    path = tmp_path / "m.jsonl"
+    path.write_text("".join(json.dumps({"iteration": i, "loss": i}) + "\n" for i in range(1, 5)))
+    os.symlink(victim, str(path) + ".truncating")      # the old predictable temporary name
+    assert truncate_metrics(str(path), 2, drop_valid_at_start=False) == 2
+    assert victim.read_text() == "precious"
+    assert [json.loads(line)["iteration"] for line in path.read_text().splitlines()] == [1, 2]
+
+
+def test_a_torn_last_metrics_line_is_dropped_with_a_warning(tmp_path, capsys):
+    path = tmp_path / "m.jsonl"
+    path.write_text(json.dumps({"iteration": 1, "loss": 1.0}) + "\n" + '{"iteration": 2, "lo')
+    assert truncate_metrics(str(path), 5, drop_valid_at_start=False) == 0
+    assert str(path) in capsys.readouterr().err
+    assert path.read_text() == json.dumps({"iteration": 1, "loss": 1.0}) + "\n"

@@ -40,6 +40,13 @@ RANK = textwrap.dedent("""
         except ValueError as raised:
             report_failure(raised)
             sys.exit(1)
+    if mode == "timeout" and rank == "0":   # rank 1 hangs; rank 0's collective times out
+        from tpfuse.runtime.launcher import report_failure
+        try:
+            raise RuntimeError("[gloo] Timed out waiting 60000ms for recv operation to complete")
+        except RuntimeError as error:
+            report_failure(error)
+            sys.exit(1)
     time.sleep(120)
 """)
 LAUNCHER = ("import sys; from tpfuse.runtime.launcher import run_local; "
@@ -96,6 +103,14 @@ def test_the_cause_is_reported_not_the_echo_of_another_rank(tmp_path):
     assert job.returncode == 1
     assert err.count("Traceback (most recent call last)") == 1
     assert "first failure: rank 1" in err and "ValueError: rank one's disk is full" in err
+
+
+def test_a_collective_timeout_names_the_rank_that_stopped(tmp_path):
+    job = _launch("timeout", tmp_path)
+    out, err = job.communicate(timeout=60)
+    assert job.returncode == 1
+    assert "first failure: rank 0" in err
+    assert "the stopped rank is most likely among [1]" in err
 
 
 def test_signals_are_forwarded_to_every_rank(tmp_path):

@@ -159,3 +159,13 @@ def test_sample_decoding_follows_the_flags():
     assert sampling_kwargs(args.sample) == {"temperature": 0.7, "top_k": 0, "top_p": 0.9,
                                             "seed": 1234}
     assert describe_sampling(args.sample) == "temperature 0.7, top-k 0, top-p 0.9, seed 1234"
+
+
+@pytest.mark.parametrize("prompt, message", [
+    ("200 3", r"token ids \[200\] lie outside the model's vocabulary \[0, 129\)"),   # 128 + EOD
+    (" ".join(["5"] * 17), "17 tokens long, more than the model's 16 positions"),
+])
+def test_a_sample_prompt_that_cannot_be_generated_is_refused_before_training(prompt, message):
+    with pytest.raises(ValueError, match=message):
+        arguments.parse_args(TINY + ["--mock-data", "--vocab-size", "128", "--sample-prompt",
+                                     prompt])

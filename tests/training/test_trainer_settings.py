@@ -151,3 +151,29 @@ def test_no_global_settings_accessor():
 
     for module in (trainer, script):
         assert not hasattr(module, "get_args") and not hasattr(module, "_GLOBALS")
+
+
+# ---------------------------------------------------------------- checkpoint folders
+def test_load_and_save_that_would_silently_train_from_scratch_are_refused(tmp_path):
+    (tmp_path / "weights.pt").write_bytes(b"x")
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    cases = [(dict(load=str(tmp_path / "weights.pt")), "--load .* is a file"),
+             (dict(load=str(hf)), "--load .* is a HuggingFace model folder.*tpfuse-convert"),
+             (dict(save=""), "--save is an empty string"),
+             (dict(load="", finetune=True), "--load is an empty string"),
+             (dict(save=str(tmp_path / "weights.pt")), "--save .* is a file")]
+    for values, message in cases:
+        with pytest.raises(ValueError, match=message):
+            CheckpointSettings(**values)
+    CheckpointSettings(load=str(tmp_path / "not-yet"), save=str(tmp_path / "not-yet"))
+
+
+def test_a_negative_number_in_the_spaced_form_reaches_its_check():
+    """``--lr -1e-3`` is the number -0.001 (refused by --lr's own check), not a missing value;
+    the spaced form is joined into ``--flag=value`` for argparse."""
+    with pytest.raises(ValueError, match=r"--lr must be in \[0.0, ∞\), got -0.001"):
+        arguments.parse_args(TINY + ["--lr", "-1e-3"])
+    assert arguments.join_negative_values(["--lr", "-1e-3", "--x", "-.5", "--y=-2", "-z"]) == \
+        ["--lr=-1e-3", "--x=-.5", "--y=-2", "-z"]

@@ -1,0 +1,112 @@
+"""FSDP (``--use-torch-fsdp2``): the shard arithmetic, the start-up refusals, and the per-rank
+memory of the start-up record against 1/dp of one process.
+
+Memory: a rank of dp holds ⌈n0/dp⌉ rows of every parameter (FSDP pads the last blocks), fp32
+parameters, gradients and two Adam moments: 16 bytes per element of its padded shard
+(``fsdp_rank_bytes``). The tiny model's first dims (16, 32, 48, 128 rows) divide by 4, so its
+record is exactly 1/dp of the single FSDP process's; against one plain process (whose gradient
+buffer is a flat padded buffer) the ratio is bounded by 1.1 / dp.
+"""
+import json
+
+import pytest
+
+from tpfuse.training.fsdp import fsdp_rank_bytes, padded_shard_numel, shard_rows
+
+TINY = [
+    "--num-layers", "2", "--hidden-size", "16", "--num-attention-heads", "4",
+    "--ffn-hidden-size", "32", "--seq-length", "8", "--max-position-embeddings", "8",
+    "--vocab-size", "63", "--hidden-dropout", "0.0", "--attention-dropout", "0.0", "--seed", "7",
+    "--mock-data", "--micro-batch-size", "2", "--train-iters", "1", "--lr", "1e-3",
+    "--eval-iters", "0", "--no-progress-bar", "--no-layout-table",
+]
+ZERO3 = ["--use-torch-fsdp2", "--data-parallel-sharding-strategy", "optim_grads_params"]
+
+
+# -------------------------------------------------------------------- pure arithmetic
+def test_rows_are_cut_like_torch_chunk_with_trailing_ranks_short_or_empty():
+    assert [shard_rows(5, 4, r) for r in range(4)] == [(0, 2), (2, 4), (4, 5), (5, 5)]
+    assert [shard_rows(8, 2, r) for r in range(2)] == [(0, 4), (4, 8)]
+    assert padded_shard_numel((5, 3), 4) == 6          # 2 rows of 3 on every rank
+    assert padded_shard_numel((16,), 4) == 4
+
+
+def test_rank_bytes_are_sixteen_per_padded_shard_element():
+    held = fsdp_rank_bytes([(5, 3), (16,)], 4)
+    assert held == {"parameters": 40, "main_parameters": 0, "gradients": 40,
+                    "optimizer_state": 80}
+
+
+# -------------------------------------------------------------------- refusals
+@pytest.mark.parametrize("argv, named", [
+    (ZERO3 + ["--use-distributed-optimizer"], "--use-distributed-optimizer"),
+    (["--use-torch-fsdp2"], "--data-parallel-sharding-strategy no_shard"),
+    (["--use-torch-fsdp2", "--data-parallel-sharding-strategy", "optim"],
+     "--data-parallel-sharding-strategy optim"),
+    (["--data-parallel-sharding-strategy", "optim_grads"], "needs --use-torch-fsdp2"),
+    (ZERO3 + ["--overlap-grad-reduce"], "--overlap-grad-reduce"),
+    (ZERO3 + ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-h1"],
+     "--pipeline-schedule zb-h1"),
+])
+def test_bad_fsdp_settings_fail_at_parse_time_naming_the_flags(argv, named):
+    from tpfuse.training.arguments import parse_args
+
+    with pytest.raises(ValueError, match=named):
+        parse_args(TINY + argv)
+
+
+# -------------------------------------------------------------------- memory
+def _memory_record(argv, metrics_file):
+    from tpfuse.pretrain_gpt import (forward_step, model_provider,
+                                     train_valid_test_datasets_provider)
+    from tpfuse.training.pretrain import pretrain
+
+    import torch.distributed as dist
+    path = f"{metrics_file}.{dist.get_rank()}"
+    pretrain(train_valid_test_datasets_provider, model_provider, forward_step,
+             argv=TINY + argv + ["--metrics-file", path])
+    if dist.get_rank() != 0:
+        return None
+    with open(path) as handle:
+        records = [json.loads(line) for line in handle]
+    return next(r["memory_bytes"] for r in records if "memory_bytes" in r)
+
+
+def test_zero3_holds_one_dp_th_of_parameters_gradients_and_optimizer(run_distributed, tmp_path):
+    def held(world_size, argv):
+        name = f"metrics-dp{world_size}{'-fsdp' if argv else ''}"
+        record = run_distributed(world_size, _memory_record, argv, str(tmp_path / name))[0]
+        return sum(record.values())
+
+    plain, single = held(1, []), held(1, ZERO3)
+    for dp in (2, 4):
+        sharded = held(dp, ZERO3)
+        assert sharded * dp == single                  # no padding in this model
+        assert sharded <= 1.1 * plain / dp
+
+
+# -------------------------------------------------------------------- evaluation between steps
+def _losses_and_validation(argv):
+    from tpfuse.pretrain_gpt import (forward_step, model_provider,
+                                     train_valid_test_datasets_provider)
+    from tpfuse.training.pretrain import pretrain
+
+    result = pretrain(train_valid_test_datasets_provider, model_provider, forward_step,
+                      argv=TINY + argv)
+    return (result.train_losses, result.valid_losses) if result.is_logger else None
+
+
+def test_evaluation_between_steps_sees_the_updated_shards(run_distributed):
+    """A forward without backward (evaluation, no_grad) must leave no gathered parameters behind
+    that the next step would train on (ZeRO-2 keeps them after a training forward): train and
+    validation losses equal plain dp 2's (fp32 summation order only, as
+    tests/test_invariance.py)."""
+    strategy = "optim_grads"
+    evaluating = ["--train-iters", "4", "--eval-interval", "2", "--eval-iters", "1",
+                  "--global-batch-size", "8"]
+    plain = [r for r in run_distributed(2, _losses_and_validation, evaluating) if r][0]
+    sharded = [r for r in run_distributed(2, _losses_and_validation, evaluating + [
+        "--use-torch-fsdp2", "--data-parallel-sharding-strategy", strategy]) if r][0]
+    assert sharded[0] == pytest.approx(plain[0], rel=1e-5)
+    assert [v for _, v in sharded[1]] == pytest.approx([v for _, v in plain[1]], rel=1e-5)
+    assert len(plain[1]) == 2

@@ -1,0 +1,315 @@
+"""tpfuse-plan against real runs: the four static memory kinds equal what the trainer's optimizer
+holds on every rank (``MixedPrecisionOptimizer.memory_bytes``, the ``memory_bytes`` record), the
+activation prediction is within 5 % of the tensors saved for backward (saved-tensor hooks), and
+the communication volume of TP and DP equals the bytes passed to the collectives of a real step.
+"""
+import pytest
+
+from tpfuse.training.arguments import parse_args
+from tpfuse.training.plan import buffer_settings, layout_of, static_memory
+
+BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
+        "--seq-length", "16", "--max-position-embeddings", "16", "--vocab-size", "61",
+        "--mock-data", "--micro-batch-size", "1", "--train-iters", "1", "--lr", "1e-3",
+        "--distributed-backend", "gloo"]
+
+
+def measured_memory_body(flag_sets):
+    """For each flag set: this rank's optimizer.memory_bytes() (the trainer's build path) and
+    the ``--log-memory-plan`` line the trainer would print."""
+    import torch.distributed as dist
+
+    from tpfuse.models import build_model, make_gpt_model_provider
+    from tpfuse.parallel.state import ParallelState
+    from tpfuse.training.memory import memory_plan_report
+    from tpfuse.training.train_step import build_buffers_and_optimizer
+
+    results = []
+    for flags in flag_sets:
+        config, settings = parse_args(BASE + flags)
+        state = ParallelState.initialize(
+            tp=config.tensor_model_parallel_size, pp=config.pipeline_model_parallel_size,
+            vpp=config.virtual_pipeline_model_parallel_size, cp=config.context_parallel_size,
+            ep=config.expert_model_parallel_size, etp=config.expert_tensor_parallel_size)
+        try:
+            model = build_model(make_gpt_model_provider(config), config, state)
+            _, optimizer = build_buffers_and_optimizer(
+                model, config, state, optimizer=settings.optimizer, precision=settings.precision,
+                data_parallel=settings.data_parallel, lr=settings.scheduler.lr)
+            line = memory_plan_report(optimizer, config, settings, dist.get_world_size(),
+                                      dist.get_rank())
+            results.append((optimizer.memory_bytes(), line))
+        finally:
+            state.destroy()
+    return dist.get_rank(), results
+
+
+GRID = {
+    2: [["--tensor-model-parallel-size", "2"],
+        ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--bf16"],
+        ["--context-parallel-size", "2", "--attention-dropout", "0",
+         "--use-distributed-optimizer"],
+        ["--recompute-granularity", "full", "--recompute-method", "uniform",
+         "--recompute-num-layers", "1", "--use-distributed-optimizer", "--bf16"],
+        ["--recompute-granularity", "selective", "--recompute-modules", "mlp", "layernorm",
+         "--use-distributed-optimizer", "--fp16"]],
+    4: [["--pipeline-model-parallel-size", "2", "--use-distributed-optimizer", "--bf16"],
+        ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
+         "--global-batch-size", "4"],
+        ["--use-distributed-optimizer", "--overlap-grad-reduce", "--ddp-bucket-size", "3000",
+         "--untie-embeddings-and-output-weights"],
+        ["--tensor-model-parallel-size", "2", "--use-distributed-optimizer", "--bf16",
+         "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu",
+         "--accumulate-allreduce-grads-in-fp32"],
+        ["--num-experts", "4", "--expert-model-parallel-size", "2",
+         "--use-distributed-optimizer", "--bf16", "--moe-router-topk", "2"],
+        ["--tensor-model-parallel-size", "2", "--num-experts", "2",
+         "--expert-model-parallel-size", "2", "--sequence-parallel",
+         "--use-distributed-optimizer", "--moe-layer-freq", "2"]],
+}
+
+
+@pytest.mark.parametrize("world", sorted(GRID))
+def test_static_memory_equals_the_trainers_record_on_every_rank(run_distributed, world):
+    """Every layout of the grid, every rank: the plan's four kinds are the optimizer's bytes,
+    and the ``--log-memory-plan`` line says so."""
+    measured = dict(run_distributed(world, measured_memory_body, GRID[world]))
+    for index, flags in enumerate(GRID[world]):
+        config, settings = parse_args(BASE + flags)
+        layout = layout_of(config, world)
+        buffers = buffer_settings(config, settings, world // (
+            config.tensor_model_parallel_size * config.pipeline_model_parallel_size))
+        for rank in range(world):
+            held, line = measured[rank][index]
+            assert static_memory(config, layout, rank, buffers) == held, (flags, rank)
+            assert "!=" not in line and line.startswith(f"> rank {rank} memory"), line
+
+
+# -------------------------------------------------------------------- communication
+STEP = ["--eval-iters", "0", "--no-progress-bar", "--no-layout-table", "--attention-dropout", "0",
+        "--micro-batch-size", "2"]
+COUNTER_NAMES = {"dp-cp_all_reduce": "dp_all_reduce", "dp-cp_all_gather": "dp_param_all_gather",
+                 "edp_all_gather": "edp_param_all_gather"}
+
+
+def counted_step_body(flags):
+    """The bytes of the collectives of the first training step, by group kind."""
+    import torch.distributed as dist
+
+    from support.comm_counter import counting
+    from tpfuse import pretrain_gpt
+    from tpfuse.training import pretrain as trainer
+
+    counted = {}
+    original = trainer._Run.train_step
+
+    def train_step(run, iterators):
+        with counting(run.state) as counts:
+            result = original(run, iterators)
+        counted.update(counts)
+        return result
+
+    trainer._Run.train_step = train_step
+    try:
+        trainer.pretrain(pretrain_gpt.train_valid_test_datasets_provider,
+                         pretrain_gpt.model_provider, pretrain_gpt.forward_step,
+                         argv=BASE + STEP + flags)
+    finally:
+        trainer._Run.train_step = original
+    return dist.get_rank(), {COUNTER_NAMES.get(k, k): v for k, v in counted.items()}
+
+
+COMM_GRID = [
+    (2, ["--tensor-model-parallel-size", "2", "--global-batch-size", "4",
+         "--log-memory-plan"]),
+    (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--recompute-granularity",
+         "full", "--recompute-method", "uniform", "--recompute-num-layers", "2",
+         "--global-batch-size", "4"]),
+    (4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+         "--sequence-parallel", "--bf16", "--global-batch-size", "4"]),
+    (2, ["--use-distributed-optimizer", "--bf16", "--global-batch-size", "4"]),
+    (2, ["--global-batch-size", "4", "--recompute-granularity", "selective",
+         "--recompute-modules", "mlp", "--tensor-model-parallel-size", "2"]),
+    (2, ["--context-parallel-size", "2", "--global-batch-size", "4"]),
+    (4, ["--num-experts", "4", "--expert-model-parallel-size", "2", "--moe-router-topk", "2",
+         "--global-batch-size", "8"]),
+]
+
+
+@pytest.mark.parametrize("world,flags", COMM_GRID, ids=[" ".join(f) for _, f in COMM_GRID])
+def test_comm_bytes_equal_the_collectives_of_a_real_step(run_distributed, world, flags):
+    from tpfuse.training.plan_comm import step_comm_bytes
+
+    counted = dict(run_distributed(world, counted_step_body, flags))
+    config, settings = parse_args(BASE + STEP + flags)
+    layout = layout_of(config, world)
+    dp = world // (config.tensor_model_parallel_size * config.pipeline_model_parallel_size
+                   * config.context_parallel_size)
+    m = settings.training.global_batch_size // (settings.training.micro_batch_size * dp)
+    buffers = buffer_settings(config, settings, dp * config.context_parallel_size)
+    for rank in range(world):
+        planned = step_comm_bytes(config, layout, rank, buffers, 2, m, backend="gloo")
+        assert planned == counted[rank], rank
+
+
+# -------------------------------------------------------------------- activations
+ACTIVATION_SHAPE = ["--num-layers", "2", "--hidden-size", "128", "--num-attention-heads", "8",
+                    "--seq-length", "16", "--max-position-embeddings", "16", "--vocab-size", "61",
+                    "--mock-data", "--micro-batch-size", "2", "--train-iters", "1", "--lr",
+                    "1e-3", "--attention-dropout", "0"]
+SELECTIVE = ["--recompute-granularity", "selective", "--recompute-modules"]
+ACTIVATION_GRID = [
+    [], ["--hidden-dropout", "0"], ["--bf16"], ["--swiglu", "--position-embedding-type", "rope"],
+    ["--bf16", "--normalization", "RMSNorm", "--swiglu"],
+    SELECTIVE + ["core_attn"], SELECTIVE + ["mlp"], SELECTIVE + ["layernorm"],
+    ["--bf16"] + SELECTIVE + ["layernorm", "mlp"],
+    ["--recompute-granularity", "full", "--recompute-method", "uniform",
+     "--recompute-num-layers", "1"],
+    ["--recompute-granularity", "full", "--recompute-method", "block",
+     "--recompute-num-layers", "1", "--bf16"],
+]
+TP_ACTIVATION_GRID = [["--tensor-model-parallel-size", "2"],
+                      ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+                      ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--bf16"]]
+
+
+def saved_chunk_bytes_body(flag_sets):
+    """For each flag set: the bytes one micro-batch's forward through this rank's whole model
+    chunk (embedding, layers, loss) saves for backward, counted with saved-tensor hooks (each
+    storage once, parameters excluded)."""
+    import torch
+
+    from tpfuse.models import build_model, make_gpt_model_provider
+    from tpfuse.parallel.state import ParallelState
+    from tpfuse.tp_layers.random import model_parallel_seed
+
+    results = []
+    for flags in flag_sets:
+        config, _ = parse_args(ACTIVATION_SHAPE + flags)
+        state = None
+        if config.tensor_model_parallel_size > 1:
+            state = ParallelState.initialize(tp=config.tensor_model_parallel_size)
+        try:
+            model_parallel_seed(1234, state)
+            (model,) = build_model(make_gpt_model_provider(config), config, state)
+            model.train()
+            params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+            storages = {}
+
+            def pack(t):
+                if t.untyped_storage().data_ptr() not in params:
+                    storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+                return t
+
+            ids = torch.randint(0, config.vocab_size, (2, config.seq_length),
+                                generator=torch.Generator().manual_seed(0))
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                loss = model(ids, labels=ids)
+            loss.float().mean().backward()
+            results.append(sum(storages.values()))
+        finally:
+            if state is not None:
+                state.destroy()
+    return results
+
+
+def _predicted_chunk_bytes(flags) -> float:
+    from tpfuse.training.plan_activations import chunk_activation_bytes
+
+    config, _ = parse_args(ACTIVATION_SHAPE + flags)
+    kept, _transient = chunk_activation_bytes(config, 2, 0, 0)
+    return kept
+
+
+def test_predicted_activations_are_within_5_percent_of_the_saved_tensors():
+    """Dropout, dtypes, norms, activations, rope, each recompute mode (one process)."""
+    measured = saved_chunk_bytes_body(ACTIVATION_GRID)
+    for flags, saved in zip(ACTIVATION_GRID, measured):
+        assert _predicted_chunk_bytes(flags) == pytest.approx(saved, rel=0.05), flags
+
+
+def test_predicted_activations_under_tensor_and_sequence_parallelism(run_distributed):
+    measured = run_distributed(2, saved_chunk_bytes_body, TP_ACTIVATION_GRID)
+    for index, flags in enumerate(TP_ACTIVATION_GRID):
+        for saved in (rank_result[index] for rank_result in measured):
+            assert _predicted_chunk_bytes(flags) == pytest.approx(saved, rel=0.05), flags
+
+
+def test_in_flight_micro_batches_follow_the_schedules():
+    """1F1B holds pp − r micro-batches on rank r; interleaving holds more on the first rank
+    (Megatron's warm-up of (pp − r − 1)·2 + (vpp − 1)·pp + 1 forwards, split over the chunks)."""
+    from tpfuse.training.plan_activations import activation_peaks
+
+    config, _ = parse_args(BASE + ["--pipeline-model-parallel-size", "4"])
+    peaks = activation_peaks(config, 1, 8)
+    assert [p["in_flight"] for p in peaks] == [[4], [3], [2], [1]]
+    config, _ = parse_args(BASE + ["--pipeline-model-parallel-size", "2",
+                                   "--num-layers-per-virtual-pipeline-stage", "1"])
+    first, last = activation_peaks(config, 1, 4)
+    assert sum(first["in_flight"]) == (2 - 0 - 1) * 2 + (2 - 1) * 2 + 1
+    assert sum(last["in_flight"]) == (2 - 1 - 1) * 2 + (2 - 1) * 2 + 1
+
+
+# -------------------------------------------------------------------- search and CLI
+LLAMA_70B = ["--num-layers", "80", "--hidden-size", "8192", "--num-attention-heads", "64",
+             "--num-query-groups", "8", "--ffn-hidden-size", "28672", "--swiglu",
+             "--normalization", "RMSNorm", "--position-embedding-type", "rope",
+             "--untie-embeddings-and-output-weights", "--seq-length", "4096",
+             "--max-position-embeddings", "4096", "--vocab-size", "128256", "--mock-data",
+             "--micro-batch-size", "1", "--global-batch-size", "1024", "--train-iters", "1",
+             "--lr", "1e-4", "--bf16", "--use-distributed-optimizer", "--attention-dropout", "0",
+             "--hidden-dropout", "0", "--recompute-granularity", "selective"]
+
+
+def test_search_on_a_70b_config_over_512_ranks_returns_a_valid_layout_that_fits():
+    import dataclasses
+    import time
+
+    from tpfuse.models.config import TransformerConfig
+    from tpfuse.parallel.layout import RankLayout
+    from tpfuse.training.plan_report import plan_layout
+    from tpfuse.training.plan_search import Cluster, search
+
+    config, settings = parse_args(LLAMA_70B)
+    started = time.process_time()
+    results = search(config, settings, 512, Cluster(gpu_memory_gib=80))
+    assert time.process_time() - started < 20.0          # seconds of CPU, not minutes
+    assert results and all(r["fits"] for r in results)
+    assert [r["step_s"] for r in results] == sorted(r["step_s"] for r in results)
+    best = results[0]
+    # the layout rebuilt from scratch: RankLayout and TransformerConfig accept it
+    layout = RankLayout(512, tp=best["tp"], pp=best["pp"], cp=best["cp"], ep=best["ep"])
+    assert layout.dp == best["dp"]
+    values = {f.name: getattr(best["config"], f.name)
+              for f in dataclasses.fields(TransformerConfig) if f.init}
+    rebuilt = TransformerConfig(**values)
+    assert (rebuilt.tensor_model_parallel_size, rebuilt.pipeline_model_parallel_size) == \
+        (best["tp"], best["pp"])
+    assert 8 % best["tp"] == 0 and 64 % best["tp"] == 0 and 80 % best["pp"] == 0
+    assert 4096 % (2 * best["cp"]) == 0 or best["cp"] == 1
+    assert 1024 % (best["dp"] * 1) == 0
+    # the full plan of that layout: every rank fits
+    plan = plan_layout(best["config"], settings, 512)
+    assert max(r["memory_bytes"]["total"] for r in plan["ranks"]) <= 80 * 2 ** 30
+
+
+def test_cli_json_has_every_rank(capsys):
+    import json
+
+    from tpfuse.training.plan_cli import main
+
+    assert main(BASE + ["--world-size", "4", "--tensor-model-parallel-size", "2", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert [r["rank"] for r in plan["ranks"]] == [0, 1, 2, 3]
+    assert set(plan["ranks"][0]["memory_bytes"]) == {
+        "parameters", "main_parameters", "gradients", "optimizer_state", "activations", "total"}
+    assert "tp_all_reduce" in plan["ranks"][0]["comm_bytes_per_step"]
+
+
+def test_cli_rejects_a_layout_that_does_not_divide_the_world():
+    from tpfuse.training.plan_cli import main
+
+    with pytest.raises(SystemExit, match="world_size=6 is not divisible"):
+        main(BASE + ["--world-size", "6", "--tensor-model-parallel-size", "4"])
+    with pytest.raises(SystemExit, match="--gpu-memory-gib"):
+        main(BASE + ["--world-size", "4", "--search"])

@@ -1,0 +1,240 @@
+"""Fully sharded data parallelism through PyTorch's ``fully_shard`` (FSDP2): ZeRO-2 and ZeRO-3.
+
+``--use-torch-fsdp2`` shards every model chunk over the data-parallel mesh (dp × cp ranks,
+``state.dp_cp_group``), one FSDP unit per transformer layer plus the chunk itself (embedding,
+final norm, output layer: the tied word embedding and the output layer share one Parameter, so
+they sit in one unit). The local tensors FSDP shards are tpfuse's tensor-parallel shards: a
+parameter of TP shard shape (n0, n1, ...) is cut along dim 0 into dp_cp row blocks of
+c = ⌈n0/dp_cp⌉ rows (the last ones shorter or empty; FSDP pads each to c rows), so TP, SP, PP
+(every virtual chunk its own root) and CP compose unchanged. Expert parameters
+(``allreduce = False``) form their own unit over the expert-data-parallel mesh
+(``state.group("edp")``) when edp > 1; their gradients must be divided by dp_cp, not edp (the
+loss averages the tokens of all dp·cp replicas, Megatron's scaling): FSDP's 1/edp is rescaled by
+edp/dp_cp after backward. With edp = 1 they stay unsharded (``ignored_params``), scaled by
+1/dp_cp after backward.
+
+Strategies (Megatron's ``--data-parallel-sharding-strategy`` values)::
+
+    optim_grads         ZeRO-2: reshard_after_forward=False  (parameters gathered for forward stay
+                                 until that micro-batch's backward; gradients reduce-scattered)
+    optim_grads_params  ZeRO-3: reshard_after_forward=True   (re-sharded after forward, gathered
+                                 again for backward)
+
+Each micro-batch's backward reduce-scatters into the sharded fp32 gradient (accumulated over the
+step's micro-batches): g_shard ← Σ_micro RS_{dp·cp}(g) / dp_cp, the same sum the bucketed buffers
+all-reduce. Mixed precision (``MixedPrecisionPolicy``): bf16/fp16 compute, fp32 reduce, fp32 sharded
+parameters, which are the optimizer's main parameters (``training/fsdp_optimizer.py``).
+
+This object stands where ``DataParallelBuffers`` stands in the training step (``zero_grad_buffer``,
+``begin_step``, ``finish_grad_sync``, ``start_param_sync`` / ``finish_param_sync``); FSDP's own
+hooks do the communication, so most of these are bookkeeping. Timers: FSDP's all-gathers and
+reduce-scatters run inside the schedule, under ``forward-backward``; ``all-grads-sync`` holds only
+the expert rescale. The start-up memory record is ``FullyShardedOptimizer.memory_bytes`` (the
+padded shards, ``fsdp_rank_bytes`` for planners). Checkpoints: ``checkpoint/sharded_state.py``.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .data_parallel import is_expert
+
+STRATEGY_RESHARDS = {"optim_grads": False, "optim_grads_params": True}
+
+
+@dataclass(frozen=True)
+class FsdpConfig:
+    """What ``FullyShardedModel`` needs of the settings; ``use_distributed_optimizer`` is False
+    (the optimizer's pieces are FSDP's shards, see fsdp_optimizer.py)."""
+    strategy: str
+    compute_dtype: torch.dtype          # the model's params_dtype: what forward/backward run in
+    use_distributed_optimizer: bool = False
+
+    @property
+    def reshard_after_forward(self) -> bool:
+        return STRATEGY_RESHARDS[self.strategy]
+
+
+# -------------------------------------------------------------------- pure shard arithmetic
+def shard_rows(rows: int, dp: int, rank: int) -> tuple[int, int]:
+    """Rows ``[lo, hi)`` of dim 0 that FSDP rank ``rank`` of ``dp`` holds (torch.chunk's cut:
+    blocks of ⌈rows/dp⌉, the trailing ranks shorter or empty)."""
+    block = math.ceil(rows / dp) if rows else 0
+    return min(rows, rank * block), min(rows, (rank + 1) * block)
+
+
+def padded_shard_numel(shape, dp: int) -> int:
+    """Elements one rank allocates for a parameter of ``shape`` sharded over ``dp``: ⌈n0/dp⌉ rows
+    (the padding included), the same on every rank."""
+    if not shape:
+        return math.ceil(1 / dp)
+    rest = math.prod(shape[1:])
+    return math.ceil(shape[0] / dp) * rest
+
+
+def fsdp_rank_bytes(shapes, dp: int, *, param_bytes: int = 4, grad_bytes: int = 4,
+                    moment_bytes: int = 8) -> dict:
+    """Per-rank bytes of parameters, gradients and Adam moments of FSDP-sharded parameters of
+    ``shapes`` (TP-shard shapes) over ``dp``: each is the padded shard (``padded_shard_numel``)
+    times its element size (fp32 master parameters, fp32 gradients, two fp32 moments). A pure
+    function, for planners; ``FullyShardedModel.memory_bytes`` measures the same."""
+    elements = sum(padded_shard_numel(tuple(shape), dp) for shape in shapes)
+    return {"parameters": elements * param_bytes, "main_parameters": 0,
+            "gradients": elements * grad_bytes, "optimizer_state": elements * moment_bytes}
+
+
+# -------------------------------------------------------------------- refusals
+def check_fsdp_layout(config) -> None:
+    """What FSDP cannot wrap at this layout, refused before any process group exists."""
+    if config.pipeline_schedule == "zb-h1":
+        raise ValueError("--use-torch-fsdp2 with --pipeline-schedule zb-h1: the zero-bubble W "
+                         "actions compute weight gradients after FSDP's post-backward "
+                         "reduce-scatter has run (use 1f1b/interleaved, or the bucketed "
+                         "data-parallel buffers without --use-torch-fsdp2)")
+
+
+# -------------------------------------------------------------------- the wrapper
+def _parameter_attributes(chunk) -> dict:
+    """name → tpfuse's attributes of the Parameter (``tensor_model_parallel``, ``allreduce``,
+    ``shared_embedding``, ...): fully_shard makes new Parameters, these go on them again."""
+    return {name: dict(vars(param)) for name, param in chunk.named_parameters()}
+
+
+def _expert_units(layer) -> list:
+    """The outermost submodules of ``layer`` holding only expert parameters."""
+    units = []
+
+    def visit(module):
+        params = list(module.parameters())
+        if params and all(is_expert(p) for p in params):
+            units.append(module)
+            return
+        for child in module.children():
+            visit(child)
+    for child in layer.children():
+        visit(child)
+    return units
+
+
+class FullyShardedModel:
+    """The FSDP2 units of one rank's model chunks (see the module docstring)."""
+
+    def __init__(self, model_chunks, config: FsdpConfig, state):
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        self.chunks, self.config, self.state = list(model_chunks), config, state
+        self.dp_cp = state.size("dp-cp")
+        device_type = _device_type()
+        dense_mesh = DeviceMesh.from_group(state.dp_cp_group, device_type)
+        edp = state.size("edp")
+        expert_mesh = DeviceMesh.from_group(state.group("edp"), device_type) if edp > 1 else None
+        compute = config.compute_dtype
+        policy = MixedPrecisionPolicy(
+            param_dtype=None if compute == torch.float32 else compute,
+            reduce_dtype=torch.float32, output_dtype=None)
+        self.unsharded_experts = []
+        for chunk in self.chunks:
+            attributes = _parameter_attributes(chunk)
+            chunk.float()                               # fp32 sharded master parameters
+            for layer in _layers_of(chunk):
+                experts = _expert_units(layer)
+                if expert_mesh is not None:
+                    for unit in experts:
+                        fully_shard(unit, mesh=expert_mesh, mp_policy=policy,
+                                    reshard_after_forward=config.reshard_after_forward)
+                    ignored = None
+                else:
+                    ignored = {p for unit in experts for p in unit.parameters()}
+                    self.unsharded_experts += list(ignored)
+                fully_shard(layer, mesh=dense_mesh, mp_policy=policy, ignored_params=ignored,
+                            reshard_after_forward=config.reshard_after_forward)
+            fully_shard(chunk, mesh=dense_mesh, mp_policy=policy,
+                        ignored_params=set(self.unsharded_experts) or None,
+                        reshard_after_forward=config.reshard_after_forward)
+            for name, values in attributes.items():
+                param = chunk.get_parameter(name)
+                for key, value in values.items():
+                    setattr(param, key, value)
+        self.params = _trainable(self.chunks)
+        for param in self.params:
+            if self.is_sharded(param):
+                self._mark_shard(param)
+        # FSDP divides an expert unit's gradient by edp (its mesh); the loss wants 1/dp_cp
+        # (gloo has no PREMUL_SUM for set_gradient_divide_factor, so the rest is applied after)
+        self.sharded_experts = [p for p in self.params if is_expert(p) and self.is_sharded(p)]
+        self.expert_rescale = edp / self.dp_cp
+
+    def _mark_shard(self, param) -> None:
+        """What the checkpoint package gathers and cuts a shard by (``checkpoint/
+        sharded_state.py``): the process group, this rank's place in it and its size (read from
+        the ParallelState: a DeviceMesh rebuilt over a reused worker's groups can name a group
+        that is gone)."""
+        name = "edp" if is_expert(param) else "dp-cp"
+        param.fsdp_group = self.state.group(name) if name == "edp" else self.state.dp_cp_group
+        param.fsdp_rank, param.fsdp_size = self.state.rank_in(name) or 0, self.state.size(name)
+
+    # ------------------------------------------------------------------ the step
+    def zero_grad_buffer(self) -> None:
+        for param in self.params:
+            param.grad = None
+
+    def begin_step(self, num_microbatches: int) -> None:
+        """FSDP reduce-scatters after every micro-batch's backward; nothing to count."""
+
+    def finish_grad_sync(self) -> None:
+        """Expert gradients to 1/dp_cp: the unsharded ones (edp = 1) from the plain sum, the
+        sharded ones from FSDP's 1/edp (``expert_rescale`` = edp / dp_cp)."""
+        if self.dp_cp == 1:
+            return
+        for params, factor in ((self.unsharded_experts, 1.0 / self.dp_cp),
+                               (self.sharded_experts, self.expert_rescale)):
+            for param in params:
+                if param.grad is not None and factor != 1.0:
+                    grad = param.grad
+                    getattr(grad, "_local_tensor", grad).mul_(factor)
+
+    def start_param_sync(self) -> None:
+        """FSDP gathers each unit's parameters in its own forward."""
+
+    def finish_param_sync(self, buckets=None) -> None:
+        """Nothing in flight between steps."""
+
+    def remove_hooks(self) -> None:
+        """FSDP's hooks stay with the modules."""
+
+    # ------------------------------------------------------------------ queries
+    def is_sharded(self, param) -> bool:
+        return hasattr(param, "_local_tensor")
+
+    def mesh_rank_and_size(self, param) -> tuple[int, int]:
+        """(rank, size) of the mesh ``param`` is sharded over ((0, 1) when unsharded)."""
+        if not self.is_sharded(param):
+            return 0, 1
+        return param.fsdp_rank, param.fsdp_size
+
+
+def _layers_of(chunk) -> list:
+    model = getattr(chunk, "module", chunk)
+    layers = getattr(model, "layers", None)
+    if layers is None:
+        raise ValueError(f"--use-torch-fsdp2: {type(model).__name__} has no .layers to shard one "
+                         "unit per transformer layer")
+    return list(layers)
+
+
+def _trainable(model_chunks) -> list:
+    seen, params = set(), []
+    for chunk in model_chunks:
+        for param in chunk.parameters():
+            if param.requires_grad and id(param) not in seen:
+                seen.add(id(param))
+                params.append(param)
+    return params
+
+
+def _device_type() -> str:
+    return "cuda" if "nccl" in str(dist.get_backend()).lower() else "cpu"

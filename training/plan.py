@@ -1,0 +1,233 @@
+"""The memory and communication of a layout, per rank, from the flags alone (``tpfuse-plan``).
+
+Nothing is built: no model, no process group. What a rank holds follows from the config, the
+rank's coordinates in the ``RankLayout`` and the trainer's settings, computed the way the trainer
+lays it out:
+
+- **parameters, main parameters, gradients, optimizer state**: the chunk's parameters in the
+  modules' registration order (``parameter_shapes``, one entry per ``nn.Parameter`` of the
+  GPTModel chunk, the tied output weight once where it is the embedding's Parameter), grouped
+  into the gradient buffers as ``training/data_parallel.py`` groups them (dense over dp·cp,
+  expert over the expert-data group; one buffer per (param dtype, grad dtype)), laid out by the
+  trainer's own ``grad_buffers.plan_buffer`` (64-element parameter alignment and lcm(dp, 128)
+  bucket padding with the distributed optimizer). Then, as ``MixedPrecisionOptimizer.memory_bytes``
+  counts them::
+
+      parameters       Σ param numel · es            (distributed: the padded param buffers)
+      gradients        Σ padded grad buffer · es_grad
+      main_parameters  elements this rank updates · 4 when the params are not fp32, else 0
+      optimizer_state  elements this rank updates · 8 (two fp32 Adam moments)
+
+  where "elements this rank updates" is every parameter element, or with the distributed
+  optimizer the parameters' intersection with this rank's shard of every bucket.
+- **activations** at the schedule's peak: ``activations.py``.
+- **communication** per optimizer step, by group kind: ``comm_volume.py``.
+
+FSDP (parameters and gradients sharded 1/dp): not in the trainer yet; ``static_memory`` is where
+its case goes (``parameters`` and ``gradients`` then cover this rank's shard, as
+``main_parameters`` and ``optimizer_state`` do with the distributed optimizer).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tpfuse.models.layer_assignment import layers_for
+from tpfuse.models.moe_config import moe_layer_pattern
+from tpfuse.parallel.layout import RankLayout
+
+from .grad_buffers import plan_buffer
+
+MEMORY_KINDS = ("parameters", "main_parameters", "gradients", "optimizer_state")
+DTYPE_BYTES = {"torch.float32": 4, "torch.bfloat16": 2, "torch.float16": 2}
+
+
+@dataclass(frozen=True)
+class ParamShape:
+    """One ``nn.Parameter`` of a chunk: its element count, whether it is an expert parameter
+    (reduced over the expert-data group) and whether it is the tied embedding copy of the last
+    stage (a bucket of its own with the distributed optimizer)."""
+    name: str
+    numel: int
+    expert: bool = False
+    tied_copy: bool = False
+
+
+def element_bytes(dtype) -> int:
+    return DTYPE_BYTES[str(dtype)]
+
+
+def layout_of(config, world_size: int) -> RankLayout:
+    """The RankLayout of the config's sizes over ``world_size`` ranks (its checks included)."""
+    return RankLayout(world_size, tp=config.tensor_model_parallel_size,
+                      pp=config.pipeline_model_parallel_size,
+                      cp=config.context_parallel_size, ep=config.expert_model_parallel_size,
+                      etp=config.expert_tensor_parallel_size)
+
+
+# -------------------------------------------------------------------- parameters of a chunk
+def _norm(prefix: str, config) -> list:
+    h = config.hidden_size
+    shapes = [ParamShape(f"{prefix}.weight", h)]
+    if config.normalization == "LayerNorm":
+        shapes.append(ParamShape(f"{prefix}.bias", h))
+    return shapes
+
+
+def _linear(prefix: str, rows: int, cols: int, bias_numel: int | None, expert=False) -> list:
+    shapes = [ParamShape(f"{prefix}.weight", rows * cols, expert)]
+    if bias_numel is not None:
+        shapes.append(ParamShape(f"{prefix}.bias", bias_numel, expert))
+    return shapes
+
+
+def _dense_mlp(prefix: str, config, ffn: int, tp: int) -> list:
+    h, bias = config.hidden_size, config.add_bias_linear
+    fc1_rows = (2 if config.activation == "swiglu" else 1) * ffn // tp
+    return (_linear(f"{prefix}.linear_fc1", fc1_rows, h, fc1_rows if bias else None)
+            + _linear(f"{prefix}.linear_fc2", h, ffn // tp, h if bias else None))
+
+
+def _moe_mlp(prefix: str, config, ep: int, etp: int, tp: int) -> list:
+    """Router (E, h), then the local experts' weight1 (E/ep, h, k·F/etp), weight2
+    (E/ep, F/etp, h), their biases, then the shared experts (a dense MLP over tp)."""
+    h, experts = config.hidden_size, config.num_moe_experts
+    local, ffn = experts // ep, config.moe_ffn_hidden_size
+    stride = 2 if config.activation == "swiglu" else 1
+    shapes = [ParamShape(f"{prefix}.router.weight", experts * h)]
+    shapes += [ParamShape(f"{prefix}.experts.weight1", local * h * stride * ffn // etp, True),
+               ParamShape(f"{prefix}.experts.weight2", local * ffn // etp * h, True)]
+    if config.add_bias_linear:
+        shapes += [ParamShape(f"{prefix}.experts.bias1", local * stride * ffn // etp, True),
+                   ParamShape(f"{prefix}.experts.bias2", local * h, True)]
+    if config.moe_shared_expert_intermediate_size is not None:
+        shapes += _dense_mlp(f"{prefix}.shared_experts", config,
+                             config.moe_shared_expert_intermediate_size, tp)
+    return shapes
+
+
+def layer_shapes(config, index: int) -> list:
+    """The parameters of global layer ``index`` on one rank, in registration order."""
+    h, tp, bias = config.hidden_size, config.tensor_model_parallel_size, config.add_bias_linear
+    heads = config.num_attention_heads
+    groups = config.num_query_groups or heads
+    head_dim = h // heads
+    qkv_rows = (heads + 2 * groups) * head_dim // tp
+    prefix = f"layers.{index}"
+    shapes = _norm(f"{prefix}.input_norm", config)
+    shapes += _linear(f"{prefix}.self_attention.linear_qkv", qkv_rows, h,
+                      qkv_rows if bias else None)
+    shapes += _linear(f"{prefix}.self_attention.linear_proj", h, heads * head_dim // tp,
+                      h if bias else None)
+    shapes += _norm(f"{prefix}.pre_mlp_norm", config)
+    if moe_layer_pattern(config)[index]:
+        etp = config.expert_tensor_parallel_size or tp
+        shapes += _moe_mlp(f"{prefix}.mlp", config, config.expert_model_parallel_size, etp, tp)
+    else:
+        shapes += _dense_mlp(f"{prefix}.mlp", config, config.ffn_hidden_size, tp)
+    return shapes
+
+
+def chunk_shapes(config, pp_rank: int, chunk: int) -> list:
+    """Every trainable parameter of model chunk ``chunk`` of pipeline rank ``pp_rank`` (the
+    GPTModel's registration order: embedding, layers, final norm, output layer)."""
+    pp, vpp = config.pipeline_model_parallel_size, config.virtual_pipeline_model_parallel_size
+    tp, h = config.tensor_model_parallel_size, config.hidden_size
+    pre = pp_rank == 0 and chunk == 0
+    post = pp_rank == pp - 1 and chunk == (vpp or 1) - 1
+    vocab_rows = config.padded_vocab_size // tp
+    shapes = []
+    if pre:
+        shapes.append(ParamShape("embedding.word_embeddings.weight", vocab_rows * h))
+        if config.position_embedding_type == "learned_absolute":
+            shapes.append(ParamShape("embedding.position_embeddings.weight",
+                                     config.max_position_embeddings * h))
+    for index in layers_for(config, pp_rank, None if vpp is None else chunk):
+        shapes += layer_shapes(config, index)
+    if post:
+        shapes += _norm("final_norm", config)
+        tied = not config.untie_embeddings_and_output_weights
+        if not (tied and pre):                  # tied on one chunk: the embedding's Parameter
+            shapes.append(ParamShape("output_layer.weight", vocab_rows * h,
+                                     tied_copy=tied))
+    return shapes
+
+
+def rank_shapes(config, pp_rank: int) -> list:
+    """The trainable parameters of every chunk of pipeline rank ``pp_rank``, chunk order."""
+    vpp = config.virtual_pipeline_model_parallel_size or 1
+    return [shape for chunk in range(vpp) for shape in chunk_shapes(config, pp_rank, chunk)]
+
+
+def _tied_embedding_bucket(config, pp_rank: int, shape: ParamShape) -> bool:
+    """The word embedding gets a bucket of its own on both ends of a pipeline (tied, pp > 1)."""
+    if config.untie_embeddings_and_output_weights or config.pipeline_model_parallel_size == 1:
+        return False
+    return shape.tied_copy or shape.name == "embedding.word_embeddings.weight"
+
+
+# -------------------------------------------------------------------- the four static kinds
+@dataclass(frozen=True)
+class BufferSettings:
+    """What decides the buffers' layout (``training/precision_args.ddp_config_from_settings``)."""
+    grad_reduce_in_fp32: bool
+    use_distributed_optimizer: bool
+    bucket_size: int | None          # None: one bucket per buffer
+
+
+def buffer_settings(config, settings, dp_cp: int) -> BufferSettings:
+    from .precision_args import ddp_config_from_settings
+
+    ddp = ddp_config_from_settings(settings.precision, settings.data_parallel, config)
+    bucket = ddp.bucket_size or max(40_000_000, 1_000_000 * dp_cp)
+    return BufferSettings(ddp.grad_reduce_in_fp32, ddp.use_distributed_optimizer,
+                          bucket if ddp.overlap_grad_reduce else None)
+
+
+def _owned_elements(plan, shard_over: int, shard_rank: int) -> int:
+    """Elements of the parameters inside shard ``shard_rank`` of every bucket."""
+    owned = 0
+    for bucket in plan.buckets:
+        size = (bucket.end - bucket.start) // shard_over
+        lo, hi = bucket.start + shard_rank * size, bucket.start + (shard_rank + 1) * size
+        for index in bucket.params:
+            start, end = plan.ranges[index]
+            owned += max(0, min(end, hi) - max(start, lo))
+    return owned
+
+
+def buffer_plans(config, layout: RankLayout, rank: int, buffers: BufferSettings) -> list:
+    """``[(kind, BufferPlan, shard size, shard rank), ...]`` of ``rank``: one plan per reduce
+    group with parameters (the model has one params dtype)."""
+    pp_rank = layout.rank_in("pp", rank)
+    shapes = rank_shapes(config, pp_rank)
+    plans = []
+    for kind, group in (("dense", "dp-cp"), ("expert", "edp")):
+        mine = [s for s in shapes if s.expert == (kind == "expert")]
+        if not mine:
+            continue
+        size = len(layout.group_of(group, rank))
+        plan = plan_buffer([s.numel for s in mine], buffers.bucket_size,
+                           size if buffers.use_distributed_optimizer else None,
+                           [buffers.use_distributed_optimizer
+                            and _tied_embedding_bucket(config, pp_rank, s) for s in mine])
+        plans.append((kind, plan, size, layout.rank_in(group, rank)))
+    return plans
+
+
+def static_memory(config, layout: RankLayout, rank: int, buffers: BufferSettings) -> dict:
+    """The four kinds of ``MixedPrecisionOptimizer.memory_bytes`` on ``rank``, in bytes."""
+    param_bytes = element_bytes(config.params_dtype)
+    grad_bytes = 4 if buffers.grad_reduce_in_fp32 else param_bytes
+    held = dict.fromkeys(MEMORY_KINDS, 0)
+    for _kind, plan, size, shard_rank in buffer_plans(config, layout, rank, buffers):
+        numel = sum(end - start for start, end in plan.ranges)
+        if buffers.use_distributed_optimizer:
+            held["parameters"] += plan.numel * param_bytes
+            owned = _owned_elements(plan, size, shard_rank)
+        else:
+            held["parameters"] += numel * param_bytes
+            owned = numel
+        held["gradients"] += plan.numel * grad_bytes
+        held["main_parameters"] += owned * 4 if param_bytes != 4 else 0
+        held["optimizer_state"] += owned * 8
+    return held

@@ -1,0 +1,188 @@
+"""Communication volume of one optimizer step per rank, by group kind, for tpfuse-plan.
+
+A collective's volume is its message as the caller passes it: the input of an all-reduce,
+reduce-scatter or all-to-all, the gathered output of an all-gather, the tensor of a send (a
+rank's receives are its peers' sends). Scalars (the grad norm, loss logs) are left out. With
+``X = s·b·h·e`` (``s`` this rank's tokens seq_length/cp, ``e`` the activation element size) and
+``m`` micro-batches per step, per micro-batch on a rank of tp = t > 1:
+
+==========================  ================================================================
+TP, no SP (all-reduce)      4X per layer (proj and fc2 forward, QKV and fc1 input gradients),
+                            + 2X per layer re-run by full recompute, + X per layer whose MLP
+                            is recomputed; embedding X forward, output layer X backward;
+                            cross-entropy 3·s·b·4 (max, sum-exp and target logit)
+TP with SP                  all-gather 6X per layer (QKV and fc1 inputs forward, their
+                            re-gather for the weight gradients, the gradients of the two
+                            reduce-scatters) + embedding X (its gradient) + learned positions X
+                            + output layer 2X; reduce-scatter 4X per layer + embedding X +
+                            output layer X; full / MLP recompute re-run the forward's (2X / X
+                            each); all-reduce of the sequence-parallel parameters' gradients
+                            (norms, row-parallel biases) in their dtype + cross-entropy
+CP ring (send)              (3·cp − 2)·KV per layer, KV = 2·s·b·g/t·d·e (the K, V blocks
+                            forward (cp − 1 hops), again in backward, their gradients cp hops)
+EP (allgather dispatcher)   per MoE layer all-gather 2·ep·T·h·e + ep·T·E·5 (probabilities and
+                            routing map), reduce-scatter 2·ep·T·h·e + ep·T·E·4, T = s·b/t'
+EP (alltoall dispatcher)    per MoE layer all-to-all 4·T·k·h·e (dispatch, combine, both
+                            backward): an upper bound, the real rows depend on the routing
+PP (send)                   X/t' per micro-batch and chunk with a next stage (activation) and
+                            with a previous stage (gradient)
+==========================  ================================================================
+
+Per step: DP reduces every gradient buffer once (its padded bytes; a reduce-scatter with the
+distributed optimizer on NCCL, an all-reduce otherwise, gloo included: its reduce-scatter is the
+slower), the distributed optimizer all-gathers every parameter buffer; the tied word embedding's
+gradient is all-reduced over the embedding group (first and last stage, pp > 1). Expert buffers
+reduce over the expert-data group (``edp``), dense ones over dp·cp (``dp``).
+
+Checked byte for byte against the collectives of a real step for TP (with and without SP, full
+recompute), DP (plain and distributed optimizer), PP and the tied embedding, CP (cp = 2) and EP
+with the allgather dispatcher (tests/training/test_plan.py); the alltoall dispatcher's volume
+depends on where tokens are routed (the row above is its even-routing bound).
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+
+from tpfuse.models.layer_assignment import layers_for
+from tpfuse.models.moe_config import moe_layer_pattern
+
+from .plan import buffer_plans, element_bytes
+
+
+def _layer_counts(config, pp_rank: int) -> tuple[int, int, int]:
+    """(layers, MoE layers, layers re-run by full recompute) of all chunks of ``pp_rank``."""
+    vpp = config.virtual_pipeline_model_parallel_size
+    pattern = moe_layer_pattern(config)
+    layers = moe = rerun = 0
+    for chunk in range(vpp or 1):
+        indices = layers_for(config, pp_rank, None if vpp is None else chunk)
+        layers += len(indices)
+        moe += sum(pattern[i] for i in indices)
+        if config.recompute_granularity == "full":
+            n = config.recompute_num_layers
+            rerun += len(indices) if config.recompute_method == "uniform" else min(n, len(indices))
+    return layers, moe, rerun
+
+
+def _sequence_parallel_params(config, pp_rank: int) -> int:
+    """Elements whose gradient is all-reduced over TP under SP: norms and row-parallel biases."""
+    per_norm = config.hidden_size * (2 if config.normalization == "LayerNorm" else 1)
+    layers, _, _ = _layer_counts(config, pp_rank)
+    rows = 2 * config.hidden_size if config.add_bias_linear else 0
+    total = layers * (2 * per_norm + rows)
+    if pp_rank == config.pipeline_model_parallel_size - 1:
+        total += per_norm                                       # the final norm
+    return total
+
+
+def tensor_parallel_bytes(config, micro_batch_size: int, pp_rank: int) -> dict:
+    """TP volume of one micro-batch on ``pp_rank`` (its chunks together)."""
+    t = config.tensor_model_parallel_size
+    if t == 1:
+        return {}
+    pp = config.pipeline_model_parallel_size
+    e = element_bytes(config.params_dtype)
+    s = config.seq_length // config.context_parallel_size
+    x = s * micro_batch_size * config.hidden_size * e
+    layers, _, rerun = _layer_counts(config, pp_rank)
+    mlp_rerun = layers if (config.recompute_granularity == "selective"
+                           and "mlp" in (config.recompute_modules or ())) else 0
+    first, last = pp_rank == 0, pp_rank == pp - 1        # chunk 0 of rank 0, last chunk of last
+    cross_entropy = 3 * s * micro_batch_size * 4 if last else 0
+    if not config.sequence_parallel:
+        reduce = (4 * layers + 2 * rerun + mlp_rerun) * x + (x if first else 0) \
+            + (x if last else 0) + cross_entropy
+        return {"tp_all_reduce": reduce}
+    positions = config.position_embedding_type == "learned_absolute"
+    gather = (6 * layers + 2 * rerun + mlp_rerun) * x
+    gather += (x + (x if positions else 0)) if first else 0
+    gather += 2 * x if last else 0
+    scatter = (4 * layers + 2 * rerun + mlp_rerun) * x + (x if first else 0) \
+        + (x if last else 0)
+    reduce = _sequence_parallel_params(config, pp_rank) * e + cross_entropy
+    return {"tp_all_gather": gather, "tp_reduce_scatter": scatter, "tp_all_reduce": reduce}
+
+
+def context_parallel_bytes(config, micro_batch_size: int, pp_rank: int) -> dict:
+    cp = config.context_parallel_size
+    if cp == 1:
+        return {}
+    heads = config.num_attention_heads
+    groups = config.num_query_groups or heads
+    head_dim = config.hidden_size // heads
+    s = config.seq_length // cp
+    kv = 2 * s * micro_batch_size * groups // config.tensor_model_parallel_size * head_dim \
+        * element_bytes(config.params_dtype)
+    layers, _, rerun = _layer_counts(config, pp_rank)
+    return {"cp_send": ((3 * cp - 2) * layers + (cp - 1) * rerun) * kv}
+
+
+def expert_parallel_bytes(config, micro_batch_size: int, pp_rank: int) -> dict:
+    ep = config.expert_model_parallel_size
+    _, moe_layers, _ = _layer_counts(config, pp_rank)
+    if ep == 1 or moe_layers == 0:
+        return {}
+    t_sp = config.tensor_model_parallel_size if config.sequence_parallel else 1
+    tokens = config.seq_length // config.context_parallel_size * micro_batch_size // t_sp
+    h, experts = config.hidden_size, config.num_moe_experts
+    e = element_bytes(config.params_dtype)
+    if config.moe_token_dispatcher_type == "alltoall":
+        return {"ep_all_to_all": moe_layers * 4 * tokens * config.moe_router_topk * h * e}
+    return {"ep_all_gather": moe_layers * (2 * ep * tokens * h * e + ep * tokens * experts * 5),
+            "ep_reduce_scatter": moe_layers * (2 * ep * tokens * h * e
+                                               + ep * tokens * experts * 4)}
+
+
+def pipeline_bytes(config, micro_batch_size: int, pp_rank: int) -> dict:
+    """What ``pp_rank`` sends per micro-batch: activations forward, gradients backward."""
+    pp, vpp = config.pipeline_model_parallel_size, config.virtual_pipeline_model_parallel_size or 1
+    if pp == 1:
+        return {}
+    t_sp = config.tensor_model_parallel_size if config.sequence_parallel else 1
+    s = config.seq_length // config.context_parallel_size // t_sp
+    dtype = getattr(config, "pipeline_dtype", None) or config.params_dtype
+    message = s * micro_batch_size * config.hidden_size * element_bytes(dtype)
+    stages = pp * vpp
+    sends = 0
+    for chunk in range(vpp):
+        stage = chunk * pp + pp_rank
+        sends += (stage < stages - 1) + (stage > 0)
+    return {"pp_send": sends * message}
+
+
+def data_parallel_bytes(config, layout, rank: int, buffers, backend: str) -> dict:
+    """Per step: gradient reduction and (distributed optimizer) parameter all-gather."""
+    param_bytes = element_bytes(config.params_dtype)
+    grad_bytes = 4 if buffers.grad_reduce_in_fp32 else param_bytes
+    reduce_op = ("reduce_scatter" if buffers.use_distributed_optimizer and backend == "nccl"
+                 else "all_reduce")
+    volume = defaultdict(int)
+    for kind, plan, size, _ in buffer_plans(config, layout, rank, buffers):
+        if size == 1:
+            continue
+        group = "dp" if kind == "dense" else "edp"
+        volume[f"{group}_{reduce_op}"] += plan.numel * grad_bytes
+        if buffers.use_distributed_optimizer:
+            volume[f"{group}_param_all_gather"] += plan.numel * param_bytes
+    pp_rank = layout.rank_in("pp", rank)
+    tied = not config.untie_embeddings_and_output_weights
+    if tied and config.pipeline_model_parallel_size > 1 and pp_rank in (
+            0, config.pipeline_model_parallel_size - 1):
+        rows = config.padded_vocab_size // config.tensor_model_parallel_size
+        volume["embedding_all_reduce"] += rows * config.hidden_size * grad_bytes
+    return dict(volume)
+
+
+def step_comm_bytes(config, layout, rank: int, buffers, micro_batch_size: int,
+                    num_microbatches: int, backend: str = "nccl") -> dict:
+    """``{"<group kind>_<op>": bytes}`` of one optimizer step on ``rank`` (zero kinds left
+    out)."""
+    pp_rank = layout.rank_in("pp", rank)
+    volume = defaultdict(int)
+    for part in (tensor_parallel_bytes, context_parallel_bytes, expert_parallel_bytes,
+                 pipeline_bytes):
+        for key, value in part(config, micro_batch_size, pp_rank).items():
+            volume[key] += value * num_microbatches
+    for key, value in data_parallel_bytes(config, layout, rank, buffers, backend).items():
+        volume[key] += value
+    return {key: int(value) for key, value in sorted(volume.items()) if value}

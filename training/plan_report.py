@@ -1,0 +1,108 @@
+"""One layout's plan: every rank's memory and communication, the micro-batches and the bubble.
+
+``plan_layout(config, settings, world_size)`` is what ``tpfuse-plan --json`` prints::
+
+    {"world_size": N, "layout": {"tp", "pp", "vpp", "cp", "ep", "etp", "dp"},
+     "num_microbatches": m, "micro_batch_size": b, "bubble_fraction": f,
+     "ranks": [{"rank", "coords": {...}, "memory_bytes": {parameters, main_parameters,
+                gradients, optimizer_state, activations, total},
+                "in_flight_microbatches": [per chunk], "comm_bytes_per_step": {...}}, ...]}
+
+``memory_bytes``' first four kinds are the trainer's record (``training/plan.py``), activations
+the schedule's peak (``plan_activations.py``); ``comm_bytes_per_step``: ``plan_comm.py``.
+"""
+from __future__ import annotations
+
+from .plan import MEMORY_KINDS, buffer_settings, layout_of, static_memory
+from .plan_activations import activation_peaks, bubble_fraction
+from .plan_comm import step_comm_bytes
+
+
+def data_parallel_size(config, world_size: int) -> int:
+    model = (config.tensor_model_parallel_size * config.pipeline_model_parallel_size
+             * config.context_parallel_size)
+    return world_size // model
+
+
+def num_microbatches(settings, dp: int) -> int:
+    """m of a full global batch (after any ramp-up); ValueError when it does not divide."""
+    training = settings.training
+    global_batch = training.global_batch_size or training.micro_batch_size * dp
+    per_step = training.micro_batch_size * dp
+    if global_batch % per_step:
+        raise ValueError(f"--global-batch-size {global_batch} is not divisible by "
+                         f"--micro-batch-size {training.micro_batch_size} × dp {dp}")
+    return global_batch // per_step
+
+
+def planned_backend(settings) -> str:
+    """The collective backend the plan assumes: ``--distributed-backend``, else nccl (a plan is
+    for the GPUs to rent)."""
+    return settings.distributed.distributed_backend or "nccl"
+
+
+def rank_memory(config, layout, rank: int, buffers, activation_peak: dict) -> dict:
+    held = static_memory(config, layout, rank, buffers)
+    held["activations"] = activation_peak["bytes"]
+    held["total"] = sum(held[k] for k in MEMORY_KINDS) + held["activations"]
+    return held
+
+
+def plan_layout(config, settings, world_size: int, ranks=None) -> dict:
+    """The plan of every rank (or of ``ranks``); see the module docstring."""
+    layout = layout_of(config, world_size)
+    dp = data_parallel_size(config, world_size)
+    m = num_microbatches(settings, dp)
+    b = settings.training.micro_batch_size
+    buffers = buffer_settings(config, settings, dp * config.context_parallel_size)
+    peaks = activation_peaks(config, b, m)
+    backend = planned_backend(settings)
+    rows = []
+    for rank in (range(world_size) if ranks is None else ranks):
+        peak = peaks[layout.rank_in("pp", rank)]
+        rows.append({"rank": rank, "coords": layout.coords(rank),
+                     "memory_bytes": rank_memory(config, layout, rank, buffers, peak),
+                     "in_flight_microbatches": peak["in_flight"],
+                     "comm_bytes_per_step": step_comm_bytes(config, layout, rank, buffers, b, m,
+                                                            backend)})
+    return {"world_size": world_size,
+            "layout": {"tp": config.tensor_model_parallel_size,
+                       "pp": config.pipeline_model_parallel_size,
+                       "vpp": config.virtual_pipeline_model_parallel_size,
+                       "cp": config.context_parallel_size,
+                       "ep": config.expert_model_parallel_size,
+                       "etp": config.expert_tensor_parallel_size, "dp": dp,
+                       "sequence_parallel": config.sequence_parallel,
+                       "use_distributed_optimizer":
+                           settings.data_parallel.use_distributed_optimizer},
+            "num_microbatches": m, "micro_batch_size": b, "backend": backend,
+            "bubble_fraction": bubble_fraction(config, m), "ranks": rows}
+
+
+def representative_ranks(layout) -> list:
+    """One rank per pipeline stage with every other coordinate 0 (its dp shard is the largest
+    with the distributed optimizer: the padding sits in the last shards)."""
+    return [layout.groups("pp")[0][stage] for stage in range(layout.pp)]
+
+
+GIB = 2.0 ** 30
+
+
+def format_plan(plan: dict) -> str:
+    """The text table: one line per rank (GiB), and the step's communication per rank."""
+    layout = plan["layout"]
+    head = (f"tpfuse-plan: {plan['world_size']} ranks, " + " ".join(
+        f"{k}={v}" for k, v in layout.items()) + f" | m={plan['num_microbatches']} micro-batches"
+        f" of {plan['micro_batch_size']}, bubble {plan['bubble_fraction']:.1%}")
+    kinds = ("parameters", "main_parameters", "gradients", "optimizer_state", "activations",
+             "total")
+    big = max(row["memory_bytes"]["total"] for row in plan["ranks"]) >= GIB
+    unit, scale = ("GiB", GIB) if big else ("MiB", 2.0 ** 20)
+    lines = [head, f"{'rank':>5s} {'pp':>3s} " + " ".join(f"{k[:11]:>11s}" for k in kinds)
+             + f"  ({unit})   comm per step (MiB)"]
+    for row in plan["ranks"]:
+        held = row["memory_bytes"]
+        comm = ", ".join(f"{k} {v / 2 ** 20:.1f}" for k, v in row["comm_bytes_per_step"].items())
+        lines.append(f"{row['rank']:5d} {row['coords']['pp']:3d} "
+                     + " ".join(f"{held[k] / scale:11.3f}" for k in kinds) + f"  {comm}")
+    return "\n".join(lines)
