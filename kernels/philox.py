@@ -82,8 +82,13 @@ def philox4x32(key: int, c0, c1, c2, c3, rounds: int = ROUNDS):
     """Philox4x32 (Triton's ``tl.philox`` with a 64-bit seed ``key``) on int64 tensors holding
     uint32 words (broadcast together); returns the four output words as int64 tensors."""
     k0, k1 = key & WORD, (key >> 32) & WORD
-    c0, c1, c2, c3 = torch.broadcast_tensors(*(torch.as_tensor(c).to(torch.int64) & WORD
-                                                for c in (c0, c1, c2, c3)))
+    counters = (c0, c1, c2, c3)
+    device = next((c.device for c in counters if isinstance(c, torch.Tensor)), None)
+    if device is None:
+        raise ValueError("philox4x32 needs at least one counter word as a tensor (its device "
+                         "is where the words are drawn)")
+    c0, c1, c2, c3 = torch.broadcast_tensors(*(
+        torch.as_tensor(c, device=device).to(torch.int64) & WORD for c in counters))
     for _ in range(rounds):
         hi_b, lo_b = _mul_hi_lo(PHILOX_ROUND_B, c2)
         hi_a, lo_a = _mul_hi_lo(PHILOX_ROUND_A, c0)
