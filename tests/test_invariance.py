@@ -421,7 +421,6 @@ DROPOUT_LAYOUTS = {
     "cp2-p2p": (2, _parallel(cp=2)),
     "cp2-allgather": (2, _parallel(cp=2, cp_comm_type="all_gather")),
     "cp2-a2a": (2, _parallel(cp=2, cp_comm_type="a2a")),
-    "tp2-cp2-sp-p2p": (4, _parallel(tp=2, sp=True, cp=2)),
 }
 
 
