@@ -32,6 +32,29 @@ def _plain(fn, *args, **kwargs):
         return fn(*args, **kwargs)
 
 
+def _conjugate_pair(name: str, forward_fn: str, backward_fn: str, *backward_args):
+    """A Function named ``name`` whose forward (and symbolic) is ``mappings.<forward_fn>(input_,
+    group)`` and whose backward is ``mappings.<backward_fn>(grad_output, *backward_args,
+    ctx.group)``: the shape every plain conjugate pair of the table above shares."""
+    def run(fn_name, tensor, *args):
+        return _plain(getattr(_maps(), fn_name), tensor, *args)
+
+    def symbolic(graph, input_, group):
+        return run(forward_fn, input_, group)
+
+    def forward(ctx, input_, group):
+        ctx.group = group
+        return run(forward_fn, input_, group)
+
+    def backward(ctx, grad_output):
+        return run(backward_fn, grad_output, *backward_args, ctx.group), None
+
+    return type(name, (torch.autograd.Function,),
+                {"symbolic": staticmethod(symbolic), "forward": staticmethod(forward),
+                 "backward": staticmethod(backward), "__module__": __name__,
+                 "__qualname__": name})
+
+
 class _CopyToModelParallelRegion(torch.autograd.Function):
     @staticmethod
     def symbolic(graph, input_, group):
@@ -62,52 +85,19 @@ class _ReduceFromModelParallelRegion(torch.autograd.Function):
         return grad_output, None
 
 
-class _ScatterToModelParallelRegion(torch.autograd.Function):
-    @staticmethod
-    def symbolic(graph, input_, group):
-        return _plain(_maps().scatter_to_tensor_model_parallel_region, input_, group)
-
-    @staticmethod
-    def forward(ctx, input_, group):
-        ctx.group = group
-        return _plain(_maps().scatter_to_tensor_model_parallel_region, input_, group)
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        return _plain(_maps().gather_from_tensor_model_parallel_region, grad_output,
-                      ctx.group), None
+_ScatterToModelParallelRegion = _conjugate_pair(
+    "_ScatterToModelParallelRegion", "scatter_to_tensor_model_parallel_region",
+    "gather_from_tensor_model_parallel_region")
 
 
-class _GatherFromModelParallelRegion(torch.autograd.Function):
-    @staticmethod
-    def symbolic(graph, input_, group):
-        return _plain(_maps().gather_from_tensor_model_parallel_region, input_, group)
-
-    @staticmethod
-    def forward(ctx, input_, group):
-        ctx.group = group
-        return _plain(_maps().gather_from_tensor_model_parallel_region, input_, group)
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        return _plain(_maps().scatter_to_tensor_model_parallel_region, grad_output,
-                      ctx.group), None
+_GatherFromModelParallelRegion = _conjugate_pair(
+    "_GatherFromModelParallelRegion", "gather_from_tensor_model_parallel_region",
+    "scatter_to_tensor_model_parallel_region")
 
 
-class _ScatterToSequenceParallelRegion(torch.autograd.Function):
-    @staticmethod
-    def symbolic(graph, input_, group):
-        return _plain(_maps().scatter_to_sequence_parallel_region, input_, group)
-
-    @staticmethod
-    def forward(ctx, input_, group):
-        ctx.group = group
-        return _plain(_maps().scatter_to_sequence_parallel_region, input_, group)
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        return _plain(_maps().gather_from_sequence_parallel_region, grad_output, False,
-                      ctx.group), None
+_ScatterToSequenceParallelRegion = _conjugate_pair(
+    "_ScatterToSequenceParallelRegion", "scatter_to_sequence_parallel_region",
+    "gather_from_sequence_parallel_region", False)
 
 
 class _GatherFromSequenceParallelRegion(torch.autograd.Function):
@@ -154,36 +144,14 @@ class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
                       ctx.group, ctx.input_split_sizes), None, None, None
 
 
-class _AllGatherFromTensorParallelRegion(torch.autograd.Function):
-    @staticmethod
-    def symbolic(graph, input_, group):
-        return _plain(_maps().all_gather_last_dim_from_tensor_parallel_region, input_, group)
-
-    @staticmethod
-    def forward(ctx, input_, group):
-        ctx.group = group
-        return _plain(_maps().all_gather_last_dim_from_tensor_parallel_region, input_, group)
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        return _plain(_maps().reduce_scatter_last_dim_to_tensor_parallel_region, grad_output,
-                      ctx.group), None
+_AllGatherFromTensorParallelRegion = _conjugate_pair(
+    "_AllGatherFromTensorParallelRegion", "all_gather_last_dim_from_tensor_parallel_region",
+    "reduce_scatter_last_dim_to_tensor_parallel_region")
 
 
-class _ReduceScatterToTensorParallelRegion(torch.autograd.Function):
-    @staticmethod
-    def symbolic(graph, input_, group):
-        return _plain(_maps().reduce_scatter_last_dim_to_tensor_parallel_region, input_, group)
-
-    @staticmethod
-    def forward(ctx, input_, group):
-        ctx.group = group
-        return _plain(_maps().reduce_scatter_last_dim_to_tensor_parallel_region, input_, group)
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        return _plain(_maps().all_gather_last_dim_from_tensor_parallel_region, grad_output,
-                      ctx.group), None
+_ReduceScatterToTensorParallelRegion = _conjugate_pair(
+    "_ReduceScatterToTensorParallelRegion", "reduce_scatter_last_dim_to_tensor_parallel_region",
+    "all_gather_last_dim_from_tensor_parallel_region")
 
 
 class _AllToAll(torch.autograd.Function):
