@@ -293,6 +293,26 @@ def test_search_on_a_70b_config_over_512_ranks_returns_a_valid_layout_that_fits(
     assert max(r["memory_bytes"]["total"] for r in plan["ranks"]) <= 80 * 2 ** 30
 
 
+@pytest.mark.parametrize("flags", [
+    ["--tensor-model-parallel-size", "2", "--global-batch-size", "8", "--swiglu"],
+    ["--num-experts", "4", "--expert-model-parallel-size", "2", "--moe-router-topk", "2",
+     "--moe-shared-expert-intermediate-size", "32", "--global-batch-size", "8",
+     "--recompute-granularity", "full", "--recompute-method", "uniform",
+     "--recompute-num-layers", "1"]], ids=["dense", "moe-full-recompute"])
+def test_search_compute_term_is_the_trainers_model_flops(flags):
+    """The roofline's compute is ``models.flops.flops_per_iteration`` (what --log-throughput
+    gives MFU with) at the cluster's MFU of every rank's peak."""
+    from tpfuse.models.flops import flops_per_iteration
+    from tpfuse.training.plan_search import Cluster, evaluate
+
+    config, settings = parse_args(BASE + flags)
+    cluster = Cluster(gpu_memory_gib=80, peak_tflops=100.0, mfu=0.25)
+    result = evaluate(config, settings, 4, cluster)
+    assert result["dp"] * result["m"] == 8
+    assert result["compute_s"] * 4 * 100e12 * 0.25 == pytest.approx(
+        flops_per_iteration(config, 8), rel=1e-12)
+
+
 def test_cli_json_has_every_rank(capsys):
     import json
 
