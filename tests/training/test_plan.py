@@ -170,13 +170,19 @@ ACTIVATION_GRID = [
 ]
 TP_ACTIVATION_GRID = [["--tensor-model-parallel-size", "2"],
                       ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
-                      ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--bf16"]]
+                      ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--bf16"],
+                      ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+                      + SELECTIVE + ["mlp"],
+                      ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--bf16",
+                       "--swiglu", "--normalization", "RMSNorm", "--position-embedding-type",
+                       "rope"] + SELECTIVE + ["mlp", "layernorm"]]
 
 
 def saved_chunk_bytes_body(flag_sets):
     """For each flag set: the bytes one micro-batch's forward through this rank's whole model
-    chunk (embedding, layers, loss) saves for backward, counted with saved-tensor hooks (each
-    storage once, parameters excluded)."""
+    chunk (embedding, layers, loss) holds for backward once the forward is done, counted with
+    saved-tensor hooks (each storage once, parameters excluded, its size read after the forward:
+    what the layernorm recompute discards is not held)."""
     import torch
 
     from tpfuse.models import build_model, make_gpt_model_provider
@@ -193,20 +199,22 @@ def saved_chunk_bytes_body(flag_sets):
             model_parallel_seed(1234, state)
             (model,) = build_model(make_gpt_model_provider(config), config, state)
             model.train()
-            params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-            storages = {}
+            params = {p.untyped_storage()._cdata for p in model.parameters()}
+            storages = {}           # StorageImpl → its storage, kept alive (no address reuse)
 
             def pack(t):
-                if t.untyped_storage().data_ptr() not in params:
-                    storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+                storage = t.untyped_storage()
+                if storage._cdata not in params:
+                    storages.setdefault(storage._cdata, storage)
                 return t
 
             ids = torch.randint(0, config.vocab_size, (2, config.seq_length),
                                 generator=torch.Generator().manual_seed(0))
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 loss = model(ids, labels=ids)
+            # read after the forward: an output the layernorm recompute discarded counts 0
+            results.append(sum(storage.nbytes() for storage in storages.values()))
             loss.float().mean().backward()
-            results.append(sum(storages.values()))
         finally:
             if state is not None:
                 state.destroy()
