@@ -32,12 +32,16 @@ Per step: DP reduces every gradient buffer once (its padded bytes; a reduce-scat
 distributed optimizer on NCCL, an all-reduce otherwise, gloo included: its reduce-scatter is the
 slower), the distributed optimizer all-gathers every parameter buffer; the tied word embedding's
 gradient is all-reduced over the embedding group (first and last stage, pp > 1). Expert buffers
-reduce over the expert-data group (``edp``), dense ones over dp·cp (``dp``).
+reduce over the expert-data group (``edp``), dense ones over dp·cp (``dp``). With
+``--use-torch-fsdp2`` the buffers' traffic is replaced by FSDP's, per micro-batch and unit
+(``fsdp_bytes``): the padded parameters all-gathered in the compute dtype once (ZeRO-2) or twice
+(ZeRO-3, forward and backward), the padded fp32 gradients reduce-scattered once.
 
 Checked byte for byte against the collectives of a real step for TP (with and without SP, full
-recompute), DP (plain and distributed optimizer), PP and the tied embedding, CP (cp = 2) and EP
-with the allgather dispatcher (tests/training/test_plan.py); the alltoall dispatcher's volume
-depends on where tokens are routed (the row above is its even-routing bound).
+recompute), DP (plain, distributed optimizer, FSDP ZeRO-2 and ZeRO-3), PP and the tied
+embedding, CP (cp = 2) and EP with the allgather dispatcher (tests/training/test_plan.py); the
+alltoall dispatcher's volume depends on where tokens are routed (the row above is its
+even-routing bound).
 """
 from __future__ import annotations
 
@@ -46,7 +50,8 @@ from collections import defaultdict
 from tpfuse.models.layer_assignment import layers_for
 from tpfuse.models.moe_config import moe_layer_pattern
 
-from .plan import buffer_plans, element_bytes
+from .fsdp import padded_shard_numel, shard_rows
+from .plan import buffer_plans, element_bytes, fsdp_units
 
 
 def _layer_counts(config, pp_rank: int) -> tuple[int, int, int]:
@@ -150,6 +155,39 @@ def pipeline_bytes(config, micro_batch_size: int, pp_rank: int) -> dict:
     return {"pp_send": sends * message}
 
 
+def fsdp_bytes(config, layout, rank: int, strategy: str, num_microbatches: int) -> dict:
+    """FSDP per step (``training/fsdp.py``): every unit sharded over n > 1 ranks all-gathers its
+    padded parameters (n · ⌈rows/n⌉ rows each, in the compute dtype) in every micro-batch's
+    forward, and again in its backward with ZeRO-3 (``optim_grads_params``: resharded after
+    forward, the chunk's root unit included); every micro-batch's backward reduce-scatters the
+    padded fp32 gradients. The tied embedding's fp32 gradient shard is all-reduced over the
+    embedding group once per step (pp > 1)."""
+    gathers = 2 if strategy == "optim_grads_params" else 1
+    compute = element_bytes(config.params_dtype)
+    volume = defaultdict(int)
+    for unit in fsdp_units(config, layout, rank):
+        size = len(layout.group_of(unit.group, rank)) if unit.group else 1
+        if size == 1:
+            continue
+        numel = sum(padded_shard_numel(s.fsdp_shape, size) * size for s in unit.shapes)
+        kind = "dp" if unit.group == "dp-cp" else "edp"
+        volume[f"{kind}_param_all_gather"] += gathers * num_microbatches * numel * compute
+        volume[f"{kind}_reduce_scatter"] += num_microbatches * numel * 4
+    if _tied_across_stages(config, layout.rank_in("pp", rank)):
+        rows = config.padded_vocab_size // config.tensor_model_parallel_size
+        dp_cp = layout.group_of("dp-cp", rank)
+        lo, hi = shard_rows(rows, len(dp_cp), dp_cp.index(rank))
+        volume["embedding_all_reduce"] += (hi - lo) * config.hidden_size * 4
+    return dict(volume)
+
+
+def _tied_across_stages(config, pp_rank: int) -> bool:
+    """This rank holds one end of the tied word embedding (first or last stage, pp > 1)."""
+    pp = config.pipeline_model_parallel_size
+    return (not config.untie_embeddings_and_output_weights and pp > 1
+            and pp_rank in (0, pp - 1))
+
+
 def data_parallel_bytes(config, layout, rank: int, buffers, backend: str) -> dict:
     """Per step: gradient reduction and (distributed optimizer) parameter all-gather."""
     param_bytes = element_bytes(config.params_dtype)
@@ -164,10 +202,7 @@ def data_parallel_bytes(config, layout, rank: int, buffers, backend: str) -> dic
         volume[f"{group}_{reduce_op}"] += plan.numel * grad_bytes
         if buffers.use_distributed_optimizer:
             volume[f"{group}_param_all_gather"] += plan.numel * param_bytes
-    pp_rank = layout.rank_in("pp", rank)
-    tied = not config.untie_embeddings_and_output_weights
-    if tied and config.pipeline_model_parallel_size > 1 and pp_rank in (
-            0, config.pipeline_model_parallel_size - 1):
+    if _tied_across_stages(config, layout.rank_in("pp", rank)):
         rows = config.padded_vocab_size // config.tensor_model_parallel_size
         volume["embedding_all_reduce"] += rows * config.hidden_size * grad_bytes
     return dict(volume)
@@ -183,6 +218,10 @@ def step_comm_bytes(config, layout, rank: int, buffers, micro_batch_size: int,
                  pipeline_bytes):
         for key, value in part(config, micro_batch_size, pp_rank).items():
             volume[key] += value * num_microbatches
-    for key, value in data_parallel_bytes(config, layout, rank, buffers, backend).items():
+    if buffers.fsdp_strategy is not None:
+        data = fsdp_bytes(config, layout, rank, buffers.fsdp_strategy, num_microbatches)
+    else:
+        data = data_parallel_bytes(config, layout, rank, buffers, backend)
+    for key, value in data.items():
         volume[key] += value
     return {key: int(value) for key, value in sorted(volume.items()) if value}
