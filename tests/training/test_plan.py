@@ -126,6 +126,8 @@ def counted_step_body(flags):
     return dist.get_rank(), {COUNTER_NAMES.get(k, k): v for k, v in counted.items()}
 
 
+ALLTOALL = ["--num-experts", "4", "--expert-model-parallel-size", "2", "--moe-router-topk", "2",
+            "--global-batch-size", "8", "--moe-token-dispatcher-type", "alltoall"]
 COMM_GRID = [
     (2, ["--tensor-model-parallel-size", "2", "--global-batch-size", "4",
          "--log-memory-plan"]),
@@ -140,6 +142,8 @@ COMM_GRID = [
     (2, ["--context-parallel-size", "2", "--global-batch-size", "4"]),
     (4, ["--num-experts", "4", "--expert-model-parallel-size", "2", "--moe-router-topk", "2",
          "--global-batch-size", "8"]),
+    # the alltoall dispatcher padded to capacity: E·C rows each way, whatever the routing
+    (4, ALLTOALL + ["--moe-expert-capacity-factor", "1.5", "--moe-pad-expert-input-to-capacity"]),
     # FSDP: ZeRO-2 (3 experts over edp = dp: padded row splits), ZeRO-3 beside TP + SP
     (2, FSDP + ["optim_grads", "--bf16", "--num-experts", "3", "--moe-router-topk", "2",
                 "--global-batch-size", "8"]),
@@ -174,6 +178,34 @@ def test_comm_bytes_equal_the_collectives_of_a_real_step(run_distributed, world,
     for rank in range(world):
         planned = step_comm_bytes(config, layout, rank, buffers, 2, m, backend="gloo")
         assert _as_counted(planned, layout, rank) == counted[rank], rank
+
+
+def test_dropless_alltoall_volume_is_exact_over_the_ep_group_and_bounded_per_rank(
+        run_distributed):
+    """Dropless, the rows an ep rank's experts receive follow the routing: per rank the counted
+    all-to-all lies in the plan's [low, high] (low: the rows it sends, exact; high: every token
+    of the group routed to its experts) and over each ep group it sums to the plan's value
+    (every row sent is received there: the plan's per-rank value is the group's mean, and the
+    exact value under uniform routing); every other kind, the counts' all-gather included, is
+    exact per rank."""
+    from tpfuse.training.plan_comm import step_comm_bounds, step_comm_bytes
+
+    counted = dict(run_distributed(4, counted_step_body, ALLTOALL))
+    config, settings = parse_args(BASE + STEP + ALLTOALL)
+    layout = layout_of(config, 4)
+    buffers = buffer_settings(config, settings, 4)
+    m = 8 // (2 * 4)
+    for group in layout.groups("ep"):
+        planned_sum = counted_sum = 0
+        for rank in group:
+            planned = step_comm_bytes(config, layout, rank, buffers, 2, m, backend="gloo")
+            low, high = step_comm_bounds(config, layout, rank, 2, m)["ep_all_to_all"]
+            volume = counted[rank].pop("ep_all_to_all")
+            assert low <= volume <= high, (rank, low, volume, high)
+            planned_sum += planned.pop("ep_all_to_all")
+            counted_sum += volume
+            assert planned == counted[rank], rank
+        assert counted_sum == planned_sum, group
 
 
 # -------------------------------------------------------------------- activations
