@@ -47,7 +47,9 @@ recompute), DP (plain, distributed optimizer, FSDP ZeRO-2 and ZeRO-3), PP and th
 embedding, CP (cp = 2), EP with the allgather dispatcher and with the alltoall one padded to
 capacity (tests/training/test_plan.py); the dropless alltoall dispatcher's all-to-all is checked
 within its per-rank bounds and exactly in its sum over each ep group. Not modelled: the alltoall
-dispatcher's rows all-gathered and reduce-scattered over the expert-tensor group (etp > 1).
+dispatcher's rows all-gathered and reduce-scattered over the expert-tensor group (etp > 1), and
+the TP traffic of MoE layers under tensor parallelism (counted as a dense layer's: their router
+statistics, shared-expert-only gathers and the dispatchers' etp collectives differ).
 """
 from __future__ import annotations
 

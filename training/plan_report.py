@@ -79,7 +79,8 @@ def plan_layout(config, settings, world_size: int, ranks=None) -> dict:
                        "etp": config.expert_tensor_parallel_size, "dp": dp,
                        "sequence_parallel": config.sequence_parallel,
                        "use_distributed_optimizer":
-                           settings.data_parallel.use_distributed_optimizer},
+                           settings.data_parallel.use_distributed_optimizer,
+                       "fsdp": buffers.fsdp_strategy},
             "num_microbatches": m, "micro_batch_size": b, "backend": backend,
             "bubble_fraction": bubble_fraction(config, m), "ranks": rows}
 
