@@ -160,14 +160,17 @@ def _refuse_flags(options: TokenizerOptions, names, kind: str) -> None:
                              f"{kind}")
 
 
-def _need(options: TokenizerOptions, name: str, what: str) -> str:
-    value = getattr(options, name)
-    flag = "--" + name.replace("_", "-")
-    if not value:
-        raise ValueError(f"--tokenizer-type {options.tokenizer_type} needs {flag} ({what})")
-    if not os.path.exists(value):
-        raise ValueError(f"{flag} {value}: no such file or folder")
-    return value
+def _need(options: TokenizerOptions, **needed: str) -> list[str]:
+    """The paths ``needed`` names (field → what it holds): each given, then each existing."""
+    for name, what in needed.items():
+        if not getattr(options, name):
+            raise ValueError(f"--tokenizer-type {options.tokenizer_type} needs "
+                             f"--{name.replace('_', '-')} ({what})")
+    for name in needed:
+        if not os.path.exists(getattr(options, name)):
+            raise ValueError(f"--{name.replace('_', '-')} {getattr(options, name)}: no such file "
+                             "or folder")
+    return [getattr(options, name) for name in needed]
 
 
 def _null_or_byte(options: TokenizerOptions):
@@ -184,8 +187,8 @@ def _gpt2_bpe(options: TokenizerOptions):
     from .tokenizer_gpt2 import GPT2BPETokenizer
 
     _refuse_flags(options, ("tokenizer_model", "tokenizer_special_tokens"), "GPT2BPETokenizer")
-    vocab = _need(options, "vocab_file", "GPT-2's vocab.json")
-    merges = _need(options, "merge_file", "GPT-2's merges.txt")
+    vocab, merges = _need(options, vocab_file="GPT-2's vocab.json",
+                          merge_file="GPT-2's merges.txt")
     return GPT2BPETokenizer(vocab, merges, spec=options.spec())
 
 
@@ -196,14 +199,14 @@ def _sentencepiece(options: TokenizerOptions):
         raise ValueError(f"--tokenizer-special-tokens does not apply to --tokenizer-type "
                          f"{options.tokenizer_type} (Megatron: special tokens belong in the "
                          "SentencePiece model, given when it is trained)")
-    model = _need(options, "tokenizer_model", "a SentencePiece .model file")
+    (model,) = _need(options, tokenizer_model="a SentencePiece .model file")
     return SentencePieceTokenizer(model, spec=options.spec())
 
 
 def _tiktoken(options: TokenizerOptions):
     from .tokenizer_tiktoken import TikTokenizer
 
-    path = _need(options, "tokenizer_model", "a BPE rank file: Megatron's JSON or .tiktoken")
+    (path,) = _need(options, tokenizer_model="a BPE rank file: Megatron's JSON or .tiktoken")
     return TikTokenizer(path, pattern=options.tiktoken_pattern or "v2",
                         vocab_size=options.vocab_size,
                         num_special_tokens=options.tiktoken_num_special_tokens,
