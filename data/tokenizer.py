@@ -14,8 +14,8 @@ string recorded in dataset cache descriptions), ``tokenize(text) -> list[int]`` 
 
 ``build_tokenizer(spec)``: ``"byte"`` → ByteTokenizer, ``"null:N"`` → NullTokenizer(N), a path to a
 ``tokenizer.json`` → HFTokenizer, a JSON object of Megatron's tokenizer flags (what a tokenizer
-of ``tokenizer_options.build_megatron_tokenizer`` has as its ``name``) → that tokenizer. Every
-tokenizer's ``name`` is a spec ``build_tokenizer`` rebuilds it from.
+of ``tokenizer_options.build_megatron_tokenizer`` has as its ``name``) → that tokenizer. A
+tokenizer's ``name`` is the spec it is rebuilt from (HFTokenizer's: ``hf:`` + its file's path).
 
 Megatron's tokenizer types (GPT-2 BPE, SentencePiece, TikToken, transformers folders) are in
 ``tokenizer_options.py`` and one module per library (``tokenizer_gpt2.py``, ...).

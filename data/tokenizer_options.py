@@ -26,10 +26,10 @@ defines it (Megatron-core 0.16.1's default tokenizer system gives the ids and sp
 ==========================  ======================  =============================================
 
 Megatron's other types (``MEGATRON_ONLY_TYPES``: BERT word pieces, multimodal, SFT) are refused
-with an error naming them. Every tokenizer's ``name`` is its *spec*, the string
+with an error naming them. A tokenizer's ``name`` is its *spec*, the string
 ``data.tokenizer.build_tokenizer`` rebuilds it from (what checkpoints record): ``"byte"``,
-``"null:N"``, ``"hf:PATH"`` as before, and for the library types the JSON object of the options
-that differ from the defaults, file paths absolute (``options.spec()``).
+``"null:N"``, ``"hf:"`` + a tokenizer.json's path as before, and for the library types the JSON
+object of the options that differ from the defaults, file paths absolute (``options.spec()``).
 """
 from __future__ import annotations
 
