@@ -2,7 +2,8 @@
 
     tpfuse-preprocess --input DIR_OR_FILE [...] --output-prefix data/stdlib --tokenizer byte --append-eod
     tpfuse-preprocess --input docs.jsonl --output-prefix data/docs --append-eod \
-                      --tokenizer-type GPT2BPETokenizer --vocab-file vocab.json --merge-file merges.txt
+                      --tokenizer-type GPT2BPETokenizer --vocab-file vocab.json \
+                      --merge-file merges.txt
 
 Inputs, in the order given (each expanded in sorted order, so the output is reproducible):
 
@@ -205,8 +206,8 @@ def build_parser() -> argparse.ArgumentParser:
                              ".jsonl/.json files (one document per line)")
     parser.add_argument("--output-prefix", required=True, help="writes PREFIX.bin and PREFIX.idx")
     parser.add_argument("--tokenizer", default=None,
-                        help="'byte' (built in: bytes 0..255, EOD 256; the default) or a HuggingFace "
-                             "tokenizer.json; or give Megatron's --tokenizer-type instead")
+                        help="'byte' (built in: bytes 0..255, EOD 256; the default) or a "
+                             "HuggingFace tokenizer.json; or give Megatron's --tokenizer-type")
     parser.add_argument("--json-key", default="text", help="key of the text in each JSON line")
     parser.add_argument("--append-eod", action="store_true", help="end every document with EOD")
     parser.add_argument("--pattern", default=DEFAULT_PATTERN,

@@ -94,8 +94,9 @@ def special_token_list(special_tokens, num_special_tokens: int, vocab_size: int)
         raise ValueError(f"--tokenizer-special-tokens must be unique, got {named}")
     missing = [t for t in REQUIRED_SPECIAL_TOKENS if t not in named]
     if missing:
-        raise ValueError(f"--tokenizer-special-tokens must include {' '.join(REQUIRED_SPECIAL_TOKENS)}"
-                         f" (Megatron's TikTokenizer); missing {' '.join(missing)}")
+        raise ValueError(f"--tokenizer-special-tokens must include "
+                         f"{' '.join(REQUIRED_SPECIAL_TOKENS)} (Megatron's TikTokenizer); missing "
+                         f"{' '.join(missing)}")
     if not len(named) <= num_special_tokens < vocab_size:
         raise ValueError(f"--tiktoken-num-special-tokens {num_special_tokens} must be at least the "
                          f"{len(named)} named special tokens and below --vocab-size {vocab_size}")

@@ -133,8 +133,8 @@ def huggingface_folder(folder):
     CORPUS with <s> / </s> and a post-processor putting <s> first; reference: AutoTokenizer."""
     model = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token="<unk>"))
     model.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
-    trainer = tokenizers.trainers.BpeTrainer(vocab_size=120, special_tokens=["<unk>", "<s>", "</s>"],
-                                             show_progress=False)
+    trainer = tokenizers.trainers.BpeTrainer(
+        vocab_size=120, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False)
     model.train_from_iterator(CORPUS * 4, trainer)
     model.post_processor = tokenizers.processors.TemplateProcessing(
         single="<s> $A", special_tokens=[("<s>", model.token_to_id("<s>"))])
@@ -152,7 +152,8 @@ def _huggingface_case(huggingface_folder, include_special_tokens):
     if include_special_tokens:
         flags.append("--tokenizer-hf-include-special-tokens")
     return {"flags": flags,
-            "encode": lambda text: reference(text, add_special_tokens=include_special_tokens).input_ids,
+            "encode": lambda text: reference(
+                text, add_special_tokens=include_special_tokens).input_ids,
             "eod": reference.eos_token_id, "vocab_size": len(reference)}
 
 
@@ -226,7 +227,8 @@ def test_special_tokens_in_text(gpt2_bpe, tiktoken_files, tmp_path):
     gpt2 = build_tokenizer(arguments.parse_args(
         TRAIN_FLAGS + ["--mock-data", *gpt2_bpe["flags"]])[1].tokenizer.name)
     text = "one document<|endoftext|>another"
-    assert gpt2.tokenize(text) == gpt2_bpe["encode"](text) and gpt2_bpe["eod"] not in gpt2.tokenize(text)
+    assert gpt2.tokenize(text) == gpt2_bpe["encode"](text)
+    assert gpt2_bpe["eod"] not in gpt2.tokenize(text)
     tokens, (megatron_json, _) = tiktoken_files
     case = _tiktoken_case(megatron_json, tokens, "v2")
     tik = arguments.parse_args(TRAIN_FLAGS + ["--mock-data", *case["flags"]])[1].tokenizer
@@ -235,9 +237,11 @@ def test_special_tokens_in_text(gpt2_bpe, tiktoken_files, tmp_path):
 
 
 def test_workers_rebuild_the_tokenizer(tiktoken_files, tmp_path):
+    """--workers 2: each process rebuilds the tokenizer from the same flags; the same files."""
     tokens, (megatron_json, _) = tiktoken_files
     flags = _tiktoken_case(megatron_json, tokens, "v2")["flags"]
-    (tmp_path / "one").mkdir(), (tmp_path / "two").mkdir()
+    for name in ("one", "two"):
+        (tmp_path / name).mkdir()
     one = _preprocess(tmp_path / "one", flags)
     two = _preprocess(tmp_path / "two", flags + ["--workers", "2"])
     for suffix in (".bin", ".idx"):
@@ -265,7 +269,8 @@ def test_preprocess_takes_the_trainers_tokenizer_flags():
      "BertWordPieceCase is a Megatron tokenizer tpfuse does not implement"),
     (["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", "v.json"],
      "GPT2BPETokenizer needs --merge-file"),
-    (["--tokenizer-type", "SentencePieceTokenizer"], "SentencePieceTokenizer needs --tokenizer-model"),
+    (["--tokenizer-type", "SentencePieceTokenizer"],
+     "SentencePieceTokenizer needs --tokenizer-model"),
     (["--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", "/no/such.model"],
      "--tokenizer-model /no/such.model: no such file"),
     (["--tokenizer-type", "ByteTokenizer", "--tiktoken-pattern", "v1"],
