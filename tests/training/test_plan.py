@@ -204,32 +204,41 @@ def test_comm_bytes_equal_the_collectives_of_a_real_step(run_distributed, world,
         assert _as_counted(planned, layout, rank) == counted[rank], rank
 
 
+@pytest.mark.parametrize("flags", [
+    ALLTOALL, TP_MOE + ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type",
+                        "alltoall"]], ids=["ep2", "tp2-sp-ep2"])
 def test_dropless_alltoall_volume_is_exact_over_the_ep_group_and_bounded_per_rank(
-        run_distributed):
+        run_distributed, flags):
     """Dropless, the rows an ep rank's experts receive follow the routing: per rank the counted
     all-to-all lies in the plan's [low, high] (low: the rows it sends, exact; high: every token
     of the group routed to its experts) and over each ep group it sums to the plan's value
     (every row sent is received there: the plan's per-rank value is the group's mean, and the
-    exact value under uniform routing); every other kind, the counts' all-gather included, is
-    exact per rank."""
+    exact value under uniform routing); so do the etp gathers of the received rows under TP
+    (each etp rank's block padded to the largest: bounded, counted with the tp group's);
+    every other kind, the counts' all-gather included, is exact per rank."""
     from tpfuse.training.plan_comm import step_comm_bounds, step_comm_bytes
 
-    counted = dict(run_distributed(4, counted_step_body, ALLTOALL))
-    config, settings = parse_args(BASE + STEP + ALLTOALL)
+    counted = dict(run_distributed(4, counted_step_body, flags))
+    config, settings = parse_args(BASE + STEP + flags)
     layout = layout_of(config, 4)
-    buffers = buffer_settings(config, settings, 4)
-    m = 8 // (2 * 4)
+    dp = 4 // config.tensor_model_parallel_size
+    buffers = buffer_settings(config, settings, dp)
+    m = settings.training.global_batch_size // (2 * dp)
     for group in layout.groups("ep"):
         planned_sum = counted_sum = 0
         for rank in group:
-            planned = _as_counted(step_comm_bytes(config, layout, rank, buffers, 2, m,
-                                                  backend="gloo"), layout, rank)
-            low, high = step_comm_bounds(config, layout, rank, 2, m)["ep_all_to_all"]
-            volume = counted[rank].pop("ep_all_to_all")
-            assert low <= volume <= high, (rank, low, volume, high)
-            planned_sum += planned.pop("ep_all_to_all")
-            counted_sum += volume
-            assert planned == counted[rank], rank
+            planned = step_comm_bytes(config, layout, rank, buffers, 2, m, backend="gloo")
+            bounds = step_comm_bounds(config, layout, rank, 2, m)
+            assert "ep_all_to_all" in bounds
+            low, high = ({key: bounds.get(key, (value, value))[side]
+                          for key, value in planned.items()} for side in (0, 1))
+            low, high = _as_counted(low, layout, rank), _as_counted(high, layout, rank)
+            assert set(low) == set(counted[rank]), rank
+            for key, volume in counted[rank].items():      # equal where low = high
+                assert low[key] <= volume <= high[key], (rank, key, low[key], volume, high[key])
+            (all_to_all,) = _as_counted({"ep_all_to_all": 1}, layout, rank)
+            planned_sum += _as_counted(planned, layout, rank)[all_to_all]
+            counted_sum += counted[rank][all_to_all]
         assert counted_sum == planned_sum, group
 
 
