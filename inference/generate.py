@@ -28,8 +28,8 @@ from tpfuse.models.gpt import resolve_state
 from tpfuse.parallel.mappings import gather_from_region
 
 from .context import InferenceContext
-from .sequence_parallel import prompt_length_multiple, step_context
 from .sampling import SamplingParams, mask_padded_vocab, sample_next_tokens
+from .sequence_parallel import prompt_length_multiple, step_context
 
 
 def _unwrap(model) -> list:

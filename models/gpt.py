@@ -287,8 +287,9 @@ class GPTModel(nn.Module):
         if not self.post_process:
             return hidden
         if inference_context is not None and inference_context.materialize_only_last_token_logits:
-            hidden = hidden[-1:]        # (1, b, h); under SP each rank's last row: the output
-            #                             layer gathers them to (tp, b, h), the last is the step's
+            # (1, b, h); under SP each rank's last row, which the output layer gathers to
+            # (tp, b, h): its last row is the step's last token
+            hidden = hidden[-1:]
         logits = self.output_layer(self.final_norm(hidden))           # (s, b, V/tp)
         if labels is None:
             return logits.transpose(0, 1).contiguous()                # (b, s, V/tp)
