@@ -83,7 +83,7 @@ LAYOUTS = {"tp2": (2, 2, 1, 1), "pp2": (2, 1, 2, 1), "ep2": (2, 1, 1, 2),
            "tp2-ep2": (4, 2, 1, 2),
            # the prefill split over TP (the MoE layers route each rank's s/2 tokens), decode
            # steps without SP
-           "tp2-sp": (2, 2, 1, 1, True)}
+           "tp2-sp": (2, 2, 1, 1, True), "tp2-ep2-sp": (4, 2, 1, 2, True)}
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
