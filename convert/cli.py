@@ -1,4 +1,5 @@
-"""``tpfuse-convert``: HuggingFace GPT-2 / Llama / Mistral / Qwen2 / Mixtral / Qwen2-MoE checkpoints to tpfuse and back.
+"""``tpfuse-convert``: HuggingFace GPT-2 / Llama / Mistral / Qwen2 / Mixtral / Qwen2-MoE
+checkpoints to tpfuse and back.
 
     tpfuse-convert --from-hf HF_DIR --save DIR [--tensor-model-parallel-size N
                    --pipeline-model-parallel-size M] [--make-vocab-size-divisible-by 128]

@@ -1,7 +1,8 @@
 """HuggingFace ↔ tpfuse checkpoints: ``import_hf`` (``tpfuse-convert --from-hf``) and
 ``export_hf`` (``tpfuse-convert --to-hf``).
 
-    HF dir ─config.json→ architecture (model_type: gpt2 | llama | mistral | mixtral | qwen2 | qwen2_moe) → TransformerConfig values
+    HF dir ─config.json→ architecture (model_type: gpt2 | llama | mistral | mixtral | qwen2 |
+           qwen2_moe) → TransformerConfig values
            ─safetensors→ tensors ─architecture→ single-process tpfuse tensors ─pad vocab rows→
            ─tpfuse_io.write_checkpoint→ rank files of the chosen tp × pp layout
     tpfuse ─read_checkpoint (any layout)→ single-process tensors ─trim the padded vocab rows→

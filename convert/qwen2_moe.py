@@ -4,13 +4,14 @@ expert.
 Attention is Qwen2's (``qwen2.py``: Llama's layout with biases on q / k / v when ``qkv_bias``).
 A sparse layer's MLP:
 
-    HF   mlp.gate.weight (E, h)                          → mlp.router.weight (E, h)
-         mlp.experts.e.gate_proj / up_proj (F, h)        → mlp.experts.weight1[e] = [gate; up]ᵀ (h, 2F)
-         mlp.experts.e.down_proj (h, F)                  → mlp.experts.weight2[e] = downᵀ (F, h)
-         mlp.shared_expert.gate_proj / up_proj (F_s, h)  → mlp.shared_experts.linear_fc1.weight
-                                                           = [gate; up] (2F_s, h)
-         mlp.shared_expert.down_proj (h, F_s)            → mlp.shared_experts.linear_fc2.weight
-         mlp.shared_expert_gate.weight (1, h)            → mlp.shared_experts.gate_weight (1, h)
+    HF   mlp.gate.weight (E, h)                         → mlp.router.weight (E, h)
+         mlp.experts.e.gate_proj / up_proj (F, h)       → mlp.experts.weight1[e]
+                                                          = [gate; up]ᵀ (h, 2F)
+         mlp.experts.e.down_proj (h, F)                 → mlp.experts.weight2[e] = downᵀ (F, h)
+         mlp.shared_expert.gate_proj / up_proj (F_s, h) → mlp.shared_experts.linear_fc1.weight
+                                                          = [gate; up] (2F_s, h)
+         mlp.shared_expert.down_proj (h, F_s)           → mlp.shared_experts.linear_fc2.weight
+         mlp.shared_expert_gate.weight (1, h)           → mlp.shared_experts.gate_weight (1, h)
 
     y = Σ_{e ∈ top-k} p_e · expert_e(x) + σ(x w_gᵀ) · shared(x)        (both sides)
 

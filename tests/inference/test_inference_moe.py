@@ -1,5 +1,6 @@
 """Mixture-of-experts checkpoints through generation: trained at tp2 + SP with ep2, loaded at any
-tp × pp (× ep), with or without sequence parallelism, and the trainer's ``--sample-prompt`` on every rank of an ep run.
+tp × pp (× ep), with or without sequence parallelism, and the trainer's ``--sample-prompt`` on
+every rank of an ep run.
 
 Reference: the single-process model loaded from the same checkpoint (its experts re-joined from
 the ep / etp shards). Greedy tokens are compared exactly: every layout runs the same fp32 weights
