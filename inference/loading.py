@@ -13,9 +13,9 @@ torch.distributed is tp = pp = 1), whatever layout wrote the checkpoint:
 Inference settings: sequence parallelism off unless ``sequence_parallel=True`` at tp > 1 (then
 the model splits a step's sequence over TP as in training, and ``generate`` runs the steps TP
 cannot split — a decode step's single token — with SP off: ``sequence_parallel.py``), dropout
-0, no recompute, no context parallelism, layers split evenly over the pipeline stages. Experts: the checkpoint's experts (saved at any ep / etp) are re-cut for
-this run's ep and etp (default ep = 1: every expert on every rank of the TP group, split over
-etp = tp).
+0, no recompute, no context parallelism, layers split evenly over the pipeline stages.
+Experts: the checkpoint's experts (saved at any ep / etp) are re-cut for this run's ep and etp
+(default ep = 1: every expert on every rank of the TP group, split over etp = tp).
 
 MoE under TP without sequence parallelism (inference only): training requires SP with MoE at
 tp > 1 (Megatron-core's rule: each TP rank routes and back-propagates its own s/tp tokens). In
