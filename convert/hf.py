@@ -99,8 +99,8 @@ def _tokenizer_file(load_dir: str, extra: dict) -> str | None:
     relative to it); a tokenizer recorded elsewhere (an absolute path, ``..``, a symlink out) is
     not copied — the export never copies a file the user did not name — and a note says so."""
     spec = extra.get("tokenizer")
-    if not spec or spec == "byte" or spec.startswith("null:"):
-        return None
+    if not spec or spec == "byte" or spec.startswith(("null:", "{")):
+        return None          # built in, or Megatron's tokenizer flags (files the user named)
     try:
         return file_inside(load_dir, spec, "the checkpoint's tokenizer")
     except FileNotFoundError:
@@ -113,14 +113,22 @@ def _tokenizer_file(load_dir: str, extra: dict) -> str | None:
 
 def _eos_id(extra: dict, load_dir: str, vocab_size: int, tokenizer_file: str | None):
     """The checkpoint's eos id, else its tokenizer's EOD (a tokenizer file only when it lies
-    inside ``load_dir``: ``tokenizer_file``)."""
+    inside ``load_dir``: ``tokenizer_file``; Megatron's tokenizer flags, a JSON spec, rebuilt from
+    the files they name, None when those are gone)."""
     if extra.get("eos_id") is not None:
         return extra["eos_id"]
     from tpfuse.checkpoint.reading import load_tokenizer
     from tpfuse.data.tokenizer import build_tokenizer
 
     spec = extra.get("tokenizer")
-    if spec and spec != "byte" and not spec.startswith("null:"):
+    if spec and spec.startswith("{"):
+        try:
+            tokenizer = load_tokenizer(load_dir)
+        except (OSError, ValueError) as error:
+            print(f"> note: the checkpoint's tokenizer could not be rebuilt ({error}); "
+                  "eos_token_id is left unset", flush=True)
+            return None
+    elif spec and spec != "byte" and not spec.startswith("null:"):
         if tokenizer_file is None:
             return None
         tokenizer = build_tokenizer(tokenizer_file)
