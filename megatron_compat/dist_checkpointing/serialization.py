@@ -3,10 +3,11 @@
 
 ``save(sharded_state_dict, checkpoint_dir)`` (collective): the ShardedTensors' main replicas
 and the ShardedObjects go into the torch.distributed.checkpoint files, every other entry
-(rank 0's) into ``common.pt``, then ``metadata.json``. Before anything is written, every rank
-checks (on the gathered pieces of all ranks) that each key's main replicas tile its global
-tensor exactly once and agree on its global shape; a violation is a CheckpointingException
-naming the key, raised on every rank.
+(rank 0's) into ``common.pt``, then ``metadata.json``; a ShardedTensorFactory is saved as the
+sub-state-dict it builds (and merged back by its ``merge_fn`` at load). Before anything is
+written, every rank checks (on the gathered pieces of all ranks) that each key's main replicas
+tile its global tensor exactly once and agree on its global shape; a violation is a
+CheckpointingException naming the key, raised on every rank.
 
 ``load(sharded_state_dict, checkpoint_dir)`` (collective) returns the same nesting with every
 ShardedTensor replaced by this rank's loaded piece (``local_shape``, the requested dtype),
@@ -24,7 +25,8 @@ import torch.distributed as dist
 from . import torch_dist
 from .core import (CheckpointingConfig, CheckpointingException, maybe_load_config,
                    save_config)
-from .mapping import LocalNonpersistentObject, ShardedObject, ShardedTensor, is_main_replica
+from .mapping import (LocalNonpersistentObject, ShardedObject, ShardedTensor, apply_factories,
+                      apply_factory_merges, is_main_replica)
 
 COMMON_STATE_FNAME = "common.pt"
 _SUPPORTED_STRATEGIES = (None, ("torch_dist", 1), "torch_dist")
@@ -137,6 +139,7 @@ def save(sharded_state_dict, checkpoint_dir, sharded_strategy=None, common_strat
             raise ValueError(f"{name} is not supported by tpfuse's dist_checkpointing")
     if not Path(checkpoint_dir).is_dir():
         raise CheckpointingException(f"checkpoint directory {checkpoint_dir} does not exist")
+    sharded_state_dict = apply_factories(sharded_state_dict)
     leaves = [leaf for _, leaf in _leaves(sharded_state_dict)]
     tensors = [leaf for leaf in leaves if isinstance(leaf, ShardedTensor)]
     objects = [leaf for leaf in leaves if isinstance(leaf, ShardedObject)]
@@ -178,6 +181,7 @@ def load(sharded_state_dict, checkpoint_dir, sharded_strategy=None, common_strat
     if config.sharded_backend != "torch_dist":
         raise CheckpointingException(f"{checkpoint_dir} was written with the "
                                      f"{config.sharded_backend!r} backend; tpfuse reads torch_dist")
+    with_factories, sharded_state_dict = sharded_state_dict, apply_factories(sharded_state_dict)
     leaves = [leaf for _, leaf in _leaves(sharded_state_dict)]
     tensors = [leaf for leaf in leaves if isinstance(leaf, ShardedTensor)]
     objects = [leaf for leaf in leaves if isinstance(leaf, ShardedObject)]
@@ -191,8 +195,8 @@ def load(sharded_state_dict, checkpoint_dir, sharded_strategy=None, common_strat
         if isinstance(leaf, LocalNonpersistentObject):
             return leaf.unwrap()
         return _DROP
-    return _merge(load_common_state_dict(str(checkpoint_dir)),
-                  _rebuild(sharded_state_dict, value_of))
+    values = apply_factory_merges(_rebuild(sharded_state_dict, value_of), with_factories)
+    return _merge(load_common_state_dict(str(checkpoint_dir)), values)
 
 
 def load_tensors_metadata(checkpoint_dir, sharded_strategy=None):

@@ -1,0 +1,87 @@
+"""Bodies of the dist_checkpointing layout tests (run in the run_distributed workers, 2 ranks):
+a compat GPTModel is built and saved at one layout, a differently seeded one is built at
+another layout and loads the checkpoint; both give their full-vocabulary logits on a probe
+batch. Model sizes are tiny (hidden 16, 2 layers); dropout off.
+"""
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+SEED, VOCAB, HIDDEN, HEADS, LAYERS, SEQ, MICRO = 7, 32, 16, 4, 2, 8, 2
+
+
+def probe_batch():
+    tokens = (torch.arange(MICRO * SEQ).view(MICRO, SEQ) * 5) % VOCAB
+    return tokens, torch.arange(SEQ).expand(MICRO, SEQ)
+
+
+def model_config(layout, **overrides):
+    from tpfuse.megatron_compat.transformer import TransformerConfig
+
+    fields = dict(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS,
+                  hidden_dropout=0.0, attention_dropout=0.0, pipeline_dtype=torch.float32,
+                  tensor_model_parallel_size=layout.get("tp", 1),
+                  pipeline_model_parallel_size=layout.get("pp", 1),
+                  expert_model_parallel_size=layout.get("ep", 1),
+                  sequence_parallel=layout.get("tp", 1) > 1 and "num_moe_experts" in overrides)
+    fields.update(overrides)
+    return TransformerConfig(**fields)
+
+
+SWIGLU = dict(gated_linear_unit=True, activation_func=F.silu)
+MOE = dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=HIDDEN,
+           moe_token_dispatcher_type="alltoall", **SWIGLU)
+
+
+def build(layout, seed, overrides):
+    """Initialise the layout's groups, seed, build the compat GPTModel of this stage."""
+    from tpfuse.megatron_compat import parallel_state
+    from tpfuse.megatron_compat.models.gpt import GPTModel
+    from tpfuse.megatron_compat.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from tpfuse.megatron_compat.tensor_parallel import model_parallel_cuda_manual_seed
+
+    parallel_state.initialize_model_parallel(
+        layout.get("tp", 1), layout.get("pp", 1),
+        expert_model_parallel_size=layout.get("ep", 1),
+        expert_tensor_parallel_size=layout.get("etp"))
+    model_parallel_cuda_manual_seed(seed)
+    config = model_config(layout, **overrides)
+    spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts,
+                                    moe_grouped_gemm=config.moe_grouped_gemm)
+    model = GPTModel(config, spec, vocab_size=VOCAB, max_sequence_length=SEQ,
+                     pre_process=parallel_state.is_pipeline_first_stage(),
+                     post_process=parallel_state.is_pipeline_last_stage())
+    model.eval()
+    return model
+
+
+def logits(model):
+    """Full-vocabulary logits (b, s, V) of a one-stage model on the probe batch."""
+    with torch.no_grad():
+        return model(*probe_batch(), None, runtime_gather_output=True)
+
+
+def save_then_load(directory, saved_layout, loaded_layout, saved_overrides,
+                   loaded_overrides=None):
+    """(saved model's logits, fresh model's logits, loaded model's logits) — one-stage layouts."""
+    from tpfuse.megatron_compat import dist_checkpointing, parallel_state
+
+    if dist.get_rank() == 0:
+        os.makedirs(directory, exist_ok=True)
+    dist.barrier()
+    try:
+        model = build(saved_layout, SEED, saved_overrides)
+        saved = logits(model)
+        dist_checkpointing.save(model.sharded_state_dict(), directory)
+    finally:
+        parallel_state.destroy_model_parallel()
+    try:
+        model = build(loaded_layout, SEED + 1,
+                      saved_overrides if loaded_overrides is None else loaded_overrides)
+        fresh = logits(model)
+        model.load_state_dict(dist_checkpointing.load(model.sharded_state_dict(), directory))
+        return saved, fresh, logits(model)
+    finally:
+        parallel_state.destroy_model_parallel()
