@@ -45,20 +45,30 @@ def _leaves(tree, path=()):
 
 
 def _rebuild(tree, leaf_fn):
-    """The same nesting with each leaf mapped (leaf_fn returning _DROP removes it)."""
+    """The same nesting with each leaf mapped (leaf_fn returning _DROP removes it; a container
+    whose entries were all removed is removed too, an empty one is kept)."""
     if isinstance(tree, dict):
         out = {}
         for key, value in tree.items():
             mapped = _rebuild(value, leaf_fn)
             if mapped is not _DROP:
                 out[key] = mapped
-        return out
+        return _DROP if tree and not out else out
     if isinstance(tree, list):
-        return [m for m in (_rebuild(v, leaf_fn) for v in tree) if m is not _DROP]
+        out = [m for m in (_rebuild(v, leaf_fn) for v in tree) if m is not _DROP]
+        return _DROP if tree and not out else out
     return leaf_fn(tree)
 
 
 _DROP = object()
+
+
+def _rebuild_top(tree, leaf_fn):
+    """``_rebuild`` of a whole state dict (an empty dict when everything was removed)."""
+    out = _rebuild(tree, leaf_fn)
+    return {} if out is _DROP else out
+
+
 _SHARDED = (ShardedTensor, ShardedObject, LocalNonpersistentObject)
 
 
@@ -145,8 +155,8 @@ def save(sharded_state_dict, checkpoint_dir, sharded_strategy=None, common_strat
     objects = [leaf for leaf in leaves if isinstance(leaf, ShardedObject)]
     if validate_access_integrity:
         validate_sharding_integrity(tensors)
-    common = _rebuild(sharded_state_dict, lambda leaf: _DROP if isinstance(leaf, _SHARDED)
-                      else leaf)
+    common = _rebuild_top(sharded_state_dict, lambda leaf: _DROP if isinstance(leaf, _SHARDED)
+                          else leaf)
     if _rank() == 0:
         torch.save(common, os.path.join(checkpoint_dir, COMMON_STATE_FNAME))
     torch_dist.save_sharded([sh for sh in tensors if is_main_replica(sh.replica_id)],
@@ -195,7 +205,7 @@ def load(sharded_state_dict, checkpoint_dir, sharded_strategy=None, common_strat
         if isinstance(leaf, LocalNonpersistentObject):
             return leaf.unwrap()
         return _DROP
-    values = apply_factory_merges(_rebuild(sharded_state_dict, value_of), with_factories)
+    values = apply_factory_merges(_rebuild_top(sharded_state_dict, value_of), with_factories)
     return _merge(load_common_state_dict(str(checkpoint_dir)), values)
 
 

@@ -65,7 +65,8 @@ def logits(model):
 
 def save_then_load(directory, saved_layout, loaded_layout, saved_overrides,
                    loaded_overrides=None):
-    """(saved model's logits, fresh model's logits, loaded model's logits) — one-stage layouts."""
+    """(saved model's logits, fresh model's logits, loaded model's logits, the checkpoint's
+    common entries) — one-stage layouts."""
     from tpfuse.megatron_compat import dist_checkpointing, parallel_state
 
     if dist.get_rank() == 0:
@@ -82,6 +83,44 @@ def save_then_load(directory, saved_layout, loaded_layout, saved_overrides,
                       saved_overrides if loaded_overrides is None else loaded_overrides)
         fresh = logits(model)
         model.load_state_dict(dist_checkpointing.load(model.sharded_state_dict(), directory))
-        return saved, fresh, logits(model)
+        return saved, fresh, logits(model), dist_checkpointing.load_common_state_dict(directory)
     finally:
         parallel_state.destroy_model_parallel()
+
+
+# ----------------------------------------------------------------- megatron-core's cases
+ACTIVATIONS = {"gelu": F.gelu, "silu": F.silu}
+
+
+def megatron_case_model(recorded, tp, seed):
+    """The compat GPTModel of a megatron-core case (``recorded``: the fixture's config.json —
+    TransformerConfig fields with ``activation`` naming the function, GPTModel arguments) at
+    this tp (MoE with sequence parallelism at tp > 1, as megatron-core requires), in eval
+    mode; parallel_state initialised (the caller destroys it)."""
+    from tpfuse.megatron_compat import parallel_state
+    from tpfuse.megatron_compat.models.gpt import GPTModel
+    from tpfuse.megatron_compat.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from tpfuse.megatron_compat.tensor_parallel import model_parallel_cuda_manual_seed
+    from tpfuse.megatron_compat.transformer import TransformerConfig
+
+    fields = dict(recorded["config"])
+    activation = ACTIVATIONS[fields.pop("activation", "gelu")]
+    moe = fields.get("num_moe_experts") is not None
+    parallel_state.initialize_model_parallel(tp, 1)
+    model_parallel_cuda_manual_seed(seed)
+    config = TransformerConfig(**fields, activation_func=activation,
+                               tensor_model_parallel_size=tp, sequence_parallel=moe and tp > 1)
+    model = GPTModel(config, get_gpt_layer_local_spec(num_experts=config.num_moe_experts),
+                     vocab_size=recorded["vocab_size"],
+                     max_sequence_length=recorded["max_sequence_length"], **recorded["model"])
+    model.eval()
+    return model
+
+
+def perturb(model, seed):
+    """Every parameter += N(0, 0.05²) from one generator seeded alike on every rank (norms and
+    biases leave 1 and 0; replicated parameters stay equal across ranks)."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _, param in sorted(model.named_parameters()):
+            param.add_(0.05 * torch.randn(param.shape, generator=generator))

@@ -12,11 +12,11 @@ import torch
 import dist_checkpointing_cases as cases
 
 
-def _check(results, saved_rank=0, loaded_rank=0):
-    saved, fresh, loaded = results[saved_rank][0], results[loaded_rank][1], \
-        results[loaded_rank][2]
-    assert not torch.allclose(fresh, saved, atol=1e-3)           # another seed: other weights
-    torch.testing.assert_close(loaded, saved, rtol=1e-5, atol=1e-5)
+def _check(results):
+    for saved, fresh, loaded, common in results:
+        assert not torch.allclose(fresh, saved, atol=1e-3)       # another seed: other weights
+        torch.testing.assert_close(loaded, saved, rtol=1e-5, atol=1e-5)
+        assert common == {}              # every entry is sharded: nothing left in common.pt
 
 
 def test_swiglu_fc1_saved_at_tp2_loads_at_tp1(run_distributed, tmp_path):
