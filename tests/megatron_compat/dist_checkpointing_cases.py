@@ -124,3 +124,99 @@ def perturb(model, seed):
     with torch.no_grad():
         for _, param in sorted(model.named_parameters()):
             param.add_(0.05 * torch.randn(param.shape, generator=generator))
+
+
+# ----------------------------------------------------------------- model + optimizer resume
+def _training_run(layout, seed, dtype, distributed, swiglu):
+    """(DDP model, compat optimizer) of Megatron's flow at this layout (the groups initialised;
+    the caller destroys them)."""
+    import megatron_compat_gpt_cases as gpt
+
+    from tpfuse.megatron_compat import parallel_state
+    from tpfuse.megatron_compat.distributed import (DistributedDataParallel,
+                                                    DistributedDataParallelConfig)
+    from tpfuse.megatron_compat.optimizer import OptimizerConfig, get_megatron_optimizer
+    from tpfuse.megatron_compat.tensor_parallel import model_parallel_cuda_manual_seed
+
+    tp, pp = layout.get("tp", 1), layout.get("pp", 1)
+    parallel_state.initialize_model_parallel(tp, pp)
+    model_parallel_cuda_manual_seed(seed)
+    half = dtype != torch.float32
+    config = gpt.megatron_config(tp, pp, params_dtype=dtype, pipeline_dtype=dtype,
+                                 bf16=half, **(SWIGLU if swiglu else {}))
+    model = gpt.megatron_model(config, tied=True).module
+    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, use_distributed_optimizer=distributed), model)
+    optimizer = get_megatron_optimizer(OptimizerConfig(
+        lr=gpt.LR, bf16=half, params_dtype=dtype, use_distributed_optimizer=distributed), [ddp])
+    return ddp, optimizer
+
+
+def _train_steps(ddp, optimizer, first_microbatch, steps):
+    """Megatron's training steps on micro-batches first_microbatch...: the last stage's mean
+    loss per step (None elsewhere)."""
+    import megatron_compat_gpt_cases as gpt
+
+    from tpfuse.megatron_compat import parallel_state
+    from tpfuse.megatron_compat.pipeline_parallel import get_forward_backward_func
+
+    def iterator():
+        index = first_microbatch
+        while True:
+            yield gpt.microbatch(index)
+            index += 1
+    batches, losses = iterator(), []
+    for _ in range(steps):
+        ddp.zero_grad_buffer()
+        optimizer.zero_grad()
+        reduced = get_forward_backward_func()(
+            forward_step_func=gpt.forward_step, data_iterator=batches, model=[ddp],
+            num_microbatches=gpt.MICROBATCHES, seq_length=gpt.SEQ, micro_batch_size=gpt.MICRO,
+            forward_only=False)
+        assert optimizer.step()[0]
+        if parallel_state.is_pipeline_last_stage():
+            losses.append(torch.stack([r["lm loss"] for r in reduced]).float().mean().item())
+    return losses or None
+
+
+def _checkpoint_state(ddp, optimizer, is_loading=False):
+    model_state = ddp.module.sharded_state_dict()
+    return {"model": model_state,
+            "optimizer": optimizer.sharded_state_dict(model_state, is_loading=is_loading)}
+
+
+def resume_at_another_layout(directory, saved_layout, loaded_layout, dtype=torch.float32,
+                             distributed=False, swiglu=False):
+    """Train 2 steps at saved_layout, save model + optimizer, train 2 more (the uninterrupted
+    run); build another seed's model at loaded_layout, load both, train the same 2 steps; and
+    once more loading the model only (a fresh optimizer). The last stage's losses of the two
+    continuing steps: (uninterrupted, resumed, model only)."""
+    import megatron_compat_gpt_cases as gpt
+
+    from tpfuse.megatron_compat import dist_checkpointing, parallel_state
+
+    steps = gpt.MICROBATCHES
+    if dist.get_rank() == 0:
+        os.makedirs(directory, exist_ok=True)
+    dist.barrier()
+    try:
+        ddp, optimizer = _training_run(saved_layout, SEED, dtype, distributed, swiglu)
+        _train_steps(ddp, optimizer, 0, 2)
+        dist_checkpointing.save(_checkpoint_state(ddp, optimizer), directory)
+        uninterrupted = _train_steps(ddp, optimizer, 2 * steps, 2)
+    finally:
+        parallel_state.destroy_model_parallel()
+    runs = []
+    for with_optimizer in (True, False):
+        try:
+            ddp, optimizer = _training_run(loaded_layout, SEED + 1, dtype, distributed, swiglu)
+            loaded = dist_checkpointing.load(_checkpoint_state(ddp, optimizer, True), directory)
+            ddp.module.load_state_dict(loaded["model"])
+            if with_optimizer:
+                optimizer.load_state_dict(loaded["optimizer"])
+            else:
+                optimizer.reload_model_params()
+            runs.append(_train_steps(ddp, optimizer, 2 * steps, 2))
+        finally:
+            parallel_state.destroy_model_parallel()
+    return uninterrupted, runs[0], runs[1]

@@ -52,9 +52,11 @@ def expert_coordinates():
             state.edp_rank or 0)
 
 
-def _expert_piece_builder(ep, etp, cut_axis, stride, grouped):
-    """build_fn of one stacked expert tensor ``(L, *per-expert Megatron shape)``: cut_axis is
-    the per-expert axis etp cuts (None: replicated over etp)."""
+def _expert_piece_builder(ep, etp, cut_axis, stride, grouped, transposed):
+    """build_fn of one stacked expert tensor (tpfuse's ``(L, in, out)`` when ``transposed``,
+    else ``(L, *per-expert Megatron shape)``; the data given to it may be the parameter or an
+    optimizer state of its shape): cut_axis is the per-expert axis of Megatron's tensor that
+    etp cuts (None: replicated over etp)."""
     ep_size, ep_rank, etp_size, etp_rank = ep + etp
 
     def pieces(key, data, replica_id, offsets, axis):
@@ -69,6 +71,8 @@ def _expert_piece_builder(ep, etp, cut_axis, stride, grouped):
                                                prepend_axis_num=len(offsets[0]))
 
     def build(key, data, replica_id, flattened_range, layer_axis):
+        if transposed:
+            data = data.transpose(-1, -2)                  # (L, out, in) as Megatron's
         local = data.shape[0]
         total = local * ep_size
         if grouped:                              # (layer,) prepended; expert axis cut over ep
@@ -110,15 +114,12 @@ def experts_sharded_state_dict(experts, state_prefix: str, key_prefix: str, laye
     out = {}
     for name, param in experts.named_parameters(recurse=False):
         suffix, cut_axis, cut_stride, transposed = layout[name]
-        data = param.detach()
-        if transposed:
-            data = data.transpose(-1, -2)                  # (L, out, in) as Megatron's
         cut = cut_axis is not None and etp_size > 1
         replica = (0, 0, edp_rank) if cut else (0, etp_rank, edp_rank)
         build = _expert_piece_builder((ep_size, ep_rank), (etp_size, etp_rank), cut_axis,
-                                      cut_stride, grouped)
+                                      cut_stride, grouped, transposed)
         out[state_prefix + name] = ShardedTensorFactory(
-            key_prefix + "experts." + suffix, data,
+            key_prefix + "experts." + suffix, param.detach(),
             functools.partial(build, layer_axis=layer_axis),
             _expert_piece_merger(cut_stride, grouped, cut_axis, transposed), replica)
     return out
