@@ -110,8 +110,9 @@ def megatron_case_model(recorded, tp, seed):
     model_parallel_cuda_manual_seed(seed)
     config = TransformerConfig(**fields, activation_func=activation,
                                tensor_model_parallel_size=tp, sequence_parallel=moe and tp > 1)
-    model = GPTModel(config, get_gpt_layer_local_spec(num_experts=config.num_moe_experts),
-                     vocab_size=recorded["vocab_size"],
+    spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts,
+                                    moe_grouped_gemm=config.moe_grouped_gemm)
+    model = GPTModel(config, spec, vocab_size=recorded["vocab_size"],
                      max_sequence_length=recorded["max_sequence_length"], **recorded["model"])
     model.eval()
     return model

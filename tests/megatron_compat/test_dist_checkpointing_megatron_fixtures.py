@@ -1,6 +1,7 @@
 """Checkpoints written by megatron-core 0.16.1 itself load into the compat GPTModel: the
 fixtures in tests/data/megatron_core_checkpoints/ (a dense GPT, a SwiGLU GPT with tied
-embeddings, an MoE GPT with sequential SwiGLU experts; written on one rank at tp = 1 by
+embeddings, an MoE GPT with sequential SwiGLU experts, one with grouped-GEMM experts —
+megatron-core's GroupedMLP layout, one chunk per ep rank; written on one rank at tp = 1 by
 tests/support/write_megatron_core_fixtures.py, which keeps megatron-core's logits on a probe
 batch next to each) are loaded at tp = 1 and at tp = 2 (MoE: with sequence parallelism, as
 megatron-core requires) and give megatron-core's logits. megatron-core is not needed here.
@@ -22,7 +23,7 @@ import dist_checkpointing_cases as cases
 
 FIXTURES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data",
                         "megatron_core_checkpoints")
-CASES = ("dense", "swiglu", "moe")
+CASES = ("dense", "swiglu", "moe", "moe_grouped")
 
 
 def load_fixture_logits(case, tp):

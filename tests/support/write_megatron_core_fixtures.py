@@ -4,7 +4,7 @@ with a Python that has megatron-core 0.16.1 installed; tpfuse is not needed)::
     python tests/support/write_megatron_core_fixtures.py [OUT_DIR]
 
 For every case in CASES (a dense GPT, a SwiGLU GPT with tied embeddings, an MoE GPT with
-sequential SwiGLU experts) it builds megatron-core's own GPTModel with the local spec at tp = 1
+sequential SwiGLU experts, the same MoE GPT with grouped-GEMM experts: see WEIGHTS_FROM) it builds megatron-core's own GPTModel with the local spec at tp = 1
 on one gloo rank, moves every parameter off its initial value (``perturb``: norms and biases
 would otherwise be 1 and 0, and a checkpoint reader that dropped them would go unnoticed),
 saves it with megatron-core's ``dist_checkpointing.save`` into ``OUT_DIR/<case>/checkpoint``
@@ -36,9 +36,15 @@ CASES = {
     "swiglu": ({"gated_linear_unit": True, "activation": "silu"},
                {"share_embeddings_and_output_weights": True}),
     "moe": ({"gated_linear_unit": True, "activation": "silu", "num_moe_experts": 4,
-             "moe_router_topk": 2, "moe_ffn_hidden_size": HIDDEN, "add_bias_linear": False,
+             "moe_router_topk": 2, "moe_ffn_hidden_size": HIDDEN // 2, "add_bias_linear": False,
              "moe_token_dispatcher_type": "allgather", "moe_aux_loss_coeff": 0.0}, {}),
 }
+CASES["moe_grouped"] = (dict(CASES["moe"][0], moe_grouped_gemm=True), {})
+# megatron-core's GroupedMLP computes in bf16 with the grouped_gemm CUDA package only: that case
+# takes the weights (and logits) of the SequentialMLP case's model, loaded into a GroupedMLP
+# model by megatron-core and saved from it (its own layout of the same tensors)
+WEIGHTS_FROM = {"moe_grouped": "moe"}
+LIVE_CASES = ("dense", "swiglu", "moe")          # the cases megatron-core can also compute
 ACTIVATIONS = {"gelu": F.gelu, "silu": F.silu}
 
 
@@ -77,6 +83,15 @@ def _emulate_cuda():
     return megatron_random
 
 
+def _allow_grouped_mlp():
+    """GroupedMLP's constructor asserts the grouped_gemm package; it is built here only to
+    save and load (its forward, which needs that package, is never run)."""
+    from megatron.core.transformer.moe import grouped_gemm_util
+
+    if grouped_gemm_util.grouped_gemm is None:
+        grouped_gemm_util.grouped_gemm = "not installed: GroupedMLP built for checkpoints only"
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -94,13 +109,16 @@ def megatron_model(case, seed):
 
     fields = config_fields(case)
     activation = fields.pop("activation", "gelu")
+    if fields.get("moe_grouped_gemm"):
+        _allow_grouped_mlp()
     parallel_state.initialize_model_parallel(1, 1)
     megatron_random.model_parallel_cuda_manual_seed(seed)
     torch.manual_seed(seed)
     config = TransformerConfig(**fields, activation_func=ACTIVATIONS[activation],
                                use_cpu_initialization=True)
-    model = GPTModel(config, get_gpt_layer_local_spec(num_experts=fields.get("num_moe_experts")),
-                     vocab_size=VOCAB, max_sequence_length=SEQ, **CASES[case][1])
+    spec = get_gpt_layer_local_spec(num_experts=fields.get("num_moe_experts"),
+                                    moe_grouped_gemm=bool(fields.get("moe_grouped_gemm")))
+    model = GPTModel(config, spec, vocab_size=VOCAB, max_sequence_length=SEQ, **CASES[case][1])
     perturb(model, seed)
     return model
 
@@ -113,17 +131,34 @@ def megatron_logits(model):
         return model(*probe(), causal).float()
 
 
+def _regrouped(sequential, case, seed, scratch):
+    """A GroupedMLP model of ``case`` holding ``sequential``'s weights (through megatron-core's
+    own save and load)."""
+    from megatron.core import dist_checkpointing, parallel_state
+
+    os.makedirs(scratch)
+    dist_checkpointing.save(sequential.sharded_state_dict(), scratch)
+    parallel_state.destroy_model_parallel()
+    grouped = megatron_model(case, seed)
+    grouped.load_state_dict(dist_checkpointing.load(grouped.sharded_state_dict(), scratch))
+    return grouped
+
+
 def write_case(case, out_dir, seed):
     from megatron.core import dist_checkpointing, parallel_state
 
-    model = megatron_model(case, seed)
+    model = megatron_model(WEIGHTS_FROM.get(case, case), seed)
+    logits = megatron_logits(model)
     case_dir = os.path.join(out_dir, case)
     checkpoint = os.path.join(case_dir, "checkpoint")
     shutil.rmtree(case_dir, ignore_errors=True)
+    if case in WEIGHTS_FROM:
+        model = _regrouped(model, case, seed, os.path.join(case_dir, "scratch"))
     os.makedirs(checkpoint)
     dist_checkpointing.save(model.sharded_state_dict(), checkpoint)
+    shutil.rmtree(os.path.join(case_dir, "scratch"), ignore_errors=True)
     tokens, positions = probe()
-    torch.save({"tokens": tokens, "position_ids": positions, "logits": megatron_logits(model)},
+    torch.save({"tokens": tokens, "position_ids": positions, "logits": logits},
                os.path.join(case_dir, "reference.pt"))
     with open(os.path.join(case_dir, "config.json"), "w") as f:
         json.dump({"config": config_fields(case), "model": CASES[case][1], "vocab_size": VOCAB,
