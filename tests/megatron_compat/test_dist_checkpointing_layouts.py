@@ -45,3 +45,20 @@ def test_moe_with_shared_expert_saved_at_tp2_etp2_loads_at_ep2(run_distributed, 
                      moe_shared_expert_intermediate_size=2 * cases.HIDDEN)
     _check(run_distributed(2, cases.save_then_load, str(tmp_path / "ckpt"), {"tp": 2, "etp": 2},
                            {"ep": 2}, overrides))
+
+
+def test_apply_swiglu_sharded_factory_builds_megatrons_pieces():
+    """tp rank 1 of 2, a layer axis prepended: the local [gate_1; up_1] (2 + 2 rows) is stored
+    as rows 2..3 (gate) and 6..7 (up) of the (L, 8, 3) global [gate; up], as megatron-core's
+    apply_swiglu_sharded_factory builds it."""
+    from tpfuse.megatron_compat.dist_checkpointing import ShardedTensor
+    from tpfuse.megatron_compat.transformer.mlp import apply_swiglu_sharded_factory
+
+    local = torch.arange(12.0).view(4, 3)
+    layer = (0, 1, 2)
+    column = ShardedTensor.from_rank_offsets("fc1", local, layer, (1, 1, 2), replica_id=(0, 0, 0),
+                                             prepend_axis_num=1)
+    gate, up = apply_swiglu_sharded_factory(column, (layer,)).build()
+    assert (gate.global_shape, gate.global_offset) == ((2, 8, 3), (1, 2, 0))
+    assert (up.global_shape, up.global_offset) == ((2, 8, 3), (1, 6, 0))
+    assert torch.equal(gate.data, local[:2]) and torch.equal(up.data, local[2:])
