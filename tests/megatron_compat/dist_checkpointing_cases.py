@@ -128,7 +128,7 @@ def perturb(model, seed):
 
 
 # ----------------------------------------------------------------- model + optimizer resume
-def _training_run(layout, seed, dtype, distributed, swiglu):
+def _training_run(layout, seed, dtype, distributed, overrides):
     """(DDP model, compat optimizer) of Megatron's flow at this layout (the groups initialised;
     the caller destroys them)."""
     import megatron_compat_gpt_cases as gpt
@@ -140,17 +140,36 @@ def _training_run(layout, seed, dtype, distributed, swiglu):
     from tpfuse.megatron_compat.tensor_parallel import model_parallel_cuda_manual_seed
 
     tp, pp = layout.get("tp", 1), layout.get("pp", 1)
-    parallel_state.initialize_model_parallel(tp, pp)
+    parallel_state.initialize_model_parallel(tp, pp,
+                                             expert_model_parallel_size=layout.get("ep", 1))
     model_parallel_cuda_manual_seed(seed)
     half = dtype != torch.float32
-    config = gpt.megatron_config(tp, pp, params_dtype=dtype, pipeline_dtype=dtype,
-                                 bf16=half, **(SWIGLU if swiglu else {}))
-    model = gpt.megatron_model(config, tied=True).module
+    moe = "num_moe_experts" in overrides
+    config = gpt.megatron_config(tp, pp, params_dtype=dtype, pipeline_dtype=dtype, bf16=half,
+                                 expert_model_parallel_size=layout.get("ep", 1),
+                                 sequence_parallel=moe and tp > 1, **overrides)
+    model = _moe_aware_model(config)
     ddp = DistributedDataParallel(config, DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, use_distributed_optimizer=distributed), model)
     optimizer = get_megatron_optimizer(OptimizerConfig(
         lr=gpt.LR, bf16=half, params_dtype=dtype, use_distributed_optimizer=distributed), [ddp])
     return ddp, optimizer
+
+
+def _moe_aware_model(config):
+    """The compat GPTModel of this stage (tied embeddings) with the spec config asks for."""
+    import megatron_compat_gpt_cases as gpt
+
+    from tpfuse.megatron_compat import parallel_state
+    from tpfuse.megatron_compat.models.gpt import GPTModel
+    from tpfuse.megatron_compat.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts,
+                                    moe_grouped_gemm=config.moe_grouped_gemm)
+    return GPTModel(config, spec, vocab_size=gpt.VOCAB, max_sequence_length=gpt.SEQ,
+                    pre_process=parallel_state.is_pipeline_first_stage(),
+                    post_process=parallel_state.is_pipeline_last_stage(),
+                    share_embeddings_and_output_weights=True)
 
 
 def _train_steps(ddp, optimizer, first_microbatch, steps):
@@ -187,7 +206,7 @@ def _checkpoint_state(ddp, optimizer, is_loading=False):
 
 
 def resume_at_another_layout(directory, saved_layout, loaded_layout, dtype=torch.float32,
-                             distributed=False, swiglu=False):
+                             distributed=False, overrides=None):
     """Train 2 steps at saved_layout, save model + optimizer, train 2 more (the uninterrupted
     run); build another seed's model at loaded_layout, load both, train the same 2 steps; and
     once more loading the model only (a fresh optimizer). The last stage's losses of the two
@@ -201,7 +220,7 @@ def resume_at_another_layout(directory, saved_layout, loaded_layout, dtype=torch
         os.makedirs(directory, exist_ok=True)
     dist.barrier()
     try:
-        ddp, optimizer = _training_run(saved_layout, SEED, dtype, distributed, swiglu)
+        ddp, optimizer = _training_run(saved_layout, SEED, dtype, distributed, overrides or {})
         _train_steps(ddp, optimizer, 0, 2)
         dist_checkpointing.save(_checkpoint_state(ddp, optimizer), directory)
         uninterrupted = _train_steps(ddp, optimizer, 2 * steps, 2)
@@ -210,7 +229,8 @@ def resume_at_another_layout(directory, saved_layout, loaded_layout, dtype=torch
     runs = []
     for with_optimizer in (True, False):
         try:
-            ddp, optimizer = _training_run(loaded_layout, SEED + 1, dtype, distributed, swiglu)
+            ddp, optimizer = _training_run(loaded_layout, SEED + 1, dtype, distributed,
+                                           overrides or {})
             loaded = dist_checkpointing.load(_checkpoint_state(ddp, optimizer, True), directory)
             ddp.module.load_state_dict(loaded["model"])
             if with_optimizer:
