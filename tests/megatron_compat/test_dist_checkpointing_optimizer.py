@@ -8,8 +8,9 @@ another layout, whose sums are ordered differently (partial GEMMs over h/tp summ
 all-reduce, pipeline stages): rel 1e-5 on the losses, the tp_layers tolerance (see
 tests/support/tp_testing.py); one Adam step moves each weight by about lr = 3e-3, so a missing
 or wrong moment changes the next loss by far more (the fresh optimizer's second loss must miss
-by more than 10× the tolerance; measured 80× for the MoE model, more for the dense ones). bf16 resumed in the same layout: the same
-bytes (fp32 main copies restored exactly, the same sums): exact.
+by more than 10× the tolerance; measured 80× for the MoE model, over 100× for the dense ones).
+bf16 resumed in the same layout: the same bytes (fp32 main copies restored exactly, the same
+sums): exact.
 """
 import pytest
 import torch

@@ -4,18 +4,19 @@ with a Python that has megatron-core 0.16.1 installed; tpfuse is not needed)::
     python tests/support/write_megatron_core_fixtures.py [OUT_DIR]
 
 For every case in CASES (a dense GPT, a SwiGLU GPT with tied embeddings, an MoE GPT with
-sequential SwiGLU experts, the same MoE GPT with grouped-GEMM experts: see WEIGHTS_FROM) it builds megatron-core's own GPTModel with the local spec at tp = 1
-on one gloo rank, moves every parameter off its initial value (``perturb``: norms and biases
-would otherwise be 1 and 0, and a checkpoint reader that dropped them would go unnoticed),
-saves it with megatron-core's ``dist_checkpointing.save`` into ``OUT_DIR/<case>/checkpoint``
+sequential SwiGLU experts, the same MoE GPT with grouped-GEMM experts: see WEIGHTS_FROM) it
+builds megatron-core's own GPTModel with the local spec at tp = 1 on one gloo rank, moves
+every parameter off its initial value (``perturb``: norms and biases would otherwise be 1 and 0,
+and a checkpoint reader that dropped them would go unnoticed), saves it with megatron-core's ``dist_checkpointing.save`` into ``OUT_DIR/<case>/checkpoint``
 and writes next to it ``reference.pt``: the probe batch (``tokens``, ``position_ids``) and
 megatron-core's fp32 logits ``(b, s, V)`` on it, plus ``config.json``, the TransformerConfig /
 GPTModel arguments the test rebuilds the model from.
 
 megatron-core needs CUDA for a few calls even with ``use_cpu_initialization``; on a CPU they are
 emulated (current device → cpu, synchronize → nothing, the RNG tracker's CUDA states → the CPU
-generator's), as tests/megatron_compat/megatron_core_reference.py does; the router's optional
-Transformer Engine GEMM, whose name megatron-core leaves undefined without TE, is set to None.
+generator's; tests/megatron_compat/megatron_core_reference.py uses the same emulation); the
+router's optional Transformer Engine GEMM, whose name megatron-core leaves undefined without TE,
+is set to None.
 """
 import json
 import os
