@@ -7,9 +7,9 @@ For every case in CASES (a dense GPT, a SwiGLU GPT with tied embeddings, an MoE 
 sequential SwiGLU experts, the same MoE GPT with grouped-GEMM experts: see WEIGHTS_FROM) it
 builds megatron-core's own GPTModel with the local spec at tp = 1 on one gloo rank, moves
 every parameter off its initial value (``perturb``: norms and biases would otherwise be 1 and 0,
-and a checkpoint reader that dropped them would go unnoticed), saves it with megatron-core's ``dist_checkpointing.save`` into ``OUT_DIR/<case>/checkpoint``
-and writes next to it ``reference.pt``: the probe batch (``tokens``, ``position_ids``) and
-megatron-core's fp32 logits ``(b, s, V)`` on it, plus ``config.json``, the TransformerConfig /
+and a checkpoint reader that dropped them would go unnoticed), saves it with megatron-core's
+``dist_checkpointing.save`` into ``OUT_DIR/<case>/checkpoint`` and writes next to it
+``reference.pt``: the probe batch (``tokens``, ``position_ids``) and megatron-core's fp32 logits ``(b, s, V)`` on it, plus ``config.json``, the TransformerConfig /
 GPTModel arguments the test rebuilds the model from.
 
 megatron-core needs CUDA for a few calls even with ``use_cpu_initialization``; on a CPU they are
