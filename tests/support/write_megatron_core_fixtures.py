@@ -9,8 +9,9 @@ builds megatron-core's own GPTModel with the local spec at tp = 1 on one gloo ra
 every parameter off its initial value (``perturb``: norms and biases would otherwise be 1 and 0,
 and a checkpoint reader that dropped them would go unnoticed), saves it with megatron-core's
 ``dist_checkpointing.save`` into ``OUT_DIR/<case>/checkpoint`` and writes next to it
-``reference.pt``: the probe batch (``tokens``, ``position_ids``) and megatron-core's fp32 logits ``(b, s, V)`` on it, plus ``config.json``, the TransformerConfig /
-GPTModel arguments the test rebuilds the model from.
+``reference.pt``: the probe batch (``tokens``, ``position_ids``) and megatron-core's fp32
+logits ``(b, s, V)`` on it, plus ``config.json``, the TransformerConfig / GPTModel arguments
+the test rebuilds the model from.
 
 megatron-core needs CUDA for a few calls even with ``use_cpu_initialization``; on a CPU they are
 emulated (current device → cpu, synchronize → nothing, the RNG tracker's CUDA states → the CPU
