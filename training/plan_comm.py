@@ -17,7 +17,8 @@ TP with SP                  per attention block and TP MLP all-gather 3X (QKV / 
                             + embedding X (its gradient) + learned positions X + output layer
                             2X all-gathered, embedding X + output layer X reduce-scattered;
                             all-reduce of the sequence-parallel parameters' gradients (norms,
-                            row-parallel biases, MoE routers' (E, h) weights) in their dtype +
+                            row-parallel biases, MoE routers' (E, h) weights, shared-expert gates
+                            (1, h)) in their dtype +
                             cross-entropy. The TP MLPs: a dense layer's MLP and an MoE layer's
                             shared expert; the routed experts talk over ep / etp (below)
 CP ring (send)              (3·cp − 2)·KV per layer, KV = 2·s·b·g/t·d·e (the K, V blocks
@@ -133,7 +134,8 @@ def _tp_mlps(config, layers: _Layers) -> tuple[int, int]:
 
 def _sequence_parallel_params(config, pp_rank: int) -> int:
     """Elements whose gradient is all-reduced over TP under SP: norms, row-parallel biases (the
-    attention projection's, the dense MLPs' fc2) and the MoE routers' weights (E, h)."""
+    attention projection's, the dense MLPs' fc2), the MoE routers' weights (E, h) and the
+    shared experts' gates (1, h)."""
     h = config.hidden_size
     per_norm = h * (2 if config.normalization == "LayerNorm" else 1)
     layers = _layer_counts(config, pp_rank)
@@ -142,6 +144,8 @@ def _sequence_parallel_params(config, pp_rank: int) -> int:
     total = layers.total * 2 * per_norm + biases
     if layers.moe:
         total += layers.moe * config.num_moe_experts * h
+        if _has_shared_expert(config) and config.moe_shared_expert_gate:
+            total += layers.moe * h                             # the shared expert's gate (1, h)
     if pp_rank == config.pipeline_model_parallel_size - 1:
         total += per_norm                                       # the final norm
     return total

@@ -147,11 +147,12 @@ COMM_GRID = [
     (4, ALLTOALL + ["--moe-expert-capacity-factor", "1.5", "--moe-pad-expert-input-to-capacity"]),
     # MoE layers under TP + SP: the allgather dispatcher over etp × ep (bf16 probabilities,
     # dense layers between), the alltoall one's etp gathers, ep = 1 (the dispatchers over etp
-    # = the tp group) with a shared expert and full or MLP recompute re-running the forwards
+    # = the tp group) with a gated shared expert and full or MLP recompute re-running the forwards
     (4, TP_MOE + ["--expert-model-parallel-size", "2", "--moe-layer-freq", "2", "--bf16"]),
     (4, TP_MOE + ["--expert-model-parallel-size", "2"] + PADDED_ALLTOALL),
-    (2, TP_MOE + ["--moe-shared-expert-intermediate-size", "32", "--recompute-granularity",
-                  "full", "--recompute-method", "block", "--recompute-num-layers", "1"]),
+    (2, TP_MOE + ["--moe-shared-expert-intermediate-size", "32", "--moe-shared-expert-gate",
+                  "--recompute-granularity", "full", "--recompute-method", "block",
+                  "--recompute-num-layers", "1"]),
     (2, TP_MOE + PADDED_ALLTOALL + ["--recompute-granularity", "selective",
                                     "--recompute-modules", "mlp"]),
     # FSDP: ZeRO-2 (3 experts over edp = dp: padded row splits), ZeRO-3 beside TP + SP
