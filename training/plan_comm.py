@@ -39,6 +39,9 @@ MoE, alltoall dispatcher    per MoE layer all-to-all over ep 2·(sent + received
                             dependent, bounded); unpadded, the split counts' all-gather over
                             etp × ep G·E·8 (exact)
 MoE experts' fc2 bias       all-reduce over etp (etp > 1) of its (E/ep, h) gradient
+MoE router losses           over tp × cp, per MoE layer: ``aux_loss`` all-reduce E·8 (the top-k
+                            counts), ``seq_aux_loss`` all-gather and reduce-scatter s·b·E·4
+                            (the scores), when ``moe_aux_loss_coeff`` > 0
 PP (send)                   X/t' per micro-batch and chunk with a next stage (activation) and
                             with a previous stage (gradient)
 ==========================  ================================================================
@@ -59,11 +62,10 @@ Checked byte for byte against the collectives of a real step for TP (with and wi
 recompute), DP (plain, distributed optimizer, FSDP ZeRO-2 and ZeRO-3), PP and the tied
 embedding, CP (cp = 2), EP with the allgather dispatcher and with the alltoall one padded to
 capacity, MoE layers under TP + SP (the allgather dispatcher over etp × ep, the alltoall one's
-etp gathers, ep = 1, a shared expert, full and MLP recompute) (tests/training/test_plan.py);
+etp gathers, ep = 1, a gated shared expert, full and MLP recompute, both load-balancing
+losses) (tests/training/test_plan.py);
 the dropless alltoall dispatcher's all-to-all is checked within its per-rank bounds and
-exactly in its sum over each ep group. Not modelled: the router's auxiliary losses' statistics
-(``--moe-aux-loss-coeff`` > 0: the expert counts all-reduced, or with ``seq_aux_loss`` the
-scores all-gathered, over tp × cp).
+exactly in its sum over each ep group.
 """
 from __future__ import annotations
 
@@ -331,6 +333,28 @@ def _expert_parallel(config, micro_batch_size: int, pp_rank: int) -> tuple[dict,
     return volume.result()
 
 
+def router_loss_bytes(config, micro_batch_size: int, pp_rank: int) -> dict:
+    """The load-balancing loss's statistics over the sequence partition group (tp × cp, when
+    it has more than one rank and ``moe_aux_loss_coeff`` > 0), once per MoE layer and
+    micro-batch (a recomputed layer computes its losses only in the re-run): ``aux_loss``
+    all-reduces the (E,) int64 top-k counts; ``seq_aux_loss`` all-gathers the scores of the
+    whole sequence (s·b·E, fp32 or the fp64 router dtype) and reduce-scatters their gradient."""
+    partition = config.tensor_model_parallel_size * config.context_parallel_size
+    kind = config.moe_router_load_balancing_type
+    if partition == 1 or not config.moe_aux_loss_coeff or kind == "none":
+        return {}
+    layers = _layer_counts(config, pp_rank)
+    if layers.moe == 0:
+        return {}
+    group = "tp" if config.context_parallel_size == 1 else "tp-cp"
+    if kind == "aux_loss":
+        return {f"{group}_all_reduce": layers.moe * config.num_moe_experts * 8}
+    scores = config.seq_length * micro_batch_size * config.num_moe_experts \
+        * (8 if config.moe_router_dtype == "fp64" else 4)
+    return {f"{group}_all_gather": layers.moe * scores,
+            f"{group}_reduce_scatter": layers.moe * scores}
+
+
 def expert_parallel_bytes(config, micro_batch_size: int, pp_rank: int) -> dict:
     """The routed experts' volume of one micro-batch on ``pp_rank``: the dispatcher's
     collectives over ep, etp and etp × ep, and the etp all-reduce of the experts' fc2 bias
@@ -432,7 +456,7 @@ def step_comm_bytes(config, layout, rank: int, buffers, micro_batch_size: int,
     pp_rank = layout.rank_in("pp", rank)
     volume = defaultdict(int)
     for part in (tensor_parallel_bytes, context_parallel_bytes, expert_parallel_bytes,
-                 pipeline_bytes):
+                 router_loss_bytes, pipeline_bytes):
         for key, value in part(config, micro_batch_size, pp_rank).items():
             volume[key] += value * num_microbatches
     if buffers.fsdp_strategy is not None:

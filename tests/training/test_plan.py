@@ -155,6 +155,11 @@ COMM_GRID = [
                   "--recompute-num-layers", "1"]),
     (2, TP_MOE + PADDED_ALLTOALL + ["--recompute-granularity", "selective",
                                     "--recompute-modules", "mlp"]),
+    # the load-balancing losses' statistics over tp (8 experts: the counts are not a scalar)
+    (2, TP_MOE + ["--num-experts", "8", "--moe-aux-loss-coeff", "0.01", "--recompute-granularity",
+                  "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]),
+    (2, TP_MOE + ["--moe-aux-loss-coeff", "0.01", "--moe-router-load-balancing-type",
+                  "seq_aux_loss"]),
     # FSDP: ZeRO-2 (3 experts over edp = dp: padded row splits), ZeRO-3 beside TP + SP
     (2, FSDP + ["optim_grads", "--bf16", "--num-experts", "3", "--moe-router-topk", "2",
                 "--global-batch-size", "8"]),
