@@ -14,6 +14,9 @@ Status: ``ok`` (exit 0), ``failed`` (any other exit status; 124 or 137: the limi
   iterations, the first ones of the same job and schedule (``losses_match``: within
   ``LOSS_TOLERANCE`` relative);
 - ``gpu_check``: rows PASS / FAIL / ERROR / SKIPPED counted, every timed row's ratio;
+- ``attention_masks`` / ``moe`` / ``context_parallel``: their verdict lines counted
+  (``checks_passed``, ``checks_failed``: a table cell PASS / FAIL, or a line opening ``ok`` /
+  ``FAIL``) and the log's last lines;
 - ``generation``: its JSON line; every other check: its log's last lines.
 """
 from __future__ import annotations
@@ -21,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import sys
 
@@ -28,6 +32,7 @@ import sys
 # differs (≈1e-6 relative); in bf16 a few roundings of 2⁻⁸ each reach the loss: 2e-2 bounds both
 LOSS_TOLERANCE = 2e-2
 TAIL = 6
+VERDICT = re.compile(r"(?:^|\|)\s*(PASS|FAIL|ok)(?:\s*\||\s*$|\s{2})")
 
 
 def read_rows(out: str) -> list[dict]:
@@ -108,6 +113,17 @@ def last_json_line(path: str) -> dict:
     return {}
 
 
+def verdicts(path: str) -> dict:
+    """How many of the log's lines say PASS (or open with ``ok``) and how many FAIL."""
+    counts = {"checks_passed": 0, "checks_failed": 0}
+    if os.path.exists(path):
+        for line in open(path, errors="replace").read().splitlines():
+            found = VERDICT.search(line)
+            if found:
+                counts["checks_failed" if found.group(1) == "FAIL" else "checks_passed"] += 1
+    return counts
+
+
 def tail(path: str) -> list[str]:
     if not os.path.exists(path):
         return []
@@ -142,6 +158,9 @@ def figures_for(row: dict, logs: str, curves: dict) -> dict:
             "log_tail": tail(os.path.join(logs, f"{name}.log"))}
     if name == "generation":
         return last_json_line(os.path.join(logs, f"{name}.log"))
+    if name in ("attention_masks", "moe", "context_parallel"):
+        return {**verdicts(os.path.join(logs, f"{name}.log")),
+                "log_tail": tail(os.path.join(logs, f"{name}.log"))}
     return {"log_tail": tail(os.path.join(logs, f"{name}.log"))}
 
 
@@ -161,6 +180,8 @@ def short_figures(row: dict) -> str:
         parts.append(f"loss {f['losses'][0]:.3f} → {f['losses'][-1]:.3f}")
     if "statuses" in f:
         parts.append(", ".join(f"{k} {v}" for k, v in sorted(f["statuses"].items())))
+    if "checks_passed" in f:
+        parts.append(f"checks passed {f['checks_passed']}, failed {f['checks_failed']}")
     if row["name"] == "generation" and "tokens_per_s" in f:
         parts.append(f"cache = recompute: {f.get('cache_matches_recompute')}")
     if f.get("log_tail"):
