@@ -122,7 +122,9 @@ def _cudnn_runs(dev, q, k, v, causal, gqa) -> bool:
         for t in (q, k, v):
             t.grad = None
         return True
-    except (RuntimeError, AttributeError):
+    except (RuntimeError, AttributeError, NotImplementedError):   # "No available kernel", ...
+        for t in (q, k, v):
+            t.grad = None
         return False
 
 

@@ -149,7 +149,8 @@ check attention_masks 75 python3 "$bench/gpu_attention_check.py" $kernel_flag
 check moe 30 python3 "$bench/gpu_moe_check.py" $kernel_flag
 # 3. what remains (55 s)
 check generation 35 python3 "$bench/gpu_generation_check.py" $kernel_flag
-check context_parallel 20 python3 "$bench/gpu_context_parallel_check.py" $kernel_flag
+check context_parallel 20 python3 "$bench/gpu_context_parallel_check.py" $kernel_flag \
+    --budget-s "$((14 * scale))"
 
 python3 "$bench/gpu_session_summary.py" "$out" --dry-run "$dry"
 tar -czf "$out/logs.tar.gz" -C "$out" logs

@@ -8,8 +8,9 @@ Status: ``ok`` (exit 0), ``failed`` (any other exit status; 124 or 137: the limi
 
 - ``train_tpfuse`` / ``train_peer`` (metrics JSONL in logs/): tokens/s, TFLOP/s and MFU as the
   median over the iterations after the first third (compilation and warm-up excluded), peak
-  memory (MiB), the loss curve; ``train_peer`` adds ``tokens_per_s_ratio_tpfuse_to_peer`` and the
-  largest loss difference between the two curves (both start from the same weights);
+  memory (MiB), the loss curve; ``train_peer`` adds ``tokens_per_s_ratio_tpfuse_to_peer``, the
+  largest loss difference between the two curves (both start from the same weights) and
+  ``compiled`` (False: eager, after ``torch.compile`` failed or with ``--no-compile``);
 - ``train_tp2`` / ``train_pp2``: the largest |loss − loss of the 1-process run| over their
   iterations, the first ones of the same job and schedule (``losses_match``: within
   ``LOSS_TOLERANCE`` relative);
@@ -73,6 +74,8 @@ def training_figures(records: list[dict]) -> dict:
         values = [r[key] for r in steady if r.get(key) is not None]
         if values:
             figures[key] = float(f"{statistics.median(values):.4g}")
+    if "compiled" in records[-1]:              # the peer: torch.compile, or eager after it failed
+        figures["compiled"] = records[-1]["compiled"]
     peaks = [r["peak_memory_mib"] for r in records if r.get("peak_memory_mib") is not None]
     if peaks:
         figures["peak_memory_mib"] = round(max(peaks), 1)

@@ -80,8 +80,9 @@ class StagedWork(dist.Work):
     def wait(self, timeout: datetime.timedelta = datetime.timedelta(0)) -> bool:
         if not self.done:
             self.inner.wait()
-            for tensor, host in self.copies:
-                tensor.copy_(host)
+            with torch.no_grad():               # a Parameter (a leaf that requires grad) too
+                for tensor, host in self.copies:
+                    tensor.copy_(host)
             self.done = True
             self.copies, self.keep = [], []
         return True

@@ -256,10 +256,12 @@ def _train_on_pretend_cuda(argv) -> tuple:
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_device_cuda_puts_nothing_on_the_wrong_device(layout, staged_pool):
-    for default_device, mixed, asked, _ in staged_pool(_train_on_pretend_cuda, LAYOUTS[layout]):
+    per_rank = staged_pool(_train_on_pretend_cuda, LAYOUTS[layout])
+    for default_device, mixed, asked, _ in per_rank:
         assert default_device == [], "\n".join(default_device)
         assert mixed == [], "\n".join(mixed)
         assert asked > 0                                 # the model was sent to "cuda"
+    assert len(_logged([losses for *_, losses in per_rank])) == 3     # and it trained
 
 
 def _replay_mix(source: str) -> set:
