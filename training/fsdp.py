@@ -52,6 +52,7 @@ class FsdpConfig:
     strategy: str
     compute_dtype: torch.dtype          # the model's params_dtype: what forward/backward run in
     use_distributed_optimizer: bool = False
+    deferred_weight_grads: bool = False  # zero-bubble (zb-h1): W runs weight GEMMs after I
 
     @property
     def reshard_after_forward(self) -> bool:
@@ -88,12 +89,8 @@ def fsdp_rank_bytes(shapes, dp: int, *, param_bytes: int = 4, grad_bytes: int = 
 
 # -------------------------------------------------------------------- refusals
 def check_fsdp_layout(config) -> None:
-    """What FSDP cannot wrap at this layout, refused before any process group exists."""
-    if config.pipeline_schedule == "zb-h1":
-        raise ValueError("--use-torch-fsdp2 with --pipeline-schedule zb-h1: the zero-bubble W "
-                         "actions compute weight gradients after FSDP's post-backward "
-                         "reduce-scatter has run (use 1f1b/interleaved, or the bucketed "
-                         "data-parallel buffers without --use-torch-fsdp2)")
+    """What FSDP cannot wrap at this layout, refused before any process group exists (nothing
+    at present: every schedule and recompute granularity composes, see the module docstring)."""
 
 
 # -------------------------------------------------------------------- the wrapper
@@ -160,6 +157,10 @@ class FullyShardedModel:
                 for key, value in values.items():
                     setattr(param, key, value)
         self.params = _trainable(self.chunks)
+        self.num_microbatches, self.backwards = 1, [0] * len(self.chunks)
+        self.synced = [False] * len(self.chunks)
+        for index, chunk in enumerate(self.chunks):
+            chunk.register_forward_hook(self._backward_counter(index))
         for param in self.params:
             if self.is_sharded(param):
                 self._mark_shard(param)
@@ -183,11 +184,48 @@ class FullyShardedModel:
             param.grad = None
 
     def begin_step(self, num_microbatches: int) -> None:
-        """FSDP reduce-scatters after every micro-batch's backward; nothing to count."""
+        """Gradient accumulation without communication: every unit accumulates its unsharded
+        gradient (``set_requires_gradient_sync(False)``) until the chunk's last backward turns
+        the reduce-scatter on; ZeRO-2 keeps its gathered parameters across the micro-batches
+        (``set_reshard_after_backward(False)`` until that last backward)."""
+        self.num_microbatches = num_microbatches
+        self.backwards = [0] * len(self.chunks)
+        self.synced = [False] * len(self.chunks)
+        keep_gathered = not self.config.reshard_after_forward
+        for chunk in self.chunks:
+            chunk.set_requires_gradient_sync(False)
+            chunk.set_reshard_after_backward(not keep_gathered)
+
+    def _backward_counter(self, index: int):
+        """A forward hook on chunk ``index`` whose gradient hook on the chunk's output counts the
+        chunk's backwards of the step; the m-th (every schedule runs a chunk's backwards in
+        micro-batch order) reduce-scatters. With deferred weight gradients (zb-h1) the W actions
+        still add to the unsharded gradients after the last I pass: ``finish_grad_sync``
+        reduces instead."""
+        def on_forward(module, args, output):
+            if self.config.deferred_weight_grads or not torch.is_grad_enabled():
+                return
+            tensors = [t for t in _tensors_of(output) if t.requires_grad]
+            if tensors:
+                torch.autograd.graph.register_multi_grad_hook(
+                    tensors, lambda grads: self._backward_starts(index), mode="any")
+        return on_forward
+
+    def _backward_starts(self, index: int) -> None:
+        self.backwards[index] += 1
+        if self.backwards[index] == self.num_microbatches:
+            chunk = self.chunks[index]
+            chunk.set_requires_gradient_sync(True)
+            chunk.set_reshard_after_backward(True)
+            self.synced[index] = True
 
     def finish_grad_sync(self) -> None:
-        """Expert gradients to 1/dp_cp: the unsharded ones (edp = 1) from the plain sum, the
-        sharded ones from FSDP's 1/edp (``expert_rescale`` = edp / dp_cp)."""
+        """Reduce-scatter what no backward did (deferred weight gradients, a chunk without its
+        m backwards), then expert gradients to 1/dp_cp: the unsharded ones (edp = 1) from the
+        plain sum, the sharded ones from FSDP's 1/edp (``expert_rescale`` = edp / dp_cp)."""
+        for chunk, synced in zip(self.chunks, self.synced):
+            if not synced:
+                _reduce_accumulated_grads(chunk)
         if self.dp_cp == 1:
             return
         for params, factor in ((self.unsharded_experts, 1.0 / self.dp_cp),
@@ -215,6 +253,32 @@ class FullyShardedModel:
         if not self.is_sharded(param):
             return 0, 1
         return param.fsdp_rank, param.fsdp_size
+
+
+def _reduce_accumulated_grads(chunk) -> None:
+    """Reduce-scatter every unit's accumulated unsharded gradient of the root ``chunk`` now,
+    outside autograd, and re-shard: each parameter group's post-backward with sync on, then the
+    root's end-of-backward callback (the calls ``torch.distributed.pipelining`` makes for its
+    REDUCE_GRAD action; FSDP2 has no public entry for a reduction after backward)."""
+    from torch.distributed.fsdp import fully_shard
+
+    chunk.set_requires_gradient_sync(True)
+    chunk.set_reshard_after_backward(True)
+    root = fully_shard.state(chunk)
+    for state in root._state_ctx.all_states:
+        for group in state._fsdp_param_groups:
+            group.post_backward()
+    root._root_post_backward_final_callback()
+
+
+def _tensors_of(output) -> list:
+    if isinstance(output, torch.Tensor):
+        return [output]
+    if isinstance(output, dict):
+        output = list(output.values())
+    if isinstance(output, (tuple, list)):
+        return [t for item in output for t in _tensors_of(item)]
+    return []
 
 
 def _layers_of(chunk) -> list:
