@@ -16,21 +16,47 @@ edp/dp_cp after backward. With edp = 1 they stay unsharded (``ignored_params``),
 Strategies (Megatron's ``--data-parallel-sharding-strategy`` values)::
 
     optim_grads         ZeRO-2: reshard_after_forward=False  (parameters gathered for forward stay
-                                 until that micro-batch's backward; gradients reduce-scattered)
+                                 until the step's last backward; gradients reduce-scattered)
     optim_grads_params  ZeRO-3: reshard_after_forward=True   (re-sharded after forward, gathered
                                  again for backward)
 
-Each micro-batch's backward reduce-scatters into the sharded fp32 gradient (accumulated over the
-step's micro-batches): g_shard ← Σ_micro RS_{dp·cp}(g) / dp_cp, the same sum the bucketed buffers
-all-reduce. Mixed precision (``MixedPrecisionPolicy``): bf16/fp16 compute, fp32 reduce, fp32 sharded
-parameters, which are the optimizer's main parameters (``training/fsdp_optimizer.py``).
+Gradient accumulation without communication: a step's m micro-batches accumulate each unit's
+unsharded gradient (fp32: ``reduce_dtype``) with the reduce-scatter off
+(``set_requires_gradient_sync(False)``); a gradient hook on each chunk's output counts the
+chunk's backwards and turns it on for the m-th, so each unit reduce-scatters once per step, in
+its last backward: g_shard = RS_{dp·cp}(Σ_micro g) / dp_cp, the sum the bucketed buffers
+all-reduce. ZeRO-2 also keeps its gathered parameters across the
+micro-batches (``set_reshard_after_backward(False)`` until that last backward): one all-gather
+per unit per step. ZeRO-3 re-shards after every forward and backward (gathered twice per
+micro-batch). The price: from a unit's first backward to its last, the unit holds its unsharded
+fp32 gradient (ZeRO-2 its unsharded parameters too), so within a step the gradients peak at
+the TP shard's size, as plain data parallelism's buffer; between steps a rank holds 1/dp_cp.
+On gloo the reduce-scatter runs as a ring all-reduce with this rank's block copied out
+(``_AllReduceScatter``). Mixed precision (``MixedPrecisionPolicy``): bf16/fp16 compute, fp32
+reduce, fp32 sharded parameters, which are the optimizer's main parameters
+(``training/fsdp_optimizer.py``).
+
+Zero-bubble (``--pipeline-schedule zb-h1``): a W action computes weight gradients after the I
+pass (the autograd backward) that deferred them, so no backward may reduce-scatter: every I pass
+accumulates, and ``finish_grad_sync`` reduce-scatters each chunk's accumulated gradients after
+the schedule, W's included (``_reduce_accumulated_grads``, the calls of
+``torch.distributed.pipelining``'s REDUCE_GRAD action). An I pass opens its queue on the
+parameters the chunk holds at that moment: ZeRO-2's are the gathered ones the layers compute
+with; ZeRO-3 has re-sharded after forward, so it is opened on the sharded parameters, and the
+chunk-output hook puts it on the gathered weights too (``_share_weight_grad_queues``): in
+both, the weight GEMMs move to W.
+
+Activation recompute composes: a recomputed region runs its units' forwards again inside
+backward, where FSDP neither re-shards after forward nor records the forward again (its
+``is_bw()`` check), and the first, graph-less forward registered no backward hook; the counting
+hook sits on the chunk's output, which recompute never re-runs.
 
 This object stands where ``DataParallelBuffers`` stands in the training step (``zero_grad_buffer``,
 ``begin_step``, ``finish_grad_sync``, ``start_param_sync`` / ``finish_param_sync``); FSDP's own
 hooks do the communication, so most of these are bookkeeping. Timers: FSDP's all-gathers and
-reduce-scatters run inside the schedule, under ``forward-backward``; ``all-grads-sync`` holds only
-the expert rescale. The start-up memory record is ``FullyShardedOptimizer.memory_bytes`` (the
-padded shards, ``fsdp_rank_bytes`` for planners). Checkpoints: ``checkpoint/sharded_state.py``.
+reduce-scatters run inside the schedule, under ``forward-backward``; ``all-grads-sync`` holds the
+zero-bubble reduction and the expert rescale. The start-up memory record is
+``FullyShardedOptimizer.memory_bytes`` (the padded shards, ``fsdp_rank_bytes`` for planners). Checkpoints: ``checkpoint/sharded_state.py``.
 """
 from __future__ import annotations
 
@@ -209,7 +235,7 @@ class FullyShardedModel:
         still add to the unsharded gradients after the last I pass: ``finish_grad_sync``
         reduces instead."""
         def on_forward(module, args, output):
-            if self.config.deferred_weight_grads or not torch.is_grad_enabled():
+            if not torch.is_grad_enabled():
                 return
             tensors = [t for t in _tensors_of(output) if t.requires_grad]
             if tensors:
@@ -218,6 +244,9 @@ class FullyShardedModel:
         return on_forward
 
     def _backward_starts(self, index: int) -> None:
+        if self.config.deferred_weight_grads:
+            _share_weight_grad_queues(self.chunks[index])
+            return
         self.backwards[index] += 1
         if self.backwards[index] == self.num_microbatches:
             chunk = self.chunks[index]
@@ -232,6 +261,8 @@ class FullyShardedModel:
         for chunk, synced in zip(self.chunks, self.synced):
             if not synced:
                 _reduce_accumulated_grads(chunk)
+            if self.config.deferred_weight_grads:
+                _share_weight_grad_queues(chunk, clear=True)
         if self.dp_cp == 1:
             return
         for params, factor in ((self.unsharded_experts, 1.0 / self.dp_cp),
@@ -299,6 +330,34 @@ def _reduce_accumulated_grads(chunk) -> None:
         for group in state._fsdp_param_groups:
             group.post_backward()
     root._root_post_backward_final_callback()
+
+
+def _fsdp_params(chunk) -> list:
+    """The ``FSDPParam`` records of every unit of the root ``chunk`` (FSDP2 internals)."""
+    from torch.distributed.fsdp import fully_shard
+
+    return [record for state in fully_shard.state(chunk)._state_ctx.all_states
+            for group in state._fsdp_param_groups for record in group.fsdp_params]
+
+
+def _share_weight_grad_queues(chunk, clear: bool = False) -> None:
+    """At the start of a zero-bubble I pass: the queue the schedule opened on the parameters the
+    chunk holds (``param.wgrad_queue``, kernels/wgrad_deferral.py) put on the gathered weights
+    the layers compute with too, so their GEMMs are deferred whether the unit was sharded at
+    that moment (ZeRO-3) or not (ZeRO-2: the gathered weights themselves carry it). ``clear``:
+    take them off again (after the step)."""
+    for record in _fsdp_params(chunk):
+        gathered = getattr(record, "_unsharded_param", None)
+        if gathered is None or gathered is record.sharded_param:
+            continue
+        if clear:
+            if getattr(gathered, "wgrad_queue", None) is not None and \
+                    getattr(record.sharded_param, "wgrad_queue", None) is None:
+                gathered.wgrad_queue = None
+            continue
+        queue = getattr(record.sharded_param, "wgrad_queue", None)
+        if queue is not None:
+            gathered.wgrad_queue = queue
 
 
 def _tensors_of(output) -> list:

@@ -45,8 +45,6 @@ def test_rank_bytes_are_sixteen_per_padded_shard_element():
      "--data-parallel-sharding-strategy optim"),
     (["--data-parallel-sharding-strategy", "optim_grads"], "needs --use-torch-fsdp2"),
     (ZERO3 + ["--overlap-grad-reduce"], "--overlap-grad-reduce"),
-    (ZERO3 + ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-h1"],
-     "--pipeline-schedule zb-h1"),
 ])
 def test_bad_fsdp_settings_fail_at_parse_time_naming_the_flags(argv, named):
     from tpfuse.training.arguments import parse_args
