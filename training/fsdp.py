@@ -188,6 +188,8 @@ class FullyShardedModel:
             reduce_scatter = _AllReduceScatter()
             for unit in units:
                 unit.set_custom_reduce_scatter(reduce_scatter)
+            for chunk in self.chunks:
+                _prefetch_asynchronously(chunk)
         self.params = _trainable(self.chunks)
         self.num_microbatches, self.backwards = 1, [0] * len(self.chunks)
         self.synced = [False] * len(self.chunks)
@@ -314,6 +316,17 @@ class _AllReduceScatter:
         else:
             output_tensor.copy_(block)
         return None
+
+
+def _prefetch_asynchronously(chunk) -> None:
+    """On CPU (gloo) FSDP's all-gathers block unless issued asynchronously: the next layer's
+    gather is issued before a layer's forward (``set_modules_to_forward_prefetch``; backward
+    prefetches the previous one by default) and left to gloo's threads while the layer computes
+    (FSDP's ``_set_unshard_async_op``). On CUDA FSDP's own streams overlap them already."""
+    layers = _layers_of(chunk)
+    for layer, following in zip(layers, layers[1:]):
+        layer.set_modules_to_forward_prefetch([following])
+    chunk._set_unshard_async_op(True)
 
 
 def _reduce_accumulated_grads(chunk) -> None:
