@@ -115,8 +115,14 @@ def fsdp_rank_bytes(shapes, dp: int, *, param_bytes: int = 4, grad_bytes: int = 
 
 # -------------------------------------------------------------------- refusals
 def check_fsdp_layout(config) -> None:
-    """What FSDP cannot wrap at this layout, refused before any process group exists (nothing
-    at present: every schedule and recompute granularity composes, see the module docstring)."""
+    """What FSDP cannot run, refused before any process group exists: a PyTorch without
+    ``fully_shard`` (Megatron's ``torch >= 2.4`` requirement). Every schedule (zb-h1 included)
+    and recompute granularity composes (module docstring)."""
+    try:
+        from torch.distributed.fsdp import fully_shard  # noqa: F401
+    except ImportError as error:
+        raise ValueError("--use-torch-fsdp2 needs PyTorch's torch.distributed.fsdp.fully_shard "
+                         f"(torch >= 2.4), this torch {torch.__version__} has none") from error
 
 
 # -------------------------------------------------------------------- the wrapper
