@@ -56,7 +56,8 @@ This object stands where ``DataParallelBuffers`` stands in the training step (``
 hooks do the communication, so most of these are bookkeeping. Timers: FSDP's all-gathers and
 reduce-scatters run inside the schedule, under ``forward-backward``; ``all-grads-sync`` holds the
 zero-bubble reduction and the expert rescale. The start-up memory record is
-``FullyShardedOptimizer.memory_bytes`` (the padded shards, ``fsdp_rank_bytes`` for planners). Checkpoints: ``checkpoint/sharded_state.py``.
+``FullyShardedOptimizer.memory_bytes`` (the padded shards, ``fsdp_rank_bytes`` for planners).
+Checkpoints: ``checkpoint/sharded_state.py``.
 """
 from __future__ import annotations
 
