@@ -14,7 +14,9 @@ processes, 1 thread each:
 Memory: the start-up ``memory_bytes`` record of the logging rank (dp rank 0, which holds the
 largest shard); parameters + gradients + optimizer state per rank against (dp1-ddp's) / dp.
 Step time: the mean ``ms_per_iter`` after ``TPFUSE_BENCH_SKIP`` (default 2) warm-up iterations,
-best of ``TPFUSE_BENCH_ROUNDS`` (default 1) rounds (the machine is shared). Run (pytest.ini
+median and range over ``TPFUSE_BENCH_ROUNDS`` (default 1) rounds (the machine is shared); the
+ratios to the distributed optimizer are taken per round (a round runs the four kinds back to
+back, under one load), median and range printed. Run (pytest.ini
 disables benchmarks; ``-s`` prints the summary)::
 
     python3 -m pytest benchmarks/test_bench_fsdp.py --benchmark-enable -q -s \\
@@ -77,25 +79,37 @@ def _held(name) -> int:
     return sum(_RESULTS[name]["memory"][k] for k in HELD)
 
 
+def _median(values) -> float:
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+
+
 @pytest.fixture(scope="module", autouse=True)
 def summary():
     yield
-    if "dp1-ddp" not in _RESULTS:
+    if not _RESULTS:
         return
     mib = 1024 * 1024
     print(f"\nper-rank parameters + gradients + optimizer state (MiB, logging rank) and step "
-          f"time (best of {ROUNDS} rounds, iterations {SKIP + 1}..{ITERS}), CPU gloo, 1 thread "
-          "per rank:")
-    single = _held("dp1-ddp")
+          f"time (median [min-max] of {ROUNDS} rounds, iterations {SKIP + 1}..{ITERS}), CPU "
+          "gloo, 1 thread per rank:")
+    single = _held("dp1-ddp") if "dp1-ddp" in _RESULTS else None
     for name, res in _RESULTS.items():
         dp = int(name[2])
-        print(f"  {name:12s} {_held(name) / mib:7.2f} MiB ({_held(name) / (single / dp):.3f} x "
-              f"dp1/dp) | {min(res['ms']):.0f} ms/iter")
+        share = f" ({_held(name) / (single / dp):.3f} x dp1/dp)" if single else ""
+        print(f"  {name:12s} {_held(name) / mib:7.2f} MiB{share} | {_median(res['ms']):.0f} "
+              f"[{min(res['ms']):.0f}-{max(res['ms']):.0f}] ms/iter")
     for dp in (1, 2, 4):
-        if f"dp{dp}-zero3" in _RESULTS and f"dp{dp}-distopt" in _RESULTS:
-            for kind in ("zero2", "zero3"):
-                ratio = min(_RESULTS[f"dp{dp}-{kind}"]["ms"]) / min(_RESULTS[f"dp{dp}-distopt"]["ms"])
-                print(f"  dp={dp}: {kind} / distopt step time = {ratio:.3f}")
+        if f"dp{dp}-distopt" not in _RESULTS:
+            continue
+        for kind in ("ddp", "zero2", "zero3"):
+            if f"dp{dp}-{kind}" in _RESULTS:
+                # per round: rounds run the kinds back to back, so a round's ratio shares its load
+                ratios = [a / b for a, b in zip(_RESULTS[f"dp{dp}-{kind}"]["ms"],
+                                                _RESULTS[f"dp{dp}-distopt"]["ms"])]
+                print(f"  dp={dp}: {kind} / distopt step time = {_median(ratios):.3f} "
+                      f"[{min(ratios):.3f}-{max(ratios):.3f}] over {len(ratios)} rounds")
 
 
 @pytest.mark.parametrize("dp", [1, 2, 4])

@@ -97,8 +97,8 @@ LAYOUTS = {
     "cp2": (2, _parallel(cp=2)),
     "pp2-cp2-allgather": (4, _parallel(pp=2, cp=2, cp_comm_type="all_gather")),
     "dp2-cp2-a2a": (4, _parallel(cp=2, cp_comm_type="a2a")),
-    # FSDP2 (fully_shard over dp x cp): ZeRO-2 keeps gathered parameters until backward, ZeRO-3
-    # gathers them again; both reduce-scatter every micro-batch's gradient into fp32 shards
+    # FSDP2 (fully_shard over dp x cp): ZeRO-2 keeps gathered parameters over the step, ZeRO-3
+    # gathers them again; both accumulate unsharded and reduce-scatter in the last backward
     "dp2-fsdp-zero2": (2, _parallel() + FSDP_ZERO2),
     "dp2-fsdp-zero3": (2, _parallel() + FSDP_ZERO3),
     "dp4-fsdp-zero3": (4, _parallel() + FSDP_ZERO3),
@@ -108,6 +108,18 @@ LAYOUTS = {
     "pp2-vpp2-dp2-fsdp-zero3": (4, _parallel(pp=2, vpp_layers=2) + FSDP_ZERO3),
     # sharded over dp x cp: the context-parallel ranks are FSDP ranks too
     "cp2-dp2-fsdp-zero3": (4, _parallel(cp=2) + FSDP_ZERO3),
+    # zero bubble: W adds deferred weight gradients after the I passes, the reduce-scatter after
+    # the schedule; ZeRO-3's W computes on weights re-sharded since their I pass
+    "pp2-dp2-zb-h1-fsdp-zero2": (4, _parallel(pp=2) + ["--pipeline-schedule", "zb-h1"]
+                                 + FSDP_ZERO2),
+    "pp2-dp2-zb-h1-fsdp-zero3": (4, _parallel(pp=2) + ["--pipeline-schedule", "zb-h1"]
+                                 + FSDP_ZERO3),
+    # recompute re-runs units' forwards inside backward (FSDP neither re-shards nor re-records)
+    "dp2-full-recompute-fsdp-zero3": (2, _parallel() + FSDP_ZERO3 + [
+        "--recompute-granularity", "full", "--recompute-method", "uniform",
+        "--recompute-num-layers", "1"]),
+    "dp2-selective-recompute-fsdp-zero2": (2, _parallel() + FSDP_ZERO2 + [
+        "--recompute-activations", "--recompute-modules", "core_attn", "layernorm", "mlp"]),
 }
 
 
@@ -118,9 +130,9 @@ def test_layout_reproduces_single_process_losses(run_distributed, reference, nam
     assert losses == pytest.approx(reference, rel=FSDP_REL if "fsdp" in name else 1e-5)
 
 
-# FSDP reorders only the data-parallel sums (a reduce-scatter per micro-batch instead of one
-# all-reduce of the accumulated gradient): measured 1.2e-7 relative in every FSDP layout above,
-# as plain dp2; 1e-6 keeps a factor 8
+# FSDP reorders only fp32 sums (autograd adds each micro-batch's weight gradient to the
+# accumulated one where the buffers' GEMM accumulates in place; a reduce-scatter's block order):
+# measured 1.2e-7 relative in every FSDP layout above, as plain dp2; 1e-6 keeps a factor 8
 FSDP_REL = 1e-6
 
 

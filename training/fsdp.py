@@ -16,21 +16,48 @@ edp/dp_cp after backward. With edp = 1 they stay unsharded (``ignored_params``),
 Strategies (Megatron's ``--data-parallel-sharding-strategy`` values)::
 
     optim_grads         ZeRO-2: reshard_after_forward=False  (parameters gathered for forward stay
-                                 until that micro-batch's backward; gradients reduce-scattered)
+                                 until the step's last backward; gradients reduce-scattered)
     optim_grads_params  ZeRO-3: reshard_after_forward=True   (re-sharded after forward, gathered
                                  again for backward)
 
-Each micro-batch's backward reduce-scatters into the sharded fp32 gradient (accumulated over the
-step's micro-batches): g_shard ← Σ_micro RS_{dp·cp}(g) / dp_cp, the same sum the bucketed buffers
-all-reduce. Mixed precision (``MixedPrecisionPolicy``): bf16/fp16 compute, fp32 reduce, fp32 sharded
-parameters, which are the optimizer's main parameters (``training/fsdp_optimizer.py``).
+Gradient accumulation without communication: a step's m micro-batches accumulate each unit's
+unsharded gradient (fp32: ``reduce_dtype``) with the reduce-scatter off
+(``set_requires_gradient_sync(False)``); a gradient hook on each chunk's output counts the
+chunk's backwards and turns it on for the m-th, so each unit reduce-scatters once per step, in
+its last backward: g_shard = RS_{dp·cp}(Σ_micro g) / dp_cp, the sum the bucketed buffers
+all-reduce. ZeRO-2 also keeps its gathered parameters across the
+micro-batches (``set_reshard_after_backward(False)`` until that last backward): one all-gather
+per unit per step. ZeRO-3 re-shards after every forward and backward (gathered twice per
+micro-batch). The price: from a unit's first backward to its last, the unit holds its unsharded
+fp32 gradient (ZeRO-2 its unsharded parameters too), so within a step the gradients peak at
+the TP shard's size, as plain data parallelism's buffer; between steps a rank holds 1/dp_cp.
+On gloo the reduce-scatter runs as a ring all-reduce with this rank's block copied out
+(``_AllReduceScatter``). Mixed precision (``MixedPrecisionPolicy``): bf16/fp16 compute, fp32
+reduce, fp32 sharded parameters, which are the optimizer's main parameters
+(``training/fsdp_optimizer.py``).
+
+Zero-bubble (``--pipeline-schedule zb-h1``): a W action computes weight gradients after the I
+pass (the autograd backward) that deferred them, so no backward may reduce-scatter: every I pass
+accumulates, and ``finish_grad_sync`` reduce-scatters each chunk's accumulated gradients after
+the schedule, W's included (``_reduce_accumulated_grads``, the calls of
+``torch.distributed.pipelining``'s REDUCE_GRAD action). An I pass opens its queue on the
+parameters the chunk holds at that moment: ZeRO-2's are the gathered ones the layers compute
+with; ZeRO-3 has re-sharded after forward, so it is opened on the sharded parameters, and the
+chunk-output hook puts it on the gathered weights too (``_share_weight_grad_queues``): in
+both, the weight GEMMs move to W.
+
+Activation recompute composes: a recomputed region runs its units' forwards again inside
+backward, where FSDP neither re-shards after forward nor records the forward again (its
+``is_bw()`` check), and the first, graph-less forward registered no backward hook; the counting
+hook sits on the chunk's output, which recompute never re-runs.
 
 This object stands where ``DataParallelBuffers`` stands in the training step (``zero_grad_buffer``,
 ``begin_step``, ``finish_grad_sync``, ``start_param_sync`` / ``finish_param_sync``); FSDP's own
 hooks do the communication, so most of these are bookkeeping. Timers: FSDP's all-gathers and
-reduce-scatters run inside the schedule, under ``forward-backward``; ``all-grads-sync`` holds only
-the expert rescale. The start-up memory record is ``FullyShardedOptimizer.memory_bytes`` (the
-padded shards, ``fsdp_rank_bytes`` for planners). Checkpoints: ``checkpoint/sharded_state.py``.
+reduce-scatters run inside the schedule, under ``forward-backward``; ``all-grads-sync`` holds the
+zero-bubble reduction and the expert rescale. The start-up memory record is
+``FullyShardedOptimizer.memory_bytes`` (the padded shards, ``fsdp_rank_bytes`` for planners).
+Checkpoints: ``checkpoint/sharded_state.py``.
 """
 from __future__ import annotations
 
@@ -52,6 +79,7 @@ class FsdpConfig:
     strategy: str
     compute_dtype: torch.dtype          # the model's params_dtype: what forward/backward run in
     use_distributed_optimizer: bool = False
+    deferred_weight_grads: bool = False  # zero-bubble (zb-h1): W runs weight GEMMs after I
 
     @property
     def reshard_after_forward(self) -> bool:
@@ -88,12 +116,14 @@ def fsdp_rank_bytes(shapes, dp: int, *, param_bytes: int = 4, grad_bytes: int = 
 
 # -------------------------------------------------------------------- refusals
 def check_fsdp_layout(config) -> None:
-    """What FSDP cannot wrap at this layout, refused before any process group exists."""
-    if config.pipeline_schedule == "zb-h1":
-        raise ValueError("--use-torch-fsdp2 with --pipeline-schedule zb-h1: the zero-bubble W "
-                         "actions compute weight gradients after FSDP's post-backward "
-                         "reduce-scatter has run (use 1f1b/interleaved, or the bucketed "
-                         "data-parallel buffers without --use-torch-fsdp2)")
+    """What FSDP cannot run, refused before any process group exists: a PyTorch without
+    ``fully_shard`` (Megatron's ``torch >= 2.4`` requirement). Every schedule (zb-h1 included)
+    and recompute granularity composes (module docstring)."""
+    try:
+        from torch.distributed.fsdp import fully_shard  # noqa: F401
+    except ImportError as error:
+        raise ValueError("--use-torch-fsdp2 needs PyTorch's torch.distributed.fsdp.fully_shard "
+                         f"(torch >= 2.4), this torch {torch.__version__} has none") from error
 
 
 # -------------------------------------------------------------------- the wrapper
@@ -137,6 +167,7 @@ class FullyShardedModel:
             param_dtype=None if compute == torch.float32 else compute,
             reduce_dtype=torch.float32, output_dtype=None)
         self.unsharded_experts = []
+        units = []
         for chunk in self.chunks:
             attributes = _parameter_attributes(chunk)
             chunk.float()                               # fp32 sharded master parameters
@@ -144,22 +175,33 @@ class FullyShardedModel:
                 experts = _expert_units(layer)
                 if expert_mesh is not None:
                     for unit in experts:
-                        fully_shard(unit, mesh=expert_mesh, mp_policy=policy,
-                                    reshard_after_forward=config.reshard_after_forward)
+                        units.append(fully_shard(unit, mesh=expert_mesh, mp_policy=policy,
+                                     reshard_after_forward=config.reshard_after_forward))
                     ignored = None
                 else:
                     ignored = {p for unit in experts for p in unit.parameters()}
                     self.unsharded_experts += list(ignored)
-                fully_shard(layer, mesh=dense_mesh, mp_policy=policy, ignored_params=ignored,
-                            reshard_after_forward=config.reshard_after_forward)
-            fully_shard(chunk, mesh=dense_mesh, mp_policy=policy,
-                        ignored_params=set(self.unsharded_experts) or None,
-                        reshard_after_forward=config.reshard_after_forward)
+                units.append(fully_shard(layer, mesh=dense_mesh, mp_policy=policy,
+                                         ignored_params=ignored,
+                                         reshard_after_forward=config.reshard_after_forward))
+            units.append(fully_shard(chunk, mesh=dense_mesh, mp_policy=policy,
+                                     ignored_params=set(self.unsharded_experts) or None,
+                                     reshard_after_forward=config.reshard_after_forward))
             for name, values in attributes.items():
                 param = chunk.get_parameter(name)
                 for key, value in values.items():
                     setattr(param, key, value)
+        if device_type == "cpu":
+            reduce_scatter = _AllReduceScatter()
+            for unit in units:
+                unit.set_custom_reduce_scatter(reduce_scatter)
+            for chunk in self.chunks:
+                _prefetch_asynchronously(chunk)
         self.params = _trainable(self.chunks)
+        self.num_microbatches, self.backwards = 1, [0] * len(self.chunks)
+        self.synced = [False] * len(self.chunks)
+        for index, chunk in enumerate(self.chunks):
+            chunk.register_forward_hook(self._backward_counter(index))
         for param in self.params:
             if self.is_sharded(param):
                 self._mark_shard(param)
@@ -183,11 +225,53 @@ class FullyShardedModel:
             param.grad = None
 
     def begin_step(self, num_microbatches: int) -> None:
-        """FSDP reduce-scatters after every micro-batch's backward; nothing to count."""
+        """Gradient accumulation without communication: every unit accumulates its unsharded
+        gradient (``set_requires_gradient_sync(False)``) until the chunk's last backward turns
+        the reduce-scatter on; ZeRO-2 keeps its gathered parameters across the micro-batches
+        (``set_reshard_after_backward(False)`` until that last backward)."""
+        self.num_microbatches = num_microbatches
+        self.backwards = [0] * len(self.chunks)
+        self.synced = [False] * len(self.chunks)
+        keep_gathered = not self.config.reshard_after_forward
+        for chunk in self.chunks:
+            chunk.set_requires_gradient_sync(False)
+            chunk.set_reshard_after_backward(not keep_gathered)
+
+    def _backward_counter(self, index: int):
+        """A forward hook on chunk ``index`` whose gradient hook on the chunk's output counts the
+        chunk's backwards of the step; the m-th (every schedule runs a chunk's backwards in
+        micro-batch order) reduce-scatters. With deferred weight gradients (zb-h1) the W actions
+        still add to the unsharded gradients after the last I pass: ``finish_grad_sync``
+        reduces instead."""
+        def on_forward(module, args, output):
+            if not torch.is_grad_enabled():
+                return
+            tensors = [t for t in _tensors_of(output) if t.requires_grad]
+            if tensors:
+                torch.autograd.graph.register_multi_grad_hook(
+                    tensors, lambda grads: self._backward_starts(index), mode="any")
+        return on_forward
+
+    def _backward_starts(self, index: int) -> None:
+        if self.config.deferred_weight_grads:
+            _share_weight_grad_queues(self.chunks[index])
+            return
+        self.backwards[index] += 1
+        if self.backwards[index] == self.num_microbatches:
+            chunk = self.chunks[index]
+            chunk.set_requires_gradient_sync(True)
+            chunk.set_reshard_after_backward(True)
+            self.synced[index] = True
 
     def finish_grad_sync(self) -> None:
-        """Expert gradients to 1/dp_cp: the unsharded ones (edp = 1) from the plain sum, the
-        sharded ones from FSDP's 1/edp (``expert_rescale`` = edp / dp_cp)."""
+        """Reduce-scatter what no backward did (deferred weight gradients, a chunk without its
+        m backwards), then expert gradients to 1/dp_cp: the unsharded ones (edp = 1) from the
+        plain sum, the sharded ones from FSDP's 1/edp (``expert_rescale`` = edp / dp_cp)."""
+        for chunk, synced in zip(self.chunks, self.synced):
+            if not synced:
+                _reduce_accumulated_grads(chunk)
+            if self.config.deferred_weight_grads:
+                _share_weight_grad_queues(chunk, clear=True)
         if self.dp_cp == 1:
             return
         for params, factor in ((self.unsharded_experts, 1.0 / self.dp_cp),
@@ -215,6 +299,95 @@ class FullyShardedModel:
         if not self.is_sharded(param):
             return 0, 1
         return param.fsdp_rank, param.fsdp_size
+
+
+class _AllReduceScatter:
+    """FSDP's reduce-scatter done as gloo's ring all-reduce of the whole input, this rank's block
+    then copied out: the same sums (a rank's block is Σ_ranks of that block either way), and on
+    gloo about twice as fast as its reduce-scatter (``training/data_parallel.py`` reads the
+    distributed optimizer's shard from an all-reduce for the same reason). ``AVG`` is the sum
+    divided by the group size; any other op goes to the plain reduce-scatter."""
+
+    def allocate(self, size, *, dtype, device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+        if op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
+            return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group,
+                                              async_op=async_op)
+        size = dist.get_world_size(group)
+        dist.all_reduce(input_tensor, op=dist.ReduceOp.SUM, group=group)
+        block = input_tensor.view(size, -1)[dist.get_rank(group)]    # (n/size,)
+        if op == dist.ReduceOp.AVG:
+            torch.div(block, size, out=output_tensor)
+        else:
+            output_tensor.copy_(block)
+        return None
+
+
+def _prefetch_asynchronously(chunk) -> None:
+    """On CPU (gloo) FSDP's all-gathers block unless issued asynchronously: the next layer's
+    gather is issued before a layer's forward (``set_modules_to_forward_prefetch``; backward
+    prefetches the previous one by default) and left to gloo's threads while the layer computes
+    (FSDP's ``_set_unshard_async_op``). On CUDA FSDP's own streams overlap them already."""
+    layers = _layers_of(chunk)
+    for layer, following in zip(layers, layers[1:]):
+        layer.set_modules_to_forward_prefetch([following])
+    chunk._set_unshard_async_op(True)
+
+
+def _reduce_accumulated_grads(chunk) -> None:
+    """Reduce-scatter every unit's accumulated unsharded gradient of the root ``chunk`` now,
+    outside autograd, and re-shard: each parameter group's post-backward with sync on, then the
+    root's end-of-backward callback (the calls ``torch.distributed.pipelining`` makes for its
+    REDUCE_GRAD action; FSDP2 has no public entry for a reduction after backward)."""
+    from torch.distributed.fsdp import fully_shard
+
+    chunk.set_requires_gradient_sync(True)
+    chunk.set_reshard_after_backward(True)
+    root = fully_shard.state(chunk)
+    for state in root._state_ctx.all_states:
+        for group in state._fsdp_param_groups:
+            group.post_backward()
+    root._root_post_backward_final_callback()
+
+
+def _fsdp_params(chunk) -> list:
+    """The ``FSDPParam`` records of every unit of the root ``chunk`` (FSDP2 internals)."""
+    from torch.distributed.fsdp import fully_shard
+
+    return [record for state in fully_shard.state(chunk)._state_ctx.all_states
+            for group in state._fsdp_param_groups for record in group.fsdp_params]
+
+
+def _share_weight_grad_queues(chunk, clear: bool = False) -> None:
+    """At the start of a zero-bubble I pass: the queue the schedule opened on the parameters the
+    chunk holds (``param.wgrad_queue``, kernels/wgrad_deferral.py) put on the gathered weights
+    the layers compute with too, so their GEMMs are deferred whether the unit was sharded at
+    that moment (ZeRO-3) or not (ZeRO-2: the gathered weights themselves carry it). ``clear``:
+    take them off again (after the step)."""
+    for record in _fsdp_params(chunk):
+        gathered = getattr(record, "_unsharded_param", None)
+        if gathered is None or gathered is record.sharded_param:
+            continue
+        if clear:
+            if getattr(gathered, "wgrad_queue", None) is not None and \
+                    getattr(record.sharded_param, "wgrad_queue", None) is None:
+                gathered.wgrad_queue = None
+            continue
+        queue = getattr(record.sharded_param, "wgrad_queue", None)
+        if queue is not None:
+            gathered.wgrad_queue = queue
+
+
+def _tensors_of(output) -> list:
+    if isinstance(output, torch.Tensor):
+        return [output]
+    if isinstance(output, dict):
+        output = list(output.values())
+    if isinstance(output, (tuple, list)):
+        return [t for item in output for t in _tensors_of(item)]
+    return []
 
 
 def _layers_of(chunk) -> list:

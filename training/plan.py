@@ -204,8 +204,7 @@ def buffer_settings(config, settings, dp_cp: int) -> BufferSettings:
     from .precision_args import ddp_config_from_settings
 
     if settings.data_parallel.use_torch_fsdp2:      # fp32 shards and an fp32 reduce
-        return BufferSettings(True, False, None,
-                              settings.data_parallel.data_parallel_sharding_strategy)
+        return BufferSettings(True, False, None, settings.data_parallel.fsdp_strategy)
     ddp = ddp_config_from_settings(settings.precision, settings.data_parallel, config)
     bucket = ddp.bucket_size or max(40_000_000, 1_000_000 * dp_cp)
     return BufferSettings(ddp.grad_reduce_in_fp32, ddp.use_distributed_optimizer,

@@ -51,9 +51,10 @@ distributed optimizer on NCCL, an all-reduce otherwise, gloo included: its reduc
 slower), the distributed optimizer all-gathers every parameter buffer; the tied word embedding's
 gradient is all-reduced over the embedding group (first and last stage, pp > 1). Expert buffers
 reduce over the expert-data group (``edp``), dense ones over dp·cp (``dp``). With
-``--use-torch-fsdp2`` the buffers' traffic is replaced by FSDP's, per micro-batch and unit
-(``fsdp_bytes``): the padded parameters all-gathered in the compute dtype once (ZeRO-2) or twice
-(ZeRO-3, forward and backward), the padded fp32 gradients reduce-scattered once.
+``--use-torch-fsdp2`` the buffers' traffic is replaced by FSDP's, per unit (``fsdp_bytes``): the
+padded parameters all-gathered in the compute dtype once per step (ZeRO-2) or twice per
+micro-batch (ZeRO-3, forward and backward), the padded fp32 gradients reduced once per step
+(reduce-scattered on NCCL, all-reduced on gloo).
 
 A forward re-run by recompute (full: the layer; selective ``mlp``: its MLP block, an MoE
 layer's dispatch included) repeats the forward's collectives.
@@ -386,14 +387,17 @@ def pipeline_bytes(config, micro_batch_size: int, pp_rank: int) -> dict:
     return {"pp_send": sends * message}
 
 
-def fsdp_bytes(config, layout, rank: int, strategy: str, num_microbatches: int) -> dict:
+def fsdp_bytes(config, layout, rank: int, strategy: str, num_microbatches: int,
+               backend: str = "nccl") -> dict:
     """FSDP per step (``training/fsdp.py``): every unit sharded over n > 1 ranks all-gathers its
-    padded parameters (n · ⌈rows/n⌉ rows each, in the compute dtype) in every micro-batch's
-    forward, and again in its backward with ZeRO-3 (``optim_grads_params``: resharded after
-    forward, the chunk's root unit included); every micro-batch's backward reduce-scatters the
-    padded fp32 gradients. The tied embedding's fp32 gradient shard is all-reduced over the
-    embedding group once per step (pp > 1)."""
-    gathers = 2 if strategy == "optim_grads_params" else 1
+    padded parameters (n · ⌈rows/n⌉ rows each, in the compute dtype) once per step with ZeRO-2
+    (kept over the micro-batches), in every micro-batch's forward and backward with ZeRO-3
+    (``optim_grads_params``: resharded after each, the chunk's root unit included); the padded
+    fp32 gradients, accumulated over the micro-batches, are reduced once, in the last backward
+    (a reduce-scatter on NCCL, an all-reduce on gloo). The tied embedding's fp32 gradient shard
+    is all-reduced over the embedding group once per step (pp > 1)."""
+    gathers = 2 * num_microbatches if strategy == "optim_grads_params" else 1
+    reduce_op = "reduce_scatter" if backend == "nccl" else "all_reduce"
     compute = element_bytes(config.params_dtype)
     volume = defaultdict(int)
     for unit in fsdp_units(config, layout, rank):
@@ -402,8 +406,8 @@ def fsdp_bytes(config, layout, rank: int, strategy: str, num_microbatches: int) 
             continue
         numel = sum(padded_shard_numel(s.fsdp_shape, size) * size for s in unit.shapes)
         kind = "dp" if unit.group == "dp-cp" else "edp"
-        volume[f"{kind}_param_all_gather"] += gathers * num_microbatches * numel * compute
-        volume[f"{kind}_reduce_scatter"] += num_microbatches * numel * 4
+        volume[f"{kind}_param_all_gather"] += gathers * numel * compute
+        volume[f"{kind}_{reduce_op}"] += numel * 4
     if _tied_across_stages(config, layout.rank_in("pp", rank)):
         rows = config.padded_vocab_size // config.tensor_model_parallel_size
         dp_cp = layout.group_of("dp-cp", rank)
@@ -460,7 +464,8 @@ def step_comm_bytes(config, layout, rank: int, buffers, micro_batch_size: int,
         for key, value in part(config, micro_batch_size, pp_rank).items():
             volume[key] += value * num_microbatches
     if buffers.fsdp_strategy is not None:
-        data = fsdp_bytes(config, layout, rank, buffers.fsdp_strategy, num_microbatches)
+        data = fsdp_bytes(config, layout, rank, buffers.fsdp_strategy, num_microbatches,
+                          backend)
     else:
         data = data_parallel_bytes(config, layout, rank, buffers, backend)
     for key, value in data.items():

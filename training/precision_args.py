@@ -57,8 +57,22 @@ SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 FSDP_STRATEGIES = ("optim_grads", "optim_grads_params")
 
 
+def fsdp_strategy(data_parallel) -> str:
+    """What ``--use-torch-fsdp2`` shards by. Megatron's torch FSDP2 reads only
+    ``--torch-fsdp2-no-reshard-after-forward``: re-shard after forward (ZeRO-3,
+    ``optim_grads_params``) unless it is given (ZeRO-2, ``optim_grads``); the default strategy
+    ``no_shard`` leaves that choice. ``optim_grads`` / ``optim_grads_params`` name it outright
+    (Megatron-FSDP's meaning of the values; Megatron's torch FSDP2 ignores the flag)."""
+    strategy = data_parallel.data_parallel_sharding_strategy
+    if strategy in FSDP_STRATEGIES:
+        return strategy
+    return "optim_grads_params" if data_parallel.torch_fsdp2_reshard_after_forward \
+        else "optim_grads"
+
+
 def check_sharding_strategy(data_parallel) -> None:
-    """``--use-torch-fsdp2`` takes a strategy FSDP shards by, and excludes the ZeRO-1 path."""
+    """``--use-torch-fsdp2`` excludes the ZeRO-1 path (Megatron's refusal) and takes a strategy
+    FSDP can shard by, consistent with ``--torch-fsdp2-no-reshard-after-forward``."""
     strategy = data_parallel.data_parallel_sharding_strategy
     if not data_parallel.use_torch_fsdp2:
         if strategy not in ("no_shard", "optim"):
@@ -68,16 +82,22 @@ def check_sharding_strategy(data_parallel) -> None:
         if strategy == "optim" and not data_parallel.use_distributed_optimizer:
             raise ValueError("--data-parallel-sharding-strategy optim is the distributed "
                              "optimizer: pass --use-distributed-optimizer")
+        if not data_parallel.torch_fsdp2_reshard_after_forward:
+            raise ValueError("--torch-fsdp2-no-reshard-after-forward needs --use-torch-fsdp2")
         return
     if data_parallel.use_distributed_optimizer:
-        raise ValueError("--use-torch-fsdp2 and --use-distributed-optimizer exclude each other: "
-                         "FSDP shards the optimizer state itself (drop --use-distributed-"
-                         "optimizer, or drop --use-torch-fsdp2 for ZeRO-1)")
-    if strategy not in FSDP_STRATEGIES:
-        raise ValueError(f"--use-torch-fsdp2 with --data-parallel-sharding-strategy {strategy}: "
-                         f"FSDP shards by {' or '.join(FSDP_STRATEGIES)} (no_shard is plain data "
-                         "parallelism and optim the distributed optimizer: drop "
-                         "--use-torch-fsdp2 for those)")
+        raise ValueError("--use-torch-fsdp2 is not supported with --use-distributed-optimizer "
+                         "(Megatron's refusal): FSDP shards the optimizer state itself (drop "
+                         "--use-distributed-optimizer, or drop --use-torch-fsdp2 for ZeRO-1)")
+    if strategy == "optim":
+        raise ValueError("--use-torch-fsdp2 with --data-parallel-sharding-strategy optim: FSDP "
+                         "shards gradients too (optim_grads, optim_grads_params, or no_shard "
+                         "to leave it to --torch-fsdp2-no-reshard-after-forward); optim alone "
+                         "is --use-distributed-optimizer without --use-torch-fsdp2")
+    if strategy == "optim_grads_params" and not data_parallel.torch_fsdp2_reshard_after_forward:
+        raise ValueError("--data-parallel-sharding-strategy optim_grads_params re-shards "
+                         "parameters after forward, --torch-fsdp2-no-reshard-after-forward "
+                         "keeps them: give one")
     for flag, given in (("--overlap-grad-reduce", data_parallel.overlap_grad_reduce),
                         ("--overlap-param-gather", data_parallel.overlap_param_gather),
                         ("--ddp-bucket-size", data_parallel.ddp_bucket_size is not None)):
@@ -103,12 +123,24 @@ class DataParallelSettings(SettingsGroup):
         None, "elements per gradient bucket (default max(40M, 1M x dp))")
     use_torch_fsdp2: bool = setting(
         False, "shard the model over the data-parallel (dp x cp) group with PyTorch's "
-               "fully_shard (FSDP2), one unit per transformer layer plus the embedding/output")
+               "fully_shard (FSDP2), one unit per transformer layer plus the embedding/output; "
+               "parameters, gradients and optimizer state (ZeRO-3) unless "
+               "--torch-fsdp2-no-reshard-after-forward")
+    torch_fsdp2_reshard_after_forward: bool = setting(
+        True, "with --use-torch-fsdp2: keep parameters gathered after forward (ZeRO-2: "
+              "gradients and optimizer state sharded)",
+        flag="--torch-fsdp2-no-reshard-after-forward")
     data_parallel_sharding_strategy: str = setting(
-        "no_shard", "what --use-torch-fsdp2 shards: optim_grads (ZeRO-2: optimizer state and "
-                    "gradients) or optim_grads_params (ZeRO-3: parameters too); no_shard is "
-                    "plain data parallelism, optim the distributed optimizer",
+        "no_shard", "optim_grads (ZeRO-2) or optim_grads_params (ZeRO-3) with "
+                    "--use-torch-fsdp2 (no_shard: as --torch-fsdp2-no-reshard-after-forward "
+                    "says); without it no_shard is plain data parallelism, optim the "
+                    "distributed optimizer",
         choices=SHARDING_STRATEGIES)
+
+    @property
+    def fsdp_strategy(self) -> str:
+        """The strategy ``--use-torch-fsdp2`` shards by (``fsdp_strategy``)."""
+        return fsdp_strategy(self)
 
     def check(self) -> None:
         check_sharding_strategy(self)

@@ -48,7 +48,8 @@ def build_buffers_and_optimizer(model_chunks, config, state, *, optimizer, preci
                          grad_scaler=scaler)
     if data_parallel.use_torch_fsdp2:
         fsdp = FullyShardedModel(model_chunks, FsdpConfig(
-            data_parallel.data_parallel_sharding_strategy, config.params_dtype), state)
+            data_parallel.fsdp_strategy, config.params_dtype,
+            deferred_weight_grads=config.pipeline_schedule == "zb-h1"), state)
         return fsdp, FullyShardedOptimizer(model_chunks, fsdp, state, **adam_settings)
     buffers = DataParallelBuffers(model_chunks,
                                   ddp_config_from_settings(precision, data_parallel, config), state)

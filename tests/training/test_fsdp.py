@@ -39,20 +39,41 @@ def test_rank_bytes_are_sixteen_per_padded_shard_element():
 
 # -------------------------------------------------------------------- refusals
 @pytest.mark.parametrize("argv, named", [
+    # Megatron's own refusal
     (ZERO3 + ["--use-distributed-optimizer"], "--use-distributed-optimizer"),
-    (["--use-torch-fsdp2"], "--data-parallel-sharding-strategy no_shard"),
+    (["--use-torch-fsdp2", "--use-distributed-optimizer"], "--use-distributed-optimizer"),
+    # what FSDP2 cannot shard by, and contradictions between the two ways of choosing
     (["--use-torch-fsdp2", "--data-parallel-sharding-strategy", "optim"],
      "--data-parallel-sharding-strategy optim"),
+    (ZERO3 + ["--torch-fsdp2-no-reshard-after-forward"],
+     "optim_grads_params.*--torch-fsdp2-no-reshard-after-forward"),
+    # FSDP flags without FSDP, bucket flags with it
     (["--data-parallel-sharding-strategy", "optim_grads"], "needs --use-torch-fsdp2"),
+    (["--torch-fsdp2-no-reshard-after-forward"], "needs --use-torch-fsdp2"),
     (ZERO3 + ["--overlap-grad-reduce"], "--overlap-grad-reduce"),
-    (ZERO3 + ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-h1"],
-     "--pipeline-schedule zb-h1"),
 ])
 def test_bad_fsdp_settings_fail_at_parse_time_naming_the_flags(argv, named):
     from tpfuse.training.arguments import parse_args
 
     with pytest.raises(ValueError, match=named):
         parse_args(TINY + argv)
+
+
+@pytest.mark.parametrize("argv, strategy", [
+    # Megatron: --use-torch-fsdp2 re-shards after forward unless told not to
+    (["--use-torch-fsdp2"], "optim_grads_params"),
+    (["--use-torch-fsdp2", "--torch-fsdp2-no-reshard-after-forward"], "optim_grads"),
+    # the strategy names it outright (Megatron-FSDP's meaning of the values)
+    (["--use-torch-fsdp2", "--data-parallel-sharding-strategy", "optim_grads"], "optim_grads"),
+    (["--use-torch-fsdp2", "--data-parallel-sharding-strategy", "optim_grads",
+      "--torch-fsdp2-no-reshard-after-forward"], "optim_grads"),
+    (ZERO3, "optim_grads_params"),
+])
+def test_fsdp_strategy_follows_megatrons_torch_fsdp2_flags(argv, strategy):
+    from tpfuse.training.arguments import parse_args
+
+    _, settings = parse_args(TINY + argv)
+    assert settings.data_parallel.fsdp_strategy == strategy
 
 
 # -------------------------------------------------------------------- memory
