@@ -208,6 +208,16 @@ def apply_checkpoint_args(namespace) -> None:
     namespace.max_position_embeddings = limit
 
 
+def _check_fsdp_device(distributed) -> None:
+    """FSDP's collectives (DTensor, functional collectives) are dispatched in C++ and are not
+    routed through the host-staged gloo group that ``--device cuda`` on gloo joins, so that
+    combination is refused rather than left to fail inside ``fully_shard``."""
+    if distributed.device == "cuda" and distributed.distributed_backend == "gloo":
+        raise ValueError("--use-torch-fsdp2 with --device cuda --distributed-backend gloo is not "
+                         "supported (FSDP's collectives do not go through the host-staged gloo "
+                         "group); use --distributed-backend nccl, or --device cpu")
+
+
 def parse_args(argv=None, defaults: dict | None = None):
     """``(config, settings)``: the TransformerConfig and the TrainerSettings of ``argv``, both
     validated; ``settings.tokenizer`` holds the built tokenizer."""
@@ -223,5 +233,6 @@ def parse_args(argv=None, defaults: dict | None = None):
     config = config_from_args(namespace)
     if settings.data_parallel.use_torch_fsdp2:
         check_fsdp_layout(config)
+        _check_fsdp_device(settings.distributed)
     check_sample_prompt(settings.sample, tokenizer, config)
     return config, dataclasses.replace(settings, tokenizer=tokenizer)

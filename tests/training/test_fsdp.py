@@ -51,6 +51,9 @@ def test_rank_bytes_are_sixteen_per_padded_shard_element():
     (["--data-parallel-sharding-strategy", "optim_grads"], "needs --use-torch-fsdp2"),
     (["--torch-fsdp2-no-reshard-after-forward"], "needs --use-torch-fsdp2"),
     (ZERO3 + ["--overlap-grad-reduce"], "--overlap-grad-reduce"),
+    # the host-staged gloo world (one GPU shared by gloo ranks) does not carry FSDP's collectives
+    (ZERO3 + ["--device", "cuda", "--distributed-backend", "gloo"],
+     "--device cuda --distributed-backend gloo"),
 ])
 def test_bad_fsdp_settings_fail_at_parse_time_naming_the_flags(argv, named):
     from tpfuse.training.arguments import parse_args
