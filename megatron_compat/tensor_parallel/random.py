@@ -6,6 +6,8 @@
 Megatron's setters apply), and — as Megatron does — seeds the CUDA default generator with
 ``seed`` when CUDA is available; the CPU default generator is left alone. Transformer Engine's
 tracker, the inference tracker and CUDA-graph-safe generators are Megatron-only options.
+``CheckpointWithoutOutput`` (recompute a function's freed outputs in backward) lives in
+``checkpoint_without_output.py``.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from torch.utils.checkpoint import checkpoint as _torch_checkpoint
 from tpfuse.tp_layers import random as _random
 
 from .. import parallel_state as _mpu
+from .checkpoint_without_output import CheckpointWithoutOutput  # noqa: F401  (Megatron's home)
 
 _MODEL_PARALLEL_RNG_TRACKER_NAME = _random.MODEL_PARALLEL_RNG
 _EXPERT_PARALLEL_RNG_TRACKER_NAME = _random.EXPERT_PARALLEL_RNG
