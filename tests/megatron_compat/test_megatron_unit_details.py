@@ -239,3 +239,48 @@ def _distributed_saved_activations():
 
 def test_checkpoint_distributes_saved_activations_over_tp(run_distributed):
     assert run_distributed(2, _distributed_saved_activations) == [1] * 2
+
+
+@pytest.mark.parametrize("shape, names", [([2, 1, 4, 1], ["tp", "cp", "pp", "dp"]),
+                                          ([2, 2, 2, 1], ["tp", "cp", "dp", "pp"])])
+def test_hyper_comm_grid_enumerates_as_the_rank_generator(monkeypatch, shape, names):
+    """HyperCommGrid's groups of one dim are the RankGenerator's for the same order string;
+    inside a multi-dim group the last named dim varies fastest (Megatron's enumeration)."""
+    from tpfuse.megatron_compat.hyper_comm_grid import HyperCommGrid
+
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    grid = HyperCommGrid(shape, names)
+    sizes = dict(zip(names, shape))
+    generator = mpu.RankGenerator(tp=sizes["tp"], ep=1, dp=sizes["dp"], pp=sizes["pp"],
+                                  cp=sizes["cp"], order="-".join(names))
+    for dim in names:
+        assert grid.get_rank_enum(dim) == generator.get_ranks(dim), dim
+    assert HyperCommGrid([2, 2, 2], ["a", "b", "c"]).get_rank_enum(["a", "b"]) == \
+        [[0, 2, 1, 3], [4, 6, 5, 7]]
+    with pytest.raises(RuntimeError, match="over sized"):
+        HyperCommGrid([4, 4], ["tp", "dp"])
+
+
+def _grid_groups_and_stage_predicates():
+    from tpfuse.megatron_compat.hyper_comm_grid import HyperCommGrid
+    from tpfuse.megatron_compat.pipeline_parallel.p2p_communication import P2PCommunicator
+    from tpfuse.megatron_compat.pipeline_parallel.utils import is_pp_first_stage, \
+        is_pp_last_stage
+    from tpfuse.megatron_compat.process_groups_config import ProcessGroupCollection
+
+    grid = HyperCommGrid([1, 2], ["tp", "pp"])
+    pp_group = grid.create_pg("pp")
+    assert grid.get_pg("pp") is pp_group and _ranks(pp_group) == [0, 1]
+    with pytest.raises(KeyError, match="already been created"):
+        grid.create_pg("pp")
+    rank = dist.get_rank()
+    assert (is_pp_first_stage(pp_group), is_pp_last_stage(pp_group)) == (rank == 0, rank == 1)
+    p2p = P2PCommunicator(pp_group, config=None)
+    assert (p2p.next_rank, p2p.prev_rank) == (1 - rank, 1 - rank)
+    collection = ProcessGroupCollection(pp=pp_group)
+    assert collection.pp is pp_group and collection.tp is None
+    return 1
+
+
+def test_grid_groups_and_pipeline_stage_predicates(run_distributed):
+    assert run_distributed(2, _grid_groups_and_stage_predicates) == [1] * 2
