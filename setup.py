@@ -65,14 +65,21 @@ setup(
         "safetensors",
     ],
     extras_require={
-        # tokenizers: HuggingFace BPE tokenizers for tpfuse-preprocess (optional; the byte
-        # tokenizer is built in); transformers: only to check tpfuse-convert's output against
-        # HuggingFace's own models. The test extra carries both so those paths are tested too.
+        # tokenizers: HuggingFace BPE tokenizers and Megatron's GPT2BPETokenizer (optional; the
+        # byte tokenizer is built in); transformers: HuggingFaceTokenizer folders, and checking
+        # tpfuse-convert's output against HuggingFace's own models. The test extra carries every
+        # tokenizer library so each tokenizer type is tested.
         "hf": ["tokenizers", "transformers"],
+        # Megatron's SentencePieceTokenizer / GPTSentencePieceTokenizer / Llama2Tokenizer
+        "sentencepiece": ["sentencepiece"],
+        # Megatron's TikTokenizer
+        "tiktoken": ["tiktoken"],
+        "tokenizers": ["tokenizers", "transformers", "sentencepiece", "tiktoken"],
         # training observability, imported only when --tensorboard-dir / --wandb-project is given
         "tensorboard": ["tensorboard"],
         "wandb": ["wandb"],
-        "test": ["pytest", "pytest-benchmark", "pytest-timeout", "tokenizers", "transformers"],
+        "test": ["pytest", "pytest-benchmark", "pytest-timeout", "tokenizers", "transformers",
+                 "sentencepiece", "tiktoken"],
     },
     entry_points={"console_scripts": CONSOLE_SCRIPTS},
 )

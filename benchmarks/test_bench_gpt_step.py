@@ -15,9 +15,7 @@ hidden 256, 8 heads, sequence 256, micro-batch 4, vocabulary 256.
   tpfuse optimizer uses: tpfuse / plain-fused is the cost of the library around the same math.
 
 The step functions alternate inside one process, each batch in one of the three cyclic orders in
-turn (tpfuse, plain, plain-fused; plain, plain-fused, tpfuse; ...): which step runs right after which
-moves a step's time by about 1 % through the allocator's and caches' state, and the rotation gives
-every side each position equally often. One process: a gloo world of
+turn (tpfuse, plain, plain-fused; plain, plain-fused, tpfuse; ...: ``step_timing.py``). One process: a gloo world of
 one, ``torch.set_num_threads(1)``, glibc malloc keeping freed memory as ``pretrain`` sets it on CPU:
 ``training/host_memory.py``), after warm-up steps; the per-step losses of both must agree
 (rel 1e-4 after 21 AdamW steps: same fp32 math in another op order). The summary prints the
@@ -28,8 +26,6 @@ shared machine), tpfuse / plain (< 1: tpfuse faster; target ≤ 1.00) and tpfuse
         --benchmark-columns=median,iqr,rounds -p no:cacheprovider
 """
 import math
-import statistics
-import time
 
 import pytest
 import torch
@@ -37,6 +33,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from tpfuse.parallel.launch import WorkerPool
+
+from step_timing import median_step_times, time_rotating_steps
 
 LAYERS, HIDDEN, HEADS, SEQ, MICRO, VOCAB = 6, 256, 8, 256, 4, 256
 WARMUP, TIMED = 3, 18                 # 6 timed batches in each of the 3 orders
@@ -173,20 +171,7 @@ def _job():
     try:
         steps = {"tpfuse": tpfuse_step, "plain": _plain_trainer(gpt),
                  "plain-fused": _plain_trainer(gpt, fused=True)}
-        times = {name: [] for name in steps}
-        cpu_times = {name: [] for name in steps}
-        losses = {name: [] for name in steps}
-        names = list(steps)
-        for index, batch in enumerate(_batches(WARMUP + TIMED)):
-            turn = index % len(names)                 # rotate: each side in each position
-            for name in names[turn:] + names[:turn]:
-                step = steps[name]
-                start, cpu_start = time.perf_counter(), time.thread_time()
-                losses[name].append(step(batch))
-                if index >= WARMUP:
-                    times[name].append(time.perf_counter() - start)
-                    cpu_times[name].append(time.thread_time() - cpu_start)
-        return {"times": times, "cpu_times": cpu_times, "losses": losses}
+        return time_rotating_steps(steps, _batches(WARMUP + TIMED), WARMUP)
     finally:
         state.destroy()
 
@@ -206,9 +191,8 @@ def test_gpt_training_step_tpfuse_vs_plain(benchmark, result):
     benchmark.pedantic(lambda: None, rounds=1, iterations=1)
     print(f"\nGPT {LAYERS} layers h{HIDDEN} {HEADS} heads s{SEQ} b{MICRO} V{VOCAB}, 1 thread, "
           f"median of {TIMED} alternating steps (target tpfuse / plain <= 1.00):")
-    for key, what in (("times", "wall"), ("cpu_times", "thread CPU")):
-        median = {name: statistics.median(t) for name, t in result[key].items()}
-        benchmark.extra_info.update({f"{name}_{key}_median_s": v for name, v in median.items()})
+    for what, median in median_step_times(result, benchmark).items():
+        key = "times" if what == "wall" else "cpu_times"
         print(f"  {what:10s}: tpfuse {median['tpfuse'] * 1e3:.1f} ms, plain "
               f"{median['plain'] * 1e3:.1f} ms, plain-fused {median['plain-fused'] * 1e3:.1f} ms;"
               f" tpfuse / plain = {median['tpfuse'] / median['plain']:.3f}, tpfuse / plain-fused"

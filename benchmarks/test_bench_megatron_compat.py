@@ -12,20 +12,19 @@ micro-batches per step:
 - ``native``: ``tpfuse.models.GPTModel``, ``DataParallelBuffers``, ``MixedPrecisionOptimizer``,
   ``tpfuse.pipeline.get_forward_backward_func``, ``finish_grad_sync``, ``step``.
 
-The steps alternate (the order swaps every batch) after warm-up; per-step losses agree (rel
+The steps alternate (the order swaps every batch: ``step_timing.py``) after warm-up; per-step losses agree (rel
 1e-5: the same engine, Megatron's Σ(loss·mask)/Σmask vs a mean). The summary prints median wall
 and thread-CPU times and compat / native (target ≤ 1.02).
 
     python3 -m pytest benchmarks/test_bench_megatron_compat.py --benchmark-enable -q -s \
         -p no:cacheprovider
 """
-import statistics
-import time
-
 import pytest
 import torch
 
 from tpfuse.parallel.launch import WorkerPool
+
+from step_timing import median_step_times, time_rotating_steps
 
 LAYERS, HIDDEN, HEADS, SEQ, MICRO, VOCAB, SEED = 4, 128, 4, 128, 4, 256, 5
 MICROBATCHES, WARMUP, TIMED, LR = 2, 3, 20, 1e-3
@@ -120,18 +119,7 @@ def _job():
     parallel_state.initialize_model_parallel(1, 1)
     try:
         steps = {"compat": _compat_trainer(), "native": _native_trainer(get_default_state())}
-        times = {name: [] for name in steps}
-        cpu_times = {name: [] for name in steps}
-        losses = {name: [] for name in steps}
-        names = list(steps)
-        for index, batches in enumerate(_batches(WARMUP + TIMED)):
-            for name in (names if index % 2 == 0 else names[::-1]):
-                start, cpu_start = time.perf_counter(), time.thread_time()
-                losses[name].append(steps[name](batches))
-                if index >= WARMUP:
-                    times[name].append(time.perf_counter() - start)
-                    cpu_times[name].append(time.thread_time() - cpu_start)
-        return {"times": times, "cpu_times": cpu_times, "losses": losses}
+        return time_rotating_steps(steps, _batches(WARMUP + TIMED), WARMUP)
     finally:
         parallel_state.destroy_model_parallel()
 
@@ -149,9 +137,7 @@ def test_megatron_compat_step_vs_native(benchmark, result):
     benchmark.pedantic(lambda: None, rounds=1, iterations=1)
     print(f"\nGPT {LAYERS} layers h{HIDDEN} s{SEQ} b{MICRO}x{MICROBATCHES} V{VOCAB}, 1 thread, "
           f"median of {TIMED} alternating steps (target compat / native <= 1.02):")
-    for key, what in (("times", "wall"), ("cpu_times", "thread CPU")):
-        median = {name: statistics.median(t) for name, t in result[key].items()}
-        benchmark.extra_info.update({f"{name}_{key}_median_s": v for name, v in median.items()})
+    for what, median in median_step_times(result, benchmark).items():
         print(f"  {what:10s}: compat {median['compat'] * 1e3:.1f} ms, native "
               f"{median['native'] * 1e3:.1f} ms; compat / native = "
               f"{median['compat'] / median['native']:.3f}")

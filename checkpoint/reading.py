@@ -34,12 +34,13 @@ def read_checkpoint_head(checkpoint_dir: str) -> dict:
 def load_tokenizer(checkpoint_dir: str):
     """The tokenizer the checkpoint records (``extra["tokenizer"]``), or None when it has none.
 
-    A relative tokenizer.json path is taken relative to ``checkpoint_dir``."""
+    A relative tokenizer.json path is taken relative to ``checkpoint_dir``; a JSON spec (Megatron's
+    tokenizer flags) names its files by absolute paths."""
     from tpfuse.data.tokenizer import build_tokenizer
 
     spec = (read_checkpoint_head(checkpoint_dir).get("extra") or {}).get("tokenizer")
     if spec is None:
         return None
-    if spec != "byte" and not spec.startswith("null:") and not os.path.isabs(spec):
+    if spec != "byte" and not spec.startswith(("null:", "{")) and not os.path.isabs(spec):
         spec = os.path.join(checkpoint_dir, spec)
     return build_tokenizer(spec)

@@ -8,6 +8,9 @@ from tpfuse._lazy import lazy_exports
 _EXPORTS = {
     "ByteTokenizer": "tokenizer", "NullTokenizer": "tokenizer", "HFTokenizer": "tokenizer",
     "build_tokenizer": "tokenizer",
+    "TokenizerOptions": "tokenizer_options", "build_megatron_tokenizer": "tokenizer_options",
+    "GPT2BPETokenizer": "tokenizer_gpt2", "SentencePieceTokenizer": "tokenizer_sentencepiece",
+    "TikTokenizer": "tokenizer_tiktoken", "HuggingFaceAutoTokenizer": "tokenizer_hf",
     "IndexedDataset": "indexed", "IndexedDatasetWriter": "indexed", "write_indexed_dataset": "indexed",
     "token_dtype": "indexed",
     "GPTDatasetConfig": "config", "parse_blend": "config", "blend_from_cli": "config",

@@ -1,6 +1,9 @@
 """tpfuse-preprocess: text files / directories / JSONL → an indexed ``.bin`` + ``.idx`` token file pair.
 
     tpfuse-preprocess --input DIR_OR_FILE [...] --output-prefix data/stdlib --tokenizer byte --append-eod
+    tpfuse-preprocess --input docs.jsonl --output-prefix data/docs --append-eod \
+                      --tokenizer-type GPT2BPETokenizer --vocab-file vocab.json \
+                      --merge-file merges.txt
 
 Inputs, in the order given (each expanded in sorted order, so the output is reproducible):
 
@@ -13,6 +16,11 @@ Inputs, in the order given (each expanded in sorted order, so the output is repr
   ``__pycache__``, ``site-packages`` and ``dist-packages`` are always skipped (the standard library
   folder holds the installed packages under ``site-packages``); ``--exclude`` adds globs matched
   against each entry's name and its path relative to the directory (e.g. ``--exclude 'test*'``).
+
+The tokenizer is either ``--tokenizer SPEC`` (``byte``, the default; a ``tokenizer.json``) or
+Megatron's tokenizer flags (``--tokenizer-type`` with ``--vocab-file`` / ``--merge-file`` /
+``--tokenizer-model`` / ``--vocab-size`` / ``--tiktoken-*``, as ``tpfuse-train`` takes them; see
+``tokenizer_options.py``), never both.
 
 Empty documents are skipped. ``--append-eod`` ends each document with the tokenizer's EOD id (needed
 for ``eod_mask_loss`` / ``reset_position_ids`` to see document boundaries). ``--workers N``
@@ -34,6 +42,7 @@ from tqdm import tqdm
 
 from .indexed import IndexedDatasetWriter, bin_path, idx_path
 from .tokenizer import ByteTokenizer, build_tokenizer
+from .tokenizer_options import TokenizerOptions, add_tokenizer_arguments, build_megatron_tokenizer
 
 DEFAULT_PATTERN = "*.py,*.txt,*.md,*.rst"
 ALWAYS_SKIPPED = ("__pycache__", "site-packages", "dist-packages")
@@ -81,9 +90,19 @@ def collect_sources(inputs, pattern, exclude) -> list[str]:
 _WORKER_TOKENIZER = None
 
 
+def tokenizer_of(spec, eod_token=None):
+    """``spec``: a ``build_tokenizer`` spec string, or Megatron's flags (TokenizerOptions)."""
+    if isinstance(spec, TokenizerOptions):
+        if eod_token is not None:
+            raise ValueError("--eod-token applies to --tokenizer TOKENIZER_JSON only (Megatron's "
+                             "--tokenizer-type defines its own end of document)")
+        return build_megatron_tokenizer(spec)
+    return build_tokenizer(spec, eod_token)
+
+
 def _init_worker(spec, eod_token):
     global _WORKER_TOKENIZER
-    _WORKER_TOKENIZER = build_tokenizer(spec, eod_token)
+    _WORKER_TOKENIZER = tokenizer_of(spec, eod_token)
 
 
 def encode(tokenizer, text, append_eod: bool) -> np.ndarray:
@@ -134,8 +153,9 @@ def iter_texts(sources, json_key: str):
 # --------------------------------------------------------------------------------- the job
 def preprocess(sources, output_prefix, tokenizer_spec="byte", json_key="text", append_eod=False,
                workers=1, eod_token=None, progress=True) -> dict:
-    """Tokenizes every document of ``sources`` into ``output_prefix.bin/.idx``; returns a summary."""
-    tokenizer = build_tokenizer(tokenizer_spec, eod_token)
+    """Tokenizes every document of ``sources`` into ``output_prefix.bin/.idx``; returns a summary.
+    ``tokenizer_spec``: as ``tokenizer_of`` takes it."""
+    tokenizer = tokenizer_of(tokenizer_spec, eod_token)
     total_bytes = sum(os.path.getsize(p) for p in sources)
     start, documents, tokens = time.perf_counter(), 0, 0
     bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc="tokenizing", disable=not progress)
@@ -185,8 +205,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="text files (one document each), directories (walked recursively) or "
                              ".jsonl/.json files (one document per line)")
     parser.add_argument("--output-prefix", required=True, help="writes PREFIX.bin and PREFIX.idx")
-    parser.add_argument("--tokenizer", default="byte",
-                        help="'byte' (built in: bytes 0..255, EOD 256) or a HuggingFace tokenizer.json")
+    parser.add_argument("--tokenizer", default=None,
+                        help="'byte' (built in: bytes 0..255, EOD 256; the default) or a "
+                             "HuggingFace tokenizer.json; or give Megatron's --tokenizer-type")
     parser.add_argument("--json-key", default="text", help="key of the text in each JSON line")
     parser.add_argument("--append-eod", action="store_true", help="end every document with EOD")
     parser.add_argument("--pattern", default=DEFAULT_PATTERN,
@@ -197,7 +218,23 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--workers", type=int, default=1, help="tokenizer processes (default 1)")
     parser.add_argument("--eod-token", default=None, help="EOD token of a tokenizer.json (default: guessed)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_tokenizer_arguments(parser)
     return parser
+
+
+def tokenizer_spec_of(args):
+    """``--tokenizer`` (default ``byte``) or the TokenizerOptions of Megatron's flags."""
+    options = TokenizerOptions.from_values(vars(args))
+    if args.tokenizer_type is None:
+        given = [name for name in ("tokenizer_model", "vocab_file", "merge_file", "vocab_size")
+                 if getattr(args, name) is not None]
+        if given:
+            raise ValueError(f"--{given[0].replace('_', '-')} needs --tokenizer-type")
+        return args.tokenizer or "byte"
+    if args.tokenizer is not None:
+        raise ValueError(f"give --tokenizer {args.tokenizer} or --tokenizer-type "
+                         f"{args.tokenizer_type}, not both")
+    return options
 
 
 def main(argv=None) -> int:
@@ -206,9 +243,10 @@ def main(argv=None) -> int:
     if args.workers < 1:
         parser.error(f"--workers must be >= 1, got {args.workers}")
     try:
+        spec = tokenizer_spec_of(args)
         sources = collect_sources(args.input, _globs(args.pattern), _globs(args.exclude))
         try:
-            summary = preprocess(sources, args.output_prefix, args.tokenizer, args.json_key,
+            summary = preprocess(sources, args.output_prefix, spec, args.json_key,
                                  args.append_eod, args.workers, args.eod_token,
                                  progress=not args.quiet)
         except ValueError as err:

@@ -13,13 +13,19 @@ string recorded in dataset cache descriptions), ``tokenize(text) -> list[int]`` 
   ``tokenizer.json``. Needs the ``tokenizers`` package, imported only when this class is used.
 
 ``build_tokenizer(spec)``: ``"byte"`` → ByteTokenizer, ``"null:N"`` → NullTokenizer(N), a path to a
-``tokenizer.json`` → HFTokenizer.
+``tokenizer.json`` → HFTokenizer, a JSON object of Megatron's tokenizer flags (what a tokenizer
+of ``tokenizer_options.build_megatron_tokenizer`` has as its ``name``) → that tokenizer. A
+tokenizer's ``name`` is the spec it is rebuilt from (HFTokenizer's: ``hf:`` + its file's path).
+
+Megatron's tokenizer types (GPT-2 BPE, SentencePiece, TikToken, transformers folders) are in
+``tokenizer_options.py`` and one module per library (``tokenizer_gpt2.py``, ...).
 
 The model's embedding table must have at least ``vocab_size`` rows (Megatron pads it further to a
 multiple of 128 × tp; that padding is the model's business, not the tokenizer's).
 """
 from __future__ import annotations
 
+import importlib
 import os
 
 import numpy as np
@@ -29,6 +35,15 @@ BYTE_EOD = 256
 
 # tokens a tokenizer.json commonly uses to end a document, tried in this order
 _EOD_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>", "[SEP]")
+
+
+def import_optional(module: str, kind: str, extra: str):
+    """``module`` imported, or an ImportError saying which tokenizer needs which package."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as err:
+        raise ImportError(f"{kind} needs the optional {module.split('.')[0]!r} package "
+                          f"(pip install 'tpfuse[{extra}]')") from err
 
 
 class ByteTokenizer:
@@ -124,7 +139,15 @@ class HFTokenizer:
 
 
 def build_tokenizer(spec: str, eod_token: str | None = None):
-    """``"byte"`` | ``"null:N"`` | path to a tokenizer.json → a tokenizer object."""
+    """``"byte"`` | ``"null:N"`` | path to a tokenizer.json | a JSON object of Megatron's
+    tokenizer flags → a tokenizer object."""
+    if isinstance(spec, str) and spec.startswith("{"):
+        from .tokenizer_options import tokenizer_from_spec
+
+        if eod_token is not None:
+            raise ValueError("--eod-token applies to a tokenizer.json only (Megatron's tokenizer "
+                             "types define their own EOD)")
+        return tokenizer_from_spec(spec)
     if not isinstance(spec, str) or not spec:
         raise ValueError(f"tokenizer: expected 'byte', 'null:N' or a tokenizer.json path, got {spec!r}")
     if spec == "byte":

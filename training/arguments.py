@@ -67,28 +67,18 @@ def build_parser(prog: str = "tpfuse.pretrain_gpt") -> argparse.ArgumentParser:
 # ---------------------------------------------------------------------------- tokenizer
 def build_tokenizer(data: DataSettings, vocab_size: int | None):
     """The tokenizer ``--tokenizer-type`` names (NullTokenizer of ``--vocab-size`` for mock data
-    without one)."""
-    from tpfuse.data.tokenizer import ByteTokenizer, HFTokenizer, NullTokenizer
+    without one), built from Megatron's tokenizer flags (``data/tokenizer_options.py``)."""
+    from dataclasses import asdict
+
+    from tpfuse.data.tokenizer_options import TokenizerOptions, build_megatron_tokenizer
 
     kind = data.tokenizer_type or ("NullTokenizer" if data.mock_data else None)
     if kind is None:
         raise ValueError("--tokenizer-type is required with --data-path (NullTokenizer, "
-                         "ByteTokenizer or HuggingFaceTokenizer with --tokenizer-model)")
-    if kind == "NullTokenizer":
-        if vocab_size is None:
-            raise ValueError("NullTokenizer (the tokenizer of --mock-data) needs --vocab-size")
-        return NullTokenizer(vocab_size)
-    if kind == "ByteTokenizer":
-        return ByteTokenizer()
-    if not data.tokenizer_model:
-        raise ValueError("--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model PATH "
-                         "(a local tokenizer.json or a folder holding one)")
-    path = data.tokenizer_model
-    if os.path.isdir(path):
-        path = os.path.join(path, "tokenizer.json")
-    if not os.path.isfile(path):
-        raise ValueError(f"--tokenizer-model {data.tokenizer_model}: no tokenizer.json there")
-    return HFTokenizer(path)
+                         "ByteTokenizer, GPT2BPETokenizer, SentencePieceTokenizer, TikTokenizer "
+                         "or HuggingFaceTokenizer with their files)")
+    return build_megatron_tokenizer(TokenizerOptions.from_values(
+        asdict(data), tokenizer_type=kind, vocab_size=vocab_size))
 
 
 def model_vocab_size(data: DataSettings, given: int | None, tokenizer) -> int:

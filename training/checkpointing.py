@@ -54,20 +54,22 @@ def resume_point(root: str, exit_on_missing: bool) -> bool:
 
 
 class Checkpointing:
-    """The loop's saving policy; ``run`` is the training run (model, optimizer, scheduler, state,
-    iteration, consumed_samples, and ``prepare_save() -> extra`` called before each save)."""
+    """The loop's saving policy. ``settings``: the CheckpointSettings (``save``, ``load``,
+    ``save_interval``, ``async_save``, ``keep_last_checkpoints`` and the ``exit_*`` fields);
+    ``run`` is the training run (model, optimizer, scheduler, state, iteration,
+    consumed_samples, and ``prepare_save() -> extra`` called before each save)."""
 
-    def __init__(self, args, resumed_from: int | None = None):
-        self.args = args
+    def __init__(self, settings, resumed_from: int | None = None):
+        self.settings = settings
         # iterations whose folder in --save this run may replace: the ones it wrote, and the one
         # it resumed from when it loads from the same folder (the same state)
         self.own = set()
-        if resumed_from is not None and args.load and args.save and \
-                os.path.realpath(args.load) == os.path.realpath(args.save):
+        if resumed_from is not None and settings.load and settings.save and \
+                os.path.realpath(settings.load) == os.path.realpath(settings.save):
             self.own.add(resumed_from)
-        self.saver = AsyncCheckpointSaver(args.save, args.keep_last_checkpoints) \
-            if args.save and args.async_save else None
-        self.exits = ExitConditions(args)
+        self.saver = AsyncCheckpointSaver(settings.save, settings.keep_last_checkpoints) \
+            if settings.save and settings.async_save else None
+        self.exits = ExitConditions(settings)
         # resumed from --save itself: that iteration is saved already (a requeued finished job
         # rewrites nothing)
         self.last_saved = resumed_from if resumed_from in self.own else None
@@ -75,13 +77,13 @@ class Checkpointing:
     def check_not_foreign(self, iteration: int) -> None:
         """Collective: refuse (on every rank) to save ``iteration`` over a folder another run
         wrote."""
-        final = ckpt.iteration_dir(self.args.save, iteration)
+        final = ckpt.iteration_dir(self.settings.save, iteration)
         error = None
         if iteration not in self.own and checkpoint_io.existing_iteration_dir(final):
             error = FileExistsError(
-                f"--save {self.args.save} already holds {os.path.basename(final)}, written by "
+                f"--save {self.settings.save} already holds {os.path.basename(final)}, written by "
                 "another run (this run did not resume from it): refusing to replace it. Resume "
-                f"with --load {self.args.save}, or save into another folder")
+                f"with --load {self.settings.save}, or save into another folder")
         ckpt.agree(error, f"saving checkpoint iteration {iteration}")
 
     def save(self, run) -> None:
@@ -93,8 +95,8 @@ class Checkpointing:
         if self.saver is not None:
             self.saver.save(*items)
         else:
-            ckpt.save_checkpoint(self.args.save, *items,
-                                 keep_last=self.args.keep_last_checkpoints)
+            ckpt.save_checkpoint(self.settings.save, *items,
+                                 keep_last=self.settings.keep_last_checkpoints)
         self.last_saved = run.iteration
 
     def after_iteration(self, run) -> str | None:
@@ -102,8 +104,8 @@ class Checkpointing:
         if self.saver is not None:
             self.saver.poll()
         reason = self.exits.reason(run.iteration)
-        interval = self.args.save_interval
-        if self.args.save and (reason or (interval and run.iteration % interval == 0)):
+        interval = self.settings.save_interval
+        if self.settings.save and (reason or (interval and run.iteration % interval == 0)):
             self.save(run)
         return reason
 
@@ -111,7 +113,7 @@ class Checkpointing:
         """After the loop: the final save (unless this iteration was just saved, e.g. by an
         early exit), then wait for an asynchronous save to be published. Collective: only on
         the normal path."""
-        if self.args.save and self.last_saved != run.iteration:
+        if self.settings.save and self.last_saved != run.iteration:
             self.save(run)
         if self.saver is not None:
             self.saver.wait()

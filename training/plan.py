@@ -23,9 +23,16 @@ lays it out:
 - **activations** at the schedule's peak: ``activations.py``.
 - **communication** per optimizer step, by group kind: ``comm_volume.py``.
 
-FSDP (parameters and gradients sharded 1/dp): not in the trainer yet; ``static_memory`` is where
-its case goes (``parameters`` and ``gradients`` then cover this rank's shard, as
-``main_parameters`` and ``optimizer_state`` do with the distributed optimizer).
+With ``--use-torch-fsdp2`` (``training/fsdp.py``) there are no buffers: FSDP units (one per
+transformer layer, the layer's expert parameters one over the expert-data group when edp > 1 and
+unsharded otherwise, the chunk's remaining parameters one) hold every parameter's fp32 shard of
+⌈rows/n⌉ rows over their group of n ranks, so (``fsdp_rank_bytes`` over each unit group)::
+
+    parameters = gradients   Σ ⌈rows/n⌉ · (numel/rows) · 4     (the padded shards)
+    main_parameters          0                                  (the shards are the main copy)
+    optimizer_state          Σ (this rank's rows of the torch.chunk split) · (numel/rows) · 8
+
+the moments being made for the unpadded shards (``FullyShardedOptimizer.memory_bytes``).
 """
 from __future__ import annotations
 
@@ -35,6 +42,7 @@ from tpfuse.models.layer_assignment import layers_for
 from tpfuse.models.moe_config import moe_layer_pattern
 from tpfuse.parallel.layout import RankLayout
 
+from .fsdp import fsdp_rank_bytes, shard_rows
 from .grad_buffers import plan_buffer
 
 MEMORY_KINDS = ("parameters", "main_parameters", "gradients", "optimizer_state")
@@ -44,12 +52,23 @@ DTYPE_BYTES = {"torch.float32": 4, "torch.bfloat16": 2, "torch.float16": 2}
 @dataclass(frozen=True)
 class ParamShape:
     """One ``nn.Parameter`` of a chunk: its element count, whether it is an expert parameter
-    (reduced over the expert-data group) and whether it is the tied embedding copy of the last
-    stage (a bucket of its own with the distributed optimizer)."""
+    (reduced over the expert-data group), whether it is the tied embedding copy of the last
+    stage (a bucket of its own with the distributed optimizer) and its dim-0 size (what FSDP
+    cuts into row blocks; 0: a 1-D parameter, ``numel`` rows)."""
     name: str
     numel: int
     expert: bool = False
     tied_copy: bool = False
+    dim0: int = 0
+
+    @property
+    def rows(self) -> int:
+        return self.dim0 or self.numel
+
+    @property
+    def fsdp_shape(self) -> tuple:
+        """(dim 0, the rest flattened): the shape FSDP's row split sees."""
+        return (self.rows, self.numel // self.rows)
 
 
 def element_bytes(dtype) -> int:
@@ -74,7 +93,7 @@ def _norm(prefix: str, config) -> list:
 
 
 def _linear(prefix: str, rows: int, cols: int, bias_numel: int | None, expert=False) -> list:
-    shapes = [ParamShape(f"{prefix}.weight", rows * cols, expert)]
+    shapes = [ParamShape(f"{prefix}.weight", rows * cols, expert, dim0=rows)]
     if bias_numel is not None:
         shapes.append(ParamShape(f"{prefix}.bias", bias_numel, expert))
     return shapes
@@ -93,12 +112,14 @@ def _moe_mlp(prefix: str, config, ep: int, etp: int, tp: int) -> list:
     h, experts = config.hidden_size, config.num_moe_experts
     local, ffn = experts // ep, config.moe_ffn_hidden_size
     stride = 2 if config.activation == "swiglu" else 1
-    shapes = [ParamShape(f"{prefix}.router.weight", experts * h)]
-    shapes += [ParamShape(f"{prefix}.experts.weight1", local * h * stride * ffn // etp, True),
-               ParamShape(f"{prefix}.experts.weight2", local * ffn // etp * h, True)]
+    shapes = [ParamShape(f"{prefix}.router.weight", experts * h, dim0=experts)]
+    shapes += [ParamShape(f"{prefix}.experts.weight1", local * h * stride * ffn // etp, True,
+                          dim0=local),
+               ParamShape(f"{prefix}.experts.weight2", local * ffn // etp * h, True, dim0=local)]
     if config.add_bias_linear:
-        shapes += [ParamShape(f"{prefix}.experts.bias1", local * stride * ffn // etp, True),
-                   ParamShape(f"{prefix}.experts.bias2", local * h, True)]
+        shapes += [ParamShape(f"{prefix}.experts.bias1", local * stride * ffn // etp, True,
+                              dim0=local),
+                   ParamShape(f"{prefix}.experts.bias2", local * h, True, dim0=local)]
     if config.moe_shared_expert_intermediate_size is not None:
         shapes += _dense_mlp(f"{prefix}.shared_experts", config,
                              config.moe_shared_expert_intermediate_size, tp)
@@ -137,10 +158,12 @@ def chunk_shapes(config, pp_rank: int, chunk: int) -> list:
     vocab_rows = config.padded_vocab_size // tp
     shapes = []
     if pre:
-        shapes.append(ParamShape("embedding.word_embeddings.weight", vocab_rows * h))
+        shapes.append(ParamShape("embedding.word_embeddings.weight", vocab_rows * h,
+                                 dim0=vocab_rows))
         if config.position_embedding_type == "learned_absolute":
             shapes.append(ParamShape("embedding.position_embeddings.weight",
-                                     config.max_position_embeddings * h))
+                                     config.max_position_embeddings * h,
+                                     dim0=config.max_position_embeddings))
     for index in layers_for(config, pp_rank, None if vpp is None else chunk):
         shapes += layer_shapes(config, index)
     if post:
@@ -148,7 +171,7 @@ def chunk_shapes(config, pp_rank: int, chunk: int) -> list:
         tied = not config.untie_embeddings_and_output_weights
         if not (tied and pre):                  # tied on one chunk: the embedding's Parameter
             shapes.append(ParamShape("output_layer.weight", vocab_rows * h,
-                                     tied_copy=tied))
+                                     tied_copy=tied, dim0=vocab_rows))
     return shapes
 
 
@@ -172,11 +195,15 @@ class BufferSettings:
     grad_reduce_in_fp32: bool
     use_distributed_optimizer: bool
     bucket_size: int | None          # None: one bucket per buffer
+    fsdp_strategy: str | None = None  # --use-torch-fsdp2's optim_grads | optim_grads_params
 
 
 def buffer_settings(config, settings, dp_cp: int) -> BufferSettings:
     from .precision_args import ddp_config_from_settings
 
+    if settings.data_parallel.use_torch_fsdp2:      # fp32 shards and an fp32 reduce
+        return BufferSettings(True, False, None,
+                              settings.data_parallel.data_parallel_sharding_strategy)
     ddp = ddp_config_from_settings(settings.precision, settings.data_parallel, config)
     bucket = ddp.bucket_size or max(40_000_000, 1_000_000 * dp_cp)
     return BufferSettings(ddp.grad_reduce_in_fp32, ddp.use_distributed_optimizer,
@@ -214,8 +241,57 @@ def buffer_plans(config, layout: RankLayout, rank: int, buffers: BufferSettings)
     return plans
 
 
+# -------------------------------------------------------------------- FSDP
+@dataclass(frozen=True)
+class FsdpUnit:
+    """One ``fully_shard`` unit of a chunk: its parameters and the group they are sharded over
+    (``"dp-cp"``, ``"edp"``, or None: the unsharded experts of edp = 1)."""
+    group: str | None
+    shapes: tuple
+
+
+def fsdp_units(config, layout: RankLayout, rank: int) -> list:
+    """The FSDP units of ``rank``'s chunks as ``training/fsdp.py`` wraps them: per transformer
+    layer its expert parameters (over edp when edp > 1, else left unsharded) and the rest (over
+    dp·cp), then the chunk's remaining parameters (embedding, final norm, output layer)."""
+    pp_rank = layout.rank_in("pp", rank)
+    expert_group = "edp" if len(layout.group_of("edp", rank)) > 1 else None
+    units = []
+    for chunk in range(config.virtual_pipeline_model_parallel_size or 1):
+        layers, root = {}, []
+        for shape in chunk_shapes(config, pp_rank, chunk):
+            if shape.name.startswith("layers."):
+                layers.setdefault(shape.name.split(".")[1], []).append(shape)
+            else:
+                root.append(shape)
+        for shapes in layers.values():
+            experts = tuple(s for s in shapes if s.expert)
+            if experts:
+                units.append(FsdpUnit(expert_group, experts))
+            units.append(FsdpUnit("dp-cp", tuple(s for s in shapes if not s.expert)))
+        units.append(FsdpUnit("dp-cp", tuple(root)))
+    return units
+
+
+def fsdp_static_memory(config, layout: RankLayout, rank: int) -> dict:
+    """The four kinds of ``FullyShardedOptimizer.memory_bytes`` on ``rank`` (module docstring)."""
+    held = dict.fromkeys(MEMORY_KINDS, 0)
+    for unit in fsdp_units(config, layout, rank):
+        group = layout.group_of(unit.group, rank) if unit.group else [rank]
+        size, shard_rank = len(group), group.index(rank)
+        padded = fsdp_rank_bytes([s.fsdp_shape for s in unit.shapes], size)
+        held["parameters"] += padded["parameters"]
+        held["gradients"] += padded["gradients"]
+        for shape in unit.shapes:
+            lo, hi = shard_rows(shape.rows, size, shard_rank)
+            held["optimizer_state"] += (hi - lo) * (shape.numel // shape.rows) * 8
+    return held
+
+
 def static_memory(config, layout: RankLayout, rank: int, buffers: BufferSettings) -> dict:
     """The four kinds of ``MixedPrecisionOptimizer.memory_bytes`` on ``rank``, in bytes."""
+    if buffers.fsdp_strategy is not None:
+        return fsdp_static_memory(config, layout, rank)
     param_bytes = element_bytes(config.params_dtype)
     grad_bytes = 4 if buffers.grad_reduce_in_fp32 else param_bytes
     held = dict.fromkeys(MEMORY_KINDS, 0)

@@ -17,17 +17,21 @@ else 1, ``e`` the activation element size (the params dtype), ``f`` the MLP widt
 
 Selective recompute takes out what it re-runs: ``core_attn`` the log-sum-exp and rope's rotated
 q, k; ``mlp`` fc1's input, the MLP inside, its dropout mask and the pre-MLP norm's input copy and
-statistics; ``layernorm`` one norm input copy, the statistics and fp32 weights of the norms it
-re-runs (with ``mlp`` too: the input norm's copy becomes the layer input in the activations'
-dtype). RMSNorm keeps its input in the activations' dtype and one statistic per row.
-Full recompute keeps each recomputed group's input (sbh/t' · e) and, while one group runs its
-backward, that group's full activations once. Known gap: selective ``mlp`` recompute under
-sequence parallelism keeps about 1.5 · sbh/t · e more than this count (7 % of the layer at the
-tests' shape; the plan is then low). Grouped-query attention is counted as
-multi-head attention (q, k, v = 3 sbh/t: the layer expands k and v to every head).
+statistics (the block's checkpoint keeps its input, sbh/t' · e, instead); ``layernorm`` the norm
+outputs QKV and fc1 saved (discarded once consumed, re-run in backward), the statistics and fp32
+weights, each norm's checkpoint keeping its input (sbh/t' · e). RMSNorm keeps its input in the
+activations' dtype and one statistic per row. Full recompute keeps each recomputed group's input
+(sbh/t' · e) and, while one group runs its backward, that group's full activations once.
+Grouped-query attention is counted as multi-head attention (q, k, v = 3 sbh/t: the layer
+expands k and v to every head).
 
-The chunk ends: the first stage adds the embedding's dropout mask; the last stage the final norm
-(input, statistics), the output layer's input, the logits' real columns and the labels.
+The chunk ends: the first stage adds the token ids it looks up (int64; over TP also the bool
+mask of the ids outside the rank's rows), the learned positions' ids and the embedding's dropout
+mask; the last stage the final norm (input, statistics, fp32 weights), the output layer's input
+and the loss: over TP the logits shard with its padded columns, the labels and three fp32
+statistics per token; at tp = 1 (the unfused loss off CUDA) the fp32 log-softmax of the real
+columns and the labels. Measured against the tensors a real forward holds (each storage once,
+read after the forward) the count is exact for every layout of tests/training/test_plan.py.
 
 Peak: the schedule's actions (``pipeline/``: 1F1B, interleaved, zero-bubble, as the trainer
 runs them) are walked on every pipeline rank; a forward adds a micro-batch's activations of its
@@ -85,13 +89,12 @@ def layer_activation_bytes(config, micro_batch_size: int, recompute_modules=None
         # the checkpoint keeps the block's input instead of the pre-MLP norm's copy
         terms["norm inputs"] += sbh / t_sp * e - norm_copy
         terms["fp32 norm weights"] /= 2
-    if "layernorm" in recompute_modules and "mlp" in recompute_modules:
-        # the MLP block is re-run whole: only the input norm is discarded, its input kept in
-        # the activations' dtype (the layer's input)
-        terms["norm inputs"] -= norm_copy - sbh / t_sp * e
-        terms["input norm stats"] = terms["fp32 norm weights"] = 0.0
-    elif "layernorm" in recompute_modules:
-        terms["norm inputs"] -= norm_copy
+    if "layernorm" in recompute_modules:
+        # each norm's checkpoint keeps its input in the activations' dtype (with ``mlp`` the
+        # MLP block's checkpoint keeps the pre-MLP one); the outputs QKV and fc1 saved are
+        # discarded after the forward and re-run in backward, with their statistics
+        terms["norm inputs"] = 2 * sbh / t_sp * e
+        terms["qkv input"] = terms["fc1 input"] = 0.0
         terms["input norm stats"] = terms["pre-mlp norm stats"] = 0.0
         terms["fp32 norm weights"] = 0.0
     return sum(terms.values())
@@ -119,21 +122,45 @@ def _chunk_layer_bytes(config, micro_batch_size: int, layers: int) -> tuple[floa
     return recomputed * kept_input + (layers - recomputed) * full, full if recomputed else 0.0
 
 
+def _embedding_bytes(config, micro_batch_size: int) -> float:
+    """The first stage's embedding: the token ids it looks up (int64; over TP the shifted ids
+    and the bool mask of the ids outside this rank's rows), learned positions' ids (int64) and
+    the hidden dropout's mask."""
+    s, b, h, t, t_sp = _sizes(config, micro_batch_size)
+    total = s * b * 8 + (s * b if t > 1 else 0)
+    if config.position_embedding_type == "learned_absolute":
+        total += s * b * 8
+    if config.hidden_dropout > 0:
+        total += s * b * h / t_sp * element_bytes(config.params_dtype)
+    return total
+
+
+def _loss_bytes(config, micro_batch_size: int) -> float:
+    """What the cross-entropy keeps of (s, b) tokens. Over TP (``tp_layers/loss.py``): the
+    logits shard with its padded columns (s, b, V_padded/t) in the activations' dtype, the
+    labels (int64), the global row maximum and the stacked (sum-exp, target logit) pair (fp32).
+    At tp = 1 the unfused torch loss (``kernels/cross_entropy.py`` off CUDA): the fp32 log-softmax
+    of the real columns, the labels and its scalar weight. (On CUDA the fused kernel keeps the
+    padded logits in their dtype and two fp32 statistics per row, the tp > 1 count.)"""
+    s, b, _, t, _ = _sizes(config, micro_batch_size)
+    if t == 1:
+        return s * b * config.vocab_size * 4 + s * b * 8 + 4
+    e = element_bytes(config.params_dtype)
+    return s * b * config.padded_vocab_size // t * e + s * b * 8 + 3 * s * b * 4
+
+
 def _end_bytes(config, micro_batch_size: int, pre: bool, post: bool) -> float:
     s, b, h, t, t_sp = _sizes(config, micro_batch_size)
     e = element_bytes(config.params_dtype)
-    total = 0.0
-    if pre:
-        total += s * b * 8                                          # the token ids (int64)
-        if config.hidden_dropout > 0:
-            total += s * b * h / t_sp * e                           # the embedding's mask
+    total = _embedding_bytes(config, micro_batch_size) if pre else 0.0
     if post:
         layer_norm = config.normalization == "LayerNorm"
         total += s * b * h / t_sp * (4 if layer_norm else e)        # final norm input
         total += (2 if layer_norm else 1) * s * b / t_sp * 4        # its statistics
+        if layer_norm and e != 4:
+            total += 2 * h * 4                                      # its fp32 weight, bias
         total += s * b * h / t_sp * e                               # output layer input
-        # the logits' real columns (the padding is never read) and the labels (int64, twice)
-        total += s * b * config.vocab_size / t * e + 2 * s * b * 8
+        total += _loss_bytes(config, micro_batch_size)
     return total
 
 

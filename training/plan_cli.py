@@ -40,6 +40,8 @@ def build_plan_parser() -> argparse.ArgumentParser:
 
 
 def _cluster(plan_args, settings):
+    from tpfuse.models.flops import H200_BF16_DENSE_TFLOPS
+
     from .plan_search import Cluster
 
     if plan_args.gpu_memory_gib is None or not plan_args.gpu_memory_gib > 0:
@@ -52,7 +54,7 @@ def _cluster(plan_args, settings):
             raise ValueError(f"--{name.replace('_', '-')} must be > 0")
     if not 0 < plan_args.mfu <= 1:
         raise ValueError(f"--mfu must be in (0, 1], got {plan_args.mfu}")
-    peak = settings.observability.peak_tflops or 989.0
+    peak = settings.observability.peak_tflops or H200_BF16_DENSE_TFLOPS
     return Cluster(plan_args.gpu_memory_gib, plan_args.gpus_per_node, plan_args.intra_node_gbps,
                    plan_args.inter_node_gbps, peak, plan_args.mfu)
 

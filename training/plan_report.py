@@ -6,16 +6,20 @@
      "num_microbatches": m, "micro_batch_size": b, "bubble_fraction": f,
      "ranks": [{"rank", "coords": {...}, "memory_bytes": {parameters, main_parameters,
                 gradients, optimizer_state, activations, total},
-                "in_flight_microbatches": [per chunk], "comm_bytes_per_step": {...}}, ...]}
+                "in_flight_microbatches": [per chunk], "comm_bytes_per_step": {...},
+                "comm_bounds_per_step": {kind: [low, high]}}, ...]}
 
 ``memory_bytes``' first four kinds are the trainer's record (``training/plan.py``), activations
-the schedule's peak (``plan_activations.py``); ``comm_bytes_per_step``: ``plan_comm.py``.
+the schedule's peak (``plan_activations.py``); ``comm_bytes_per_step``: ``plan_comm.py``, exact
+for every kind except those ``comm_bounds_per_step`` names (the alltoall dispatcher's
+all-to-all without capacity padding: its value under uniform routing, and the range the routing
+can take it to).
 """
 from __future__ import annotations
 
 from .plan import MEMORY_KINDS, buffer_settings, layout_of, static_memory
 from .plan_activations import activation_peaks, bubble_fraction
-from .plan_comm import step_comm_bytes
+from .plan_comm import step_comm_bounds, step_comm_bytes
 
 
 def data_parallel_size(config, world_size: int) -> int:
@@ -64,7 +68,8 @@ def plan_layout(config, settings, world_size: int, ranks=None) -> dict:
                      "memory_bytes": rank_memory(config, layout, rank, buffers, peak),
                      "in_flight_microbatches": peak["in_flight"],
                      "comm_bytes_per_step": step_comm_bytes(config, layout, rank, buffers, b, m,
-                                                            backend)})
+                                                            backend),
+                     "comm_bounds_per_step": step_comm_bounds(config, layout, rank, b, m)})
     return {"world_size": world_size,
             "layout": {"tp": config.tensor_model_parallel_size,
                        "pp": config.pipeline_model_parallel_size,
@@ -74,7 +79,8 @@ def plan_layout(config, settings, world_size: int, ranks=None) -> dict:
                        "etp": config.expert_tensor_parallel_size, "dp": dp,
                        "sequence_parallel": config.sequence_parallel,
                        "use_distributed_optimizer":
-                           settings.data_parallel.use_distributed_optimizer},
+                           settings.data_parallel.use_distributed_optimizer,
+                       "fsdp": buffers.fsdp_strategy},
             "num_microbatches": m, "micro_batch_size": b, "backend": backend,
             "bubble_fraction": bubble_fraction(config, m), "ranks": rows}
 
@@ -89,7 +95,8 @@ GIB = 2.0 ** 30
 
 
 def format_plan(plan: dict) -> str:
-    """The text table: one line per rank (GiB), and the step's communication per rank."""
+    """The text table: one line per rank (GiB), and the step's communication per rank (a
+    routing-dependent kind with its [low, high] after the uniform-routing value)."""
     layout = plan["layout"]
     head = (f"tpfuse-plan: {plan['world_size']} ranks, " + " ".join(
         f"{k}={v}" for k, v in layout.items()) + f" | m={plan['num_microbatches']} micro-batches"
@@ -102,7 +109,10 @@ def format_plan(plan: dict) -> str:
              + f"  ({unit})   comm per step (MiB)"]
     for row in plan["ranks"]:
         held = row["memory_bytes"]
-        comm = ", ".join(f"{k} {v / 2 ** 20:.1f}" for k, v in row["comm_bytes_per_step"].items())
+        bounds = row.get("comm_bounds_per_step", {})
+        comm = ", ".join(f"{k} {v / 2 ** 20:.1f}" + (
+            f" [{bounds[k][0] / 2 ** 20:.1f}, {bounds[k][1] / 2 ** 20:.1f}]" if k in bounds else "")
+            for k, v in row["comm_bytes_per_step"].items())
         lines.append(f"{row['rank']:5d} {row['coords']['pp']:3d} "
                      + " ".join(f"{held[k] / scale:11.3f}" for k in kinds) + f"  {comm}")
     return "\n".join(lines)

@@ -12,8 +12,11 @@ candidate fits when every stage's total ≤ ``--gpu-memory-gib``.
 
 The roofline step time (seconds), stated::
 
-    compute  = 6 · N_active · T · (4/3 with full recompute) / (world · peak · MFU)
-               + 6 · L · s · h · T / (world · peak · MFU)        (causal attention, fwd + bwd)
+    compute  = F / (world · peak · MFU)
+               F = models.flops.flops_per_iteration(config, global batch): the model FLOPs
+               the trainer's --log-throughput counts MFU with (matrix multiplies only,
+               attention's full s × s square, backward = 2 × forward, + 1 forward under
+               full recompute; MoE: router and the top-k experts)
     bubble   = compute · f / (1 − f)      f: the simulated bubble fraction of the schedule
     comm     = Σ over group kinds  bytes_kind · ring_factor / bandwidth_kind
                ring_factor: 2(n−1)/n all-reduce, (n−1)/n all-gather / reduce-scatter /
@@ -21,13 +24,15 @@ The roofline step time (seconds), stated::
                one node (--gpus-per-node consecutive ranks), else --inter-node-gbps
     step     = compute + bubble + comm          (nothing overlapped: an upper bound)
 
-with N_active the parameters a token passes through (MoE: top-k of the experts), T = global
-batch × sequence tokens, peak ``--peak-tflops`` (default 989, an H100's dense bf16) and MFU
-``--mfu`` (default 0.5, the share of peak the GEMMs reach).
+with the global batch = m · b · dp samples, peak ``--peak-tflops`` (default 989.4,
+``models.flops.H200_BF16_DENSE_TFLOPS``: an H100 / H200's dense bf16) and MFU ``--mfu``
+(default 0.5, the share of peak the GEMMs reach).
 """
 from __future__ import annotations
 
 import dataclasses
+
+from tpfuse.models.flops import H200_BF16_DENSE_TFLOPS, flops_per_iteration
 
 from .plan import MEMORY_KINDS, buffer_settings, layout_of
 from .plan_activations import activation_peaks, bubble_fraction
@@ -42,7 +47,7 @@ class Cluster:
     gpus_per_node: int = 8
     intra_node_gbps: float = 450.0     # GB/s per GPU inside a node (NVLink)
     inter_node_gbps: float = 50.0      # GB/s per GPU across nodes (400 Gb/s NIC)
-    peak_tflops: float = 989.0
+    peak_tflops: float = H200_BF16_DENSE_TFLOPS
     mfu: float = 0.5
 
 
@@ -85,23 +90,12 @@ def candidate_config(config, tp, pp, vpp, cp, ep):
         decoder_first_pipeline_num_layers=None, decoder_last_pipeline_num_layers=None)
 
 
-def active_parameters(config) -> float:
-    """Parameters one token passes through (embedding once; MoE layers: top-k experts)."""
-    from tpfuse.models.moe_config import moe_layer_pattern
-
-    h, heads = config.hidden_size, config.num_attention_heads
-    groups = config.num_query_groups or heads
-    attention = h * (heads + 2 * groups) * (h // heads) + h * h
-    gated = 3 if config.activation == "swiglu" else 2
-    dense = gated * h * config.ffn_hidden_size
-    total = config.padded_vocab_size * h * (1 if config.untie_embeddings_and_output_weights
-                                            else 0)
-    for is_moe in moe_layer_pattern(config):
-        mlp = dense
-        if is_moe:
-            mlp = gated * h * config.moe_ffn_hidden_size * config.moe_router_topk
-        total += attention + mlp
-    return total + config.padded_vocab_size * h
+def compute_seconds(config, global_batch_size: int, world_size: int,
+                    cluster: Cluster) -> float:
+    """The roofline's compute term: the step's model FLOPs (``models/flops.py``, the trainer's
+    MFU accounting) at ``cluster.mfu`` of every rank's peak."""
+    flops = flops_per_iteration(config, global_batch_size)
+    return flops / (world_size * cluster.peak_tflops * 1e12 * cluster.mfu)
 
 
 def _ring_factor(op: str, n: int) -> float:
@@ -146,12 +140,7 @@ def evaluate(config, settings, world_size: int, cluster: Cluster, cache=None) ->
         stages.append(held)
         comm = step_comm_bytes(config, layout, rank, buffers, b, m, backend)
         comm_time = max(comm_time, comm_seconds(comm, layout, rank, cluster))
-    tokens = m * b * dp * config.seq_length
-    flops = 6 * active_parameters(config) * tokens
-    if config.recompute_granularity == "full":
-        flops *= 4 / 3
-    flops += 6 * config.num_layers * config.seq_length * config.hidden_size * tokens
-    compute = flops / (world_size * cluster.peak_tflops * 1e12 * cluster.mfu)
+    compute = compute_seconds(config, m * b * dp, world_size, cluster)
     bubble = bubble_fraction(config, m, cache)
     idle = compute * bubble / (1 - bubble) if bubble < 1 else float("inf")
     worst = max(stages, key=lambda held: held["total"])

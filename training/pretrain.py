@@ -325,7 +325,8 @@ def _set_dropout_sample_offset(chunk, consumed_samples: int) -> None:
 
 def tokenizer_spec(tokenizer) -> str:
     """What checkpoints record of the tokenizer, in ``data.tokenizer.build_tokenizer``'s terms:
-    ``"byte"``, ``"null:N"``, or the absolute path of a tokenizer.json."""
+    ``"byte"``, ``"null:N"``, the absolute path of a tokenizer.json, or the JSON object of
+    Megatron's tokenizer flags (``data/tokenizer_options.py``)."""
     name = tokenizer.name
     return name[len("hf:"):] if name.startswith("hf:") else name
 

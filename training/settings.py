@@ -33,6 +33,8 @@ import os
 import typing
 from dataclasses import dataclass, field, fields
 
+from tpfuse.data.tokenizer_options import (MEGATRON_ONLY_TYPES, TIKTOKEN_PATTERNS, TOKENIZER_TYPES,
+                                           check_tokenizer_type)
 from tpfuse.parallel.comm_options import REDUCE_SCATTER_STRATEGIES, CommOptions
 
 from .garbage_collection import GarbageCollectionSettings
@@ -43,7 +45,6 @@ from .settings_fields import SettingsGroup, setting, unknown_setting_error
 from .timers import TimingSettings
 from .train_samples import check_iterations_or_samples, check_wsd_arguments
 
-TOKENIZER_TYPES = ("NullTokenizer", "ByteTokenizer", "HuggingFaceTokenizer")
 DEFAULT_SPLIT = "969,30,1"      # Megatron's legacy default with --data-path
 
 
@@ -136,12 +137,36 @@ class DataSettings(SettingsGroup):
         None, f"train,valid,test proportions (default with --data-path: {DEFAULT_SPLIT})")
     data_cache_path: str | None = setting(
         None, "where dataset indices are cached (default: built in memory)")
+    # the tokenizer: Megatron's flags (data/tokenizer_options.py builds the tokenizer they name)
     tokenizer_type: str | None = setting(
         None, "NullTokenizer (ids 0..vocab-size-1 + EOD; the default with --mock-data), "
-              "ByteTokenizer (bytes + EOD, 257 ids), HuggingFaceTokenizer (--tokenizer-model: a "
-              "local tokenizer.json or a folder holding one)", choices=TOKENIZER_TYPES)
+              "ByteTokenizer (bytes + EOD, 257 ids), GPT2BPETokenizer (--vocab-file, "
+              "--merge-file), SentencePieceTokenizer / GPTSentencePieceTokenizer / "
+              "Llama2Tokenizer (--tokenizer-model: a SentencePiece model), TikTokenizer "
+              "(--tokenizer-model: a BPE rank file), HuggingFaceTokenizer (--tokenizer-model: a "
+              "local tokenizer folder or tokenizer.json)",
+        choices=TOKENIZER_TYPES + MEGATRON_ONLY_TYPES)
     tokenizer_model: str | None = setting(
-        None, "HuggingFaceTokenizer: a local tokenizer.json (or its folder)")
+        None, "the tokenizer's file or folder: a SentencePiece model, a TikTokenizer rank file "
+              "(Megatron's JSON or .tiktoken), a HuggingFace tokenizer folder or tokenizer.json")
+    vocab_file: str | None = setting(None, "GPT2BPETokenizer: GPT-2's vocab.json")
+    merge_file: str | None = setting(None, "GPT2BPETokenizer: GPT-2's merges.txt")
+    tiktoken_pattern: str | None = setting(
+        None, "TikTokenizer's pre-tokenizer regex, v1 or v2 (default v2)",
+        choices=TIKTOKEN_PATTERNS)
+    tiktoken_num_special_tokens: int = setting(
+        1000, "TikTokenizer: ids 0..N-1 are special tokens, the BPE ranks follow", minimum=1)
+    tokenizer_special_tokens: list[str] | None = setting(
+        None, "TikTokenizer: the named special tokens (they must include <unk> <s> </s> <mask> "
+              "<pad> <cls> <sep>); HuggingFaceTokenizer: tokens added to the vocabulary",
+        nargs="+")
+    tiktoken_special_tokens: list[str] | None = setting(
+        None, "Megatron's deprecated spelling of --tokenizer-special-tokens", nargs="+")
+    tokenizer_hf_use_fast: bool = setting(
+        False, "HuggingFaceTokenizer: load the fast (Rust) tokenizer")
+    tokenizer_hf_include_special_tokens: bool = setting(
+        False, "HuggingFaceTokenizer: ids include the special tokens the tokenizer adds "
+               "(e.g. BOS)")
     eod_mask_loss: bool = setting(False, "no loss on end-of-doc tokens")
     reset_position_ids: bool = setting(
         False, "positions restart at 0 after every end-of-document token")
@@ -154,6 +179,8 @@ class DataSettings(SettingsGroup):
         return [self.train_data_path, self.valid_data_path, self.test_data_path]
 
     def check(self) -> None:
+        if self.tokenizer_type is not None:
+            check_tokenizer_type(self.tokenizer_type)
         sources = sum([bool(self.mock_data), bool(self.data_path),
                        any(p for p in self.per_split_paths)])
         if sources > 1:

@@ -1,7 +1,8 @@
 """Counts the bytes passed to torch.distributed collectives, by group kind, during one call.
 
 ``count_collectives(state, fn)`` runs ``fn()`` with the collectives the library calls wrapped
-(``torch.distributed``'s functions and the module-level aliases of ``parallel/mappings.py`` and
+(``torch.distributed``'s functions, FSDP's ``all_gather_single`` / ``reduce_scatter_single``
+included, and the module-level aliases of ``parallel/mappings.py`` and
 ``training/data_parallel.py``) and returns ``{"<kind>_<op>": bytes}``: kind the first of
 ``KINDS`` whose group (of size > 1) is the call's group, op the collective. The byte count of a
 call is its message: the input of an all-reduce, reduce-scatter or all-to-all, the gathered output
@@ -58,12 +59,15 @@ def counting(state):
         setattr(module, name, wrapper)
 
     first = lambda t, *a, **k: _nbytes(t)                        # noqa: E731
-    output = lambda out, *a, **k: _nbytes(out)                    # noqa: E731
-    second = lambda out, inp, *a, **k: _nbytes(inp)               # noqa: E731
+    # positional or by keyword (FSDP calls reduce_scatter_single(output=, input=))
+    output = lambda *a, **k: _nbytes(a[0] if a else k["output_tensor"])       # noqa: E731
+    second = lambda *a, **k: _nbytes(a[1] if len(a) > 1 else k["input"])      # noqa: E731
     wrap(dist, "all_reduce", "all_reduce", first)
     for module in (dist, mappings, data_parallel):
         for name, op, size in (("all_gather_into_tensor", "all_gather", output),
                                ("reduce_scatter_tensor", "reduce_scatter", second),
+                               ("all_gather_single", "all_gather", output),
+                               ("reduce_scatter_single", "reduce_scatter", second),
                                ("_all_gather_single", "all_gather", output),
                                ("_reduce_scatter_single", "reduce_scatter", second)):
             if hasattr(module, name) and (module, name) not in originals:

@@ -44,6 +44,7 @@ def measured_memory_body(flag_sets):
     return dist.get_rank(), results
 
 
+FSDP = ["--use-torch-fsdp2", "--data-parallel-sharding-strategy"]
 GRID = {
     2: [["--tensor-model-parallel-size", "2"],
         ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--bf16"],
@@ -52,7 +53,10 @@ GRID = {
         ["--recompute-granularity", "full", "--recompute-method", "uniform",
          "--recompute-num-layers", "1", "--use-distributed-optimizer", "--bf16"],
         ["--recompute-granularity", "selective", "--recompute-modules", "mlp", "layernorm",
-         "--use-distributed-optimizer", "--fp16"]],
+         "--use-distributed-optimizer", "--fp16"],
+        # FSDP ZeRO-2 (3 experts: the row split pads) and ZeRO-3
+        FSDP + ["optim_grads", "--bf16", "--num-experts", "3", "--moe-router-topk", "2"],
+        FSDP + ["optim_grads_params"]],
     4: [["--pipeline-model-parallel-size", "2", "--use-distributed-optimizer", "--bf16"],
         ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
          "--global-batch-size", "4"],
@@ -65,7 +69,9 @@ GRID = {
          "--use-distributed-optimizer", "--bf16", "--moe-router-topk", "2"],
         ["--tensor-model-parallel-size", "2", "--num-experts", "2",
          "--expert-model-parallel-size", "2", "--sequence-parallel",
-         "--use-distributed-optimizer", "--moe-layer-freq", "2"]],
+         "--use-distributed-optimizer", "--moe-layer-freq", "2"],
+        ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--bf16"]
+        + FSDP + ["optim_grads_params"]],
 }
 
 
@@ -89,6 +95,7 @@ def test_static_memory_equals_the_trainers_record_on_every_rank(run_distributed,
 STEP = ["--eval-iters", "0", "--no-progress-bar", "--no-layout-table", "--attention-dropout", "0",
         "--micro-batch-size", "2"]
 COUNTER_NAMES = {"dp-cp_all_reduce": "dp_all_reduce", "dp-cp_all_gather": "dp_param_all_gather",
+                 "dp-cp_reduce_scatter": "dp_reduce_scatter",
                  "edp_all_gather": "edp_param_all_gather"}
 
 
@@ -119,6 +126,8 @@ def counted_step_body(flags):
     return dist.get_rank(), {COUNTER_NAMES.get(k, k): v for k, v in counted.items()}
 
 
+ALLTOALL = ["--num-experts", "4", "--expert-model-parallel-size", "2", "--moe-router-topk", "2",
+            "--global-batch-size", "8", "--moe-token-dispatcher-type", "alltoall"]
 COMM_GRID = [
     (2, ["--tensor-model-parallel-size", "2", "--global-batch-size", "4",
          "--log-memory-plan"]),
@@ -133,7 +142,26 @@ COMM_GRID = [
     (2, ["--context-parallel-size", "2", "--global-batch-size", "4"]),
     (4, ["--num-experts", "4", "--expert-model-parallel-size", "2", "--moe-router-topk", "2",
          "--global-batch-size", "8"]),
+    # the alltoall dispatcher padded to capacity: E·C rows each way, whatever the routing
+    (4, ALLTOALL + ["--moe-expert-capacity-factor", "1.5", "--moe-pad-expert-input-to-capacity"]),
+    # FSDP: ZeRO-2 (3 experts over edp = dp: padded row splits), ZeRO-3 beside TP + SP
+    (2, FSDP + ["optim_grads", "--bf16", "--num-experts", "3", "--moe-router-topk", "2",
+                "--global-batch-size", "8"]),
+    (4, ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--bf16",
+         "--global-batch-size", "4"] + FSDP + ["optim_grads_params"]),
 ]
+
+
+def _as_counted(planned: dict, layout, rank: int) -> dict:
+    """The plan's kinds as the counter names them: it tells groups apart by the group, so where
+    the expert-data group is the dp·cp group (ep = 1) it counts ``edp_*`` as ``dp_*``."""
+    if layout.group_of("edp", rank) != layout.group_of("dp-cp", rank):
+        return planned
+    merged = {}
+    for key, value in planned.items():
+        key = "dp_" + key[len("edp_"):] if key.startswith("edp_") else key
+        merged[key] = merged.get(key, 0) + value
+    return merged
 
 
 @pytest.mark.parametrize("world,flags", COMM_GRID, ids=[" ".join(f) for _, f in COMM_GRID])
@@ -149,7 +177,35 @@ def test_comm_bytes_equal_the_collectives_of_a_real_step(run_distributed, world,
     buffers = buffer_settings(config, settings, dp * config.context_parallel_size)
     for rank in range(world):
         planned = step_comm_bytes(config, layout, rank, buffers, 2, m, backend="gloo")
-        assert planned == counted[rank], rank
+        assert _as_counted(planned, layout, rank) == counted[rank], rank
+
+
+def test_dropless_alltoall_volume_is_exact_over_the_ep_group_and_bounded_per_rank(
+        run_distributed):
+    """Dropless, the rows an ep rank's experts receive follow the routing: per rank the counted
+    all-to-all lies in the plan's [low, high] (low: the rows it sends, exact; high: every token
+    of the group routed to its experts) and over each ep group it sums to the plan's value
+    (every row sent is received there: the plan's per-rank value is the group's mean, and the
+    exact value under uniform routing); every other kind, the counts' all-gather included, is
+    exact per rank."""
+    from tpfuse.training.plan_comm import step_comm_bounds, step_comm_bytes
+
+    counted = dict(run_distributed(4, counted_step_body, ALLTOALL))
+    config, settings = parse_args(BASE + STEP + ALLTOALL)
+    layout = layout_of(config, 4)
+    buffers = buffer_settings(config, settings, 4)
+    m = 8 // (2 * 4)
+    for group in layout.groups("ep"):
+        planned_sum = counted_sum = 0
+        for rank in group:
+            planned = step_comm_bytes(config, layout, rank, buffers, 2, m, backend="gloo")
+            low, high = step_comm_bounds(config, layout, rank, 2, m)["ep_all_to_all"]
+            volume = counted[rank].pop("ep_all_to_all")
+            assert low <= volume <= high, (rank, low, volume, high)
+            planned_sum += planned.pop("ep_all_to_all")
+            counted_sum += volume
+            assert planned == counted[rank], rank
+        assert counted_sum == planned_sum, group
 
 
 # -------------------------------------------------------------------- activations
@@ -170,13 +226,19 @@ ACTIVATION_GRID = [
 ]
 TP_ACTIVATION_GRID = [["--tensor-model-parallel-size", "2"],
                       ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
-                      ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--bf16"]]
+                      ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--bf16"],
+                      ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+                      + SELECTIVE + ["mlp"],
+                      ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--bf16",
+                       "--swiglu", "--normalization", "RMSNorm", "--position-embedding-type",
+                       "rope"] + SELECTIVE + ["mlp", "layernorm"]]
 
 
 def saved_chunk_bytes_body(flag_sets):
     """For each flag set: the bytes one micro-batch's forward through this rank's whole model
-    chunk (embedding, layers, loss) saves for backward, counted with saved-tensor hooks (each
-    storage once, parameters excluded)."""
+    chunk (embedding, layers, loss) holds for backward once the forward is done, counted with
+    saved-tensor hooks (each storage once, parameters excluded, its size read after the forward:
+    what the layernorm recompute discards is not held)."""
     import torch
 
     from tpfuse.models import build_model, make_gpt_model_provider
@@ -193,20 +255,22 @@ def saved_chunk_bytes_body(flag_sets):
             model_parallel_seed(1234, state)
             (model,) = build_model(make_gpt_model_provider(config), config, state)
             model.train()
-            params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-            storages = {}
+            params = {p.untyped_storage()._cdata for p in model.parameters()}
+            storages = {}           # StorageImpl → its storage, kept alive (no address reuse)
 
             def pack(t):
-                if t.untyped_storage().data_ptr() not in params:
-                    storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+                storage = t.untyped_storage()
+                if storage._cdata not in params:
+                    storages.setdefault(storage._cdata, storage)
                 return t
 
             ids = torch.randint(0, config.vocab_size, (2, config.seq_length),
                                 generator=torch.Generator().manual_seed(0))
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 loss = model(ids, labels=ids)
+            # read after the forward: an output the layernorm recompute discarded counts 0
+            results.append(sum(storage.nbytes() for storage in storages.values()))
             loss.float().mean().backward()
-            results.append(sum(storages.values()))
         finally:
             if state is not None:
                 state.destroy()
@@ -291,6 +355,26 @@ def test_search_on_a_70b_config_over_512_ranks_returns_a_valid_layout_that_fits(
     # the full plan of that layout: every rank fits
     plan = plan_layout(best["config"], settings, 512)
     assert max(r["memory_bytes"]["total"] for r in plan["ranks"]) <= 80 * 2 ** 30
+
+
+@pytest.mark.parametrize("flags", [
+    ["--tensor-model-parallel-size", "2", "--global-batch-size", "8", "--swiglu"],
+    ["--num-experts", "4", "--expert-model-parallel-size", "2", "--moe-router-topk", "2",
+     "--moe-shared-expert-intermediate-size", "32", "--global-batch-size", "8",
+     "--recompute-granularity", "full", "--recompute-method", "uniform",
+     "--recompute-num-layers", "1"]], ids=["dense", "moe-full-recompute"])
+def test_search_compute_term_is_the_trainers_model_flops(flags):
+    """The roofline's compute is ``models.flops.flops_per_iteration`` (what --log-throughput
+    gives MFU with) at the cluster's MFU of every rank's peak."""
+    from tpfuse.models.flops import flops_per_iteration
+    from tpfuse.training.plan_search import Cluster, evaluate
+
+    config, settings = parse_args(BASE + flags)
+    cluster = Cluster(gpu_memory_gib=80, peak_tflops=100.0, mfu=0.25)
+    result = evaluate(config, settings, 4, cluster)
+    assert result["dp"] * result["m"] == 8
+    assert result["compute_s"] * 4 * 100e12 * 0.25 == pytest.approx(
+        flops_per_iteration(config, 8), rel=1e-12)
 
 
 def test_cli_json_has_every_rank(capsys):
