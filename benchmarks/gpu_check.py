@@ -5,7 +5,9 @@ peer with the two interleaved (ours, torch, ours, torch, ...), all in bf16.
     python benchmarks/gpu_check.py                 # full shapes
     python benchmarks/gpu_check.py --quick         # smaller shapes (about a minute)
     python benchmarks/gpu_check.py --cpu-dry-run   # tiny shapes on CPU through Triton's interpreter:
-                                                   # exercises this script without a GPU
+                                                   # exercises this script without a GPU (one case
+                                                   # per family, one timing sample, the default
+                                                   # norm-backward depth: seconds, not minutes)
     python benchmarks/gpu_check.py --budget-s 85 --json rows.json   # stop starting cases after
                                                    # 85 s; every table row also as JSON
 
@@ -44,15 +46,15 @@ from gpu_check_cases import SHAPES, all_cases, autotuner_choices, norm_backward_
 
 TOLERANCE = 2e-2
 TIME_BUDGET_S = 270.0  # stop starting new cases past this, to stay inside 5 minutes
-SAMPLES = 5            # interleaved timing rounds per case
+SAMPLES = 5            # interleaved timing rounds per case (the dry run: 1)
 
 
 class Report:
     """Collects table rows: (section, what, ours, torch, ratio / error, status)."""
 
-    def __init__(self, budget_s: float = TIME_BUDGET_S):
+    def __init__(self, budget_s: float = TIME_BUDGET_S, samples: int = SAMPLES):
         self.rows, self.failed, self.start = [], False, time.perf_counter()
-        self.budget_s = budget_s
+        self.budget_s, self.samples = budget_s, samples
 
     def add(self, section, what, ours="", ref="", value="", status="", bad=False):
         self.rows.append((section, what, ours, ref, value, status))
@@ -105,10 +107,10 @@ def make_timer(device):
     return cpu_time
 
 
-def interleaved_ms(timer, ours, ref, grad_to_none):
+def interleaved_ms(timer, ours, ref, grad_to_none, samples=SAMPLES):
     """Median ms of ours and of torch, sampled alternately so drift (clocks, heat) hits both."""
     ours_ms, ref_ms = [], []
-    for _ in range(SAMPLES):
+    for _ in range(samples):
         ours_ms.append(timer(ours, grad_to_none))
         ref_ms.append(timer(ref, grad_to_none))
     return statistics.median(ours_ms), statistics.median(ref_ms)
@@ -126,7 +128,8 @@ def check_case(rep, case):
 
 def time_case(rep, case, timer):
     for timing in case.timings:
-        ours_ms, ref_ms = interleaved_ms(timer, timing.ours, timing.ref, case.grad_to_none or None)
+        ours_ms, ref_ms = interleaved_ms(timer, timing.ours, timing.ref, case.grad_to_none or None,
+                                         rep.samples)
         scale, suffix = (1e12, "TFLOP/s") if timing.unit == "flop" else (1e9, "GB/s")
         ours_rate = timing.amount / (ours_ms * 1e-3) / scale
         ref_rate = timing.amount / (ref_ms * 1e-3) / scale
@@ -164,7 +167,7 @@ def run_variants(rep, dev, shapes, timer):
             rep.add("variants", f"{group}: skipped, time budget spent", status="SKIPPED")
             continue
         samples = {label: [] for label, _, _ in variants}
-        for _ in range(SAMPLES):
+        for _ in range(rep.samples):
             for label, fn, _ in variants:
                 samples[label].append(timer(fn))
         rates = {label: amount / (statistics.median(samples[label]) * 1e-3) / 1e9 for label, _, amount in variants}
@@ -237,13 +240,13 @@ def main(argv=None):
         dev, mode = torch.device("cuda"), "quick" if args.quick else "full"
         torch.backends.cuda.matmul.allow_tf32 = False  # fp32 references are true fp32
     torch.manual_seed(0)
-    rep = Report(args.budget_s)
+    rep = Report(args.budget_s, samples=1 if mode == "dry" else SAMPLES)
     run_cases(rep, dev, SHAPES[mode], make_timer(dev))
     run_variants(rep, dev, SHAPES[mode], make_timer(dev))
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU (interpreter dry run)"
     header = (f"tpfuse gpu_check ({mode}) on {name}, torch {torch.__version__}, "
               f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {rep.elapsed():.0f} s; correctness metric "
-              f"max|ours-torch|/max|torch| ≤ {TOLERANCE}; timings interleaved, {SAMPLES} samples each")
+              f"max|ours-torch|/max|torch| ≤ {TOLERANCE}; timings interleaved, {rep.samples} samples each")
     rep.print(header)
     if args.json:
         rep.write_json(args.json, header)

@@ -9,7 +9,9 @@
 #              train_peer: the same model written plainly in PyTorch (benchmarks/plain_gpt_peer.py:
 #              SDPA, torch.compile, fused AdamW) on the same batches from the same initial weights;
 #              tokens/s, MFU (one formula: tpfuse.models.flops), peak memory, both loss curves;
-#              train_tp2 / train_pp2: 2 processes, losses against the 1-process run
+#              train_tp2 / train_pp2: 2 processes sharing the GPU (gloo, --device cuda: the
+#              collectives staged through host memory), the first iterations' losses against
+#              the 1-process run
 #   2. kernels gpu_check (matmul layouts vs cuBLAS, attention fwd / fwd+bwd vs SDPA's flash and
 #              cuDNN backends, norms and cross-entropy in GB/s), attention_masks (documents,
 #              window, decode vs SDPA), moe (grouped GEMM vs torch._grouped_mm); each validated
@@ -106,11 +108,13 @@ if [ "$dry" = 1 ]; then
     export TPFUSE_CACHE=${TPFUSE_CACHE:-$work/cache} OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
     model=(--num-layers 2 --hidden-size 64 --num-attention-heads 4 --num-query-groups 2
            --seq-length 64 --max-position-embeddings 64 --vocab-size 250)
+    train_iters=3 pair_iters=3 pair_device=()
     batch=(--micro-batch-size 2 --global-batch-size 4 --train-iters 3 --lr-warmup-iters 1)
     precision=() peer_flags=(--no-compile) kernel_flag=--cpu-dry-run backend=gloo
 else
     model=(--num-layers 24 --hidden-size 2048 --num-attention-heads 16 --seq-length 2048
            --max-position-embeddings 2048 --vocab-size 50257)
+    train_iters=30 pair_iters=2 pair_device=(--device cuda)
     batch=(--micro-batch-size 4 --global-batch-size 8 --train-iters 30 --lr-warmup-iters 5)
     precision=(--bf16) peer_flags=() kernel_flag= backend=nccl
 fi
@@ -127,25 +131,26 @@ train() {   # train NAME LIMIT_S NPROC EXTRA_FLAGS...: the trainer on the job, m
         "${job[@]}" --distributed-backend "$backend" --metrics-file "$logs/$name.jsonl" "$@"
 }
 
-# 1. training (280 s)
+# 1. training (300 s)
 train train_tpfuse 120 1
 check train_peer 120 python3 "$bench/plain_gpt_peer.py" "${peer_flags[@]}" "${job[@]}" \
     --metrics-file "$logs/train_peer.jsonl"
-if [ "$dry" = 1 ]; then
-    train train_tp2 20 2 --tensor-model-parallel-size 2
-    train train_pp2 20 2 --pipeline-model-parallel-size 2
-else    # gloo places the model on the CPU and NCCL refuses two ranks on one device
-    skip train_tp2 20 "2 ranks on one GPU: gloo keeps the model on the CPU (collective_device), NCCL refuses a shared device"
-    skip train_pp2 20 "2 ranks on one GPU: gloo keeps the model on the CPU (collective_device), NCCL refuses a shared device"
-fi
-# 2. kernels (205 s)
-check gpu_check 100 python3 "$bench/gpu_check.py" ${kernel_flag:---quick} --budget-s "$((85 * scale))" \
+# two ranks sharing the one GPU: NCCL refuses that, so gloo with the model on CUDA (--device cuda:
+# each collective staged through host memory); the first iterations of the same job, same
+# schedule (--lr-decay-iters of the 1-process run), against the 1-process losses
+short=(--train-iters "$pair_iters" --lr-decay-iters "$train_iters" --distributed-backend gloo
+       "${pair_device[@]}")
+train train_tp2 30 2 "${short[@]}" --tensor-model-parallel-size 2
+train train_pp2 30 2 "${short[@]}" --pipeline-model-parallel-size 2
+# 2. kernels (185 s)
+check gpu_check 80 python3 "$bench/gpu_check.py" ${kernel_flag:---quick} --budget-s "$((65 * scale))" \
     --json "$logs/gpu_check.json"
 check attention_masks 75 python3 "$bench/gpu_attention_check.py" $kernel_flag
 check moe 30 python3 "$bench/gpu_moe_check.py" $kernel_flag
 # 3. what remains (55 s)
 check generation 35 python3 "$bench/gpu_generation_check.py" $kernel_flag
-check context_parallel 20 python3 "$bench/gpu_context_parallel_check.py" $kernel_flag
+check context_parallel 20 python3 "$bench/gpu_context_parallel_check.py" $kernel_flag \
+    --budget-s "$((14 * scale))"
 
 python3 "$bench/gpu_session_summary.py" "$out" --dry-run "$dry"
 tar -czf "$out/logs.tar.gz" -C "$out" logs

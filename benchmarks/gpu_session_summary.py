@@ -8,11 +8,16 @@ Status: ``ok`` (exit 0), ``failed`` (any other exit status; 124 or 137: the limi
 
 - ``train_tpfuse`` / ``train_peer`` (metrics JSONL in logs/): tokens/s, TFLOP/s and MFU as the
   median over the iterations after the first third (compilation and warm-up excluded), peak
-  memory (MiB), the loss curve; ``train_peer`` adds ``tokens_per_s_ratio_tpfuse_to_peer`` and the
-  largest loss difference between the two curves (both start from the same weights);
-- ``train_tp2`` / ``train_pp2``: the largest |loss − loss of the 1-process run| over the
-  iterations (``losses_match``: within ``LOSS_TOLERANCE`` relative);
+  memory (MiB), the loss curve; ``train_peer`` adds ``tokens_per_s_ratio_tpfuse_to_peer``, the
+  largest loss difference between the two curves (both start from the same weights) and
+  ``compiled`` (False: eager, after ``torch.compile`` failed or with ``--no-compile``);
+- ``train_tp2`` / ``train_pp2``: the largest |loss − loss of the 1-process run| over their
+  iterations, the first ones of the same job and schedule (``losses_match``: within
+  ``LOSS_TOLERANCE`` relative);
 - ``gpu_check``: rows PASS / FAIL / ERROR / SKIPPED counted, every timed row's ratio;
+- ``attention_masks`` / ``moe`` / ``context_parallel``: their verdict lines counted
+  (``checks_passed``, ``checks_failed``: a table cell PASS / FAIL, or a line opening ``ok`` /
+  ``FAIL``) and the log's last lines;
 - ``generation``: its JSON line; every other check: its log's last lines.
 """
 from __future__ import annotations
@@ -20,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import sys
 
@@ -27,6 +33,7 @@ import sys
 # differs (≈1e-6 relative); in bf16 a few roundings of 2⁻⁸ each reach the loss: 2e-2 bounds both
 LOSS_TOLERANCE = 2e-2
 TAIL = 6
+VERDICT = re.compile(r"(?:^|\|)\s*(PASS|FAIL|ok)(?:\s*\||\s*$|\s{2})")
 
 
 def read_rows(out: str) -> list[dict]:
@@ -67,6 +74,8 @@ def training_figures(records: list[dict]) -> dict:
         values = [r[key] for r in steady if r.get(key) is not None]
         if values:
             figures[key] = float(f"{statistics.median(values):.4g}")
+    if "compiled" in records[-1]:              # the peer: torch.compile, or eager after it failed
+        figures["compiled"] = records[-1]["compiled"]
     peaks = [r["peak_memory_mib"] for r in records if r.get("peak_memory_mib") is not None]
     if peaks:
         figures["peak_memory_mib"] = round(max(peaks), 1)
@@ -107,6 +116,17 @@ def last_json_line(path: str) -> dict:
     return {}
 
 
+def verdicts(path: str) -> dict:
+    """How many of the log's lines say PASS (or open with ``ok``) and how many FAIL."""
+    counts = {"checks_passed": 0, "checks_failed": 0}
+    if os.path.exists(path):
+        for line in open(path, errors="replace").read().splitlines():
+            found = VERDICT.search(line)
+            if found:
+                counts["checks_failed" if found.group(1) == "FAIL" else "checks_passed"] += 1
+    return counts
+
+
 def tail(path: str) -> list[str]:
     if not os.path.exists(path):
         return []
@@ -129,7 +149,7 @@ def figures_for(row: dict, logs: str, curves: dict) -> dict:
         if name in ("train_tp2", "train_pp2") and figures:
             difference = largest_loss_difference(reference, curves[name])
             figures["largest_loss_difference_to_1_process"] = difference
-            figures["losses_match"] = (difference is not None and len(reference) == len(curves[name])
+            figures["losses_match"] = (difference is not None and len(reference) >= len(curves[name])
                                        and difference <= LOSS_TOLERANCE * max(map(abs, reference)))
             if not figures["losses_match"] and row["status"] == "ok":
                 row["status"], row["reason"] = "failed", "losses differ from the 1-process run"
@@ -141,6 +161,9 @@ def figures_for(row: dict, logs: str, curves: dict) -> dict:
             "log_tail": tail(os.path.join(logs, f"{name}.log"))}
     if name == "generation":
         return last_json_line(os.path.join(logs, f"{name}.log"))
+    if name in ("attention_masks", "moe", "context_parallel"):
+        return {**verdicts(os.path.join(logs, f"{name}.log")),
+                "log_tail": tail(os.path.join(logs, f"{name}.log"))}
     return {"log_tail": tail(os.path.join(logs, f"{name}.log"))}
 
 
@@ -160,6 +183,8 @@ def short_figures(row: dict) -> str:
         parts.append(f"loss {f['losses'][0]:.3f} → {f['losses'][-1]:.3f}")
     if "statuses" in f:
         parts.append(", ".join(f"{k} {v}" for k, v in sorted(f["statuses"].items())))
+    if "checks_passed" in f:
+        parts.append(f"checks passed {f['checks_passed']}, failed {f['checks_failed']}")
     if row["name"] == "generation" and "tokens_per_s" in f:
         parts.append(f"cache = recompute: {f.get('cache_matches_recompute')}")
     if f.get("log_tail"):

@@ -27,8 +27,10 @@ should stay within bf16 noise of each other; ``--peer-init normal`` draws N(0, Ï
 
 Every iteration writes one JSON line to ``--metrics-file`` with the trainer's field names
 (``loss``, ``ms_per_iter``, ``tokens_per_s``, ``tflops_per_rank``, ``mfu`` with
-``--peak-tflops``, ``peak_memory_mib`` on CUDA); FLOPs are counted by ``tpfuse.models.flops``,
-the formula the trainer's ``--log-throughput`` uses.
+``--peak-tflops``, ``peak_memory_mib`` on CUDA) and ``compiled``; FLOPs are counted by
+``tpfuse.models.flops``, the formula the trainer's ``--log-throughput`` uses. Should
+``torch.compile`` fail on its first call (a missing compiler, an inductor error), the peer says
+so and trains eager from that same first micro-batch, so the session still gets its curve.
 """
 from __future__ import annotations
 
@@ -356,19 +358,30 @@ def train(argv) -> list[dict]:
     records = []
     if metrics:
         open(metrics, "w").close()
+    def micro_step(forward, tokens, labels, mask):
+        with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+            per_token = forward(tokens, labels)                      # (b, s) fp32
+        loss = (per_token * mask).sum() / mask.sum()
+        (loss / micro_batches).backward()
+        return loss.detach()
+
     for iteration in range(1, training.train_iters + 1):
         start = time.perf_counter()
         losses = []
-        for _ in range(micro_batches):
+        for micro in range(micro_batches):
             batch = next(batches)
             tokens, labels = batch["tokens"].to(device), batch["labels"].to(device)
             mask = batch["loss_mask"].to(device).float()
-            with torch.autocast(device.type, dtype=autocast_dtype,
-                                enabled=autocast_dtype is not None):
-                per_token = step_model(tokens, labels)               # (b, s) fp32
-            loss = (per_token * mask).sum() / mask.sum()
-            (loss / micro_batches).backward()
-            losses.append(loss.detach())
+            try:
+                losses.append(micro_step(step_model, tokens, labels, mask))
+            except Exception as error:         # torch.compile broke on its first (compiling) call
+                if step_model is model or (iteration, micro) != (1, 0):
+                    raise
+                print(f"peer: torch.compile failed ({type(error).__name__}: "
+                      f"{str(error).splitlines()[0][:200]}); the peer runs eager", flush=True)
+                optimizer.zero_grad(set_to_none=True)
+                step_model = model
+                losses.append(micro_step(step_model, tokens, labels, mask))
         if settings.optimizer.clip_grad > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), settings.optimizer.clip_grad)
         optimizer.step()
@@ -377,6 +390,7 @@ def train(argv) -> list[dict]:
         mean_loss = torch.stack(losses).mean().item()               # synchronises the device
         elapsed = time.perf_counter() - start
         record = {"iteration": iteration, "loss": mean_loss, "ms_per_iter": 1000 * elapsed,
+                  "compiled": step_model is not model,
                   "tokens_per_s": training.global_batch_size * config.seq_length / elapsed,
                   **utilisation(flops, elapsed, 1, peak_tflops)}
         if device.type == "cuda":

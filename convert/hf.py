@@ -1,7 +1,8 @@
 """HuggingFace ↔ tpfuse checkpoints: ``import_hf`` (``tpfuse-convert --from-hf``) and
 ``export_hf`` (``tpfuse-convert --to-hf``).
 
-    HF dir ─config.json→ architecture (model_type: gpt2 | llama | mistral | mixtral | qwen2) → TransformerConfig values
+    HF dir ─config.json→ architecture (model_type: gpt2 | llama | mistral | mixtral | qwen2 |
+           qwen2_moe) → TransformerConfig values
            ─safetensors→ tensors ─architecture→ single-process tpfuse tensors ─pad vocab rows→
            ─tpfuse_io.write_checkpoint→ rank files of the chosen tp × pp layout
     tpfuse ─read_checkpoint (any layout)→ single-process tensors ─trim the padded vocab rows→
@@ -23,13 +24,14 @@ import torch
 
 from tpfuse.models.config import DTYPES, TransformerConfig
 
-from . import gpt2, llama, mistral, mixtral, qwen2
+from . import gpt2, llama, mistral, mixtral, qwen2, qwen2_moe
 from .common import pad_vocab, trim_vocab
 from .hf_io import file_inside, read_config, read_tensors, staged_directory, write_model
 from .tpfuse_io import TIED_OUTPUT, WORD, read_checkpoint, write_checkpoint
 
 ARCHITECTURES = {gpt2.MODEL_TYPE: gpt2, llama.MODEL_TYPE: llama, mistral.MODEL_TYPE: mistral,
-                 mixtral.MODEL_TYPE: mixtral, qwen2.MODEL_TYPE: qwen2}
+                 mixtral.MODEL_TYPE: mixtral, qwen2.MODEL_TYPE: qwen2,
+                 qwen2_moe.MODEL_TYPE: qwen2_moe}
 TOKENIZER_FILE = "tokenizer.json"
 PRECISION_FLAGS = {torch.bfloat16: {"bf16": True}, torch.float16: {"fp16": True}}
 
@@ -97,8 +99,8 @@ def _tokenizer_file(load_dir: str, extra: dict) -> str | None:
     relative to it); a tokenizer recorded elsewhere (an absolute path, ``..``, a symlink out) is
     not copied — the export never copies a file the user did not name — and a note says so."""
     spec = extra.get("tokenizer")
-    if not spec or spec == "byte" or spec.startswith("null:"):
-        return None
+    if not spec or spec == "byte" or spec.startswith(("null:", "{")):
+        return None          # built in, or Megatron's tokenizer flags (files the user named)
     try:
         return file_inside(load_dir, spec, "the checkpoint's tokenizer")
     except FileNotFoundError:
@@ -111,14 +113,22 @@ def _tokenizer_file(load_dir: str, extra: dict) -> str | None:
 
 def _eos_id(extra: dict, load_dir: str, vocab_size: int, tokenizer_file: str | None):
     """The checkpoint's eos id, else its tokenizer's EOD (a tokenizer file only when it lies
-    inside ``load_dir``: ``tokenizer_file``)."""
+    inside ``load_dir``: ``tokenizer_file``; Megatron's tokenizer flags, a JSON spec, rebuilt from
+    the files they name, None when those are gone)."""
     if extra.get("eos_id") is not None:
         return extra["eos_id"]
     from tpfuse.checkpoint.reading import load_tokenizer
     from tpfuse.data.tokenizer import build_tokenizer
 
     spec = extra.get("tokenizer")
-    if spec and spec != "byte" and not spec.startswith("null:"):
+    if spec and spec.startswith("{"):
+        try:
+            tokenizer = load_tokenizer(load_dir)
+        except (OSError, ValueError) as error:
+            print(f"> note: the checkpoint's tokenizer could not be rebuilt ({error}); "
+                  "eos_token_id is left unset", flush=True)
+            return None
+    elif spec and spec != "byte" and not spec.startswith("null:"):
         if tokenizer_file is None:
             return None
         tokenizer = build_tokenizer(tokenizer_file)

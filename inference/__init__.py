@@ -2,7 +2,8 @@
 
 ``load_model(checkpoint_dir, state=None)`` (loading.py), ``InferenceContext`` (context.py: the KV
 cache ``GPTModel.forward(..., inference_context=)`` reads and extends), ``generate(model,
-prompt_ids, max_new_tokens, ...)`` (generate.py), ``SamplingParams`` (sampling.py); the
+prompt_ids, max_new_tokens, ...)`` (generate.py), which steps run with sequence parallelism
+(sequence_parallel.py), ``SamplingParams`` (sampling.py); the
 ``tpfuse-generate`` command lives in cli.py.
 """
 from tpfuse._lazy import lazy_exports

@@ -3,7 +3,8 @@
     tpfuse-generate --load DIR (--prompt TEXT | --prompt-ids "1 2 3") --max-new-tokens N
         [--greedy | --temperature T --top-k K --top-p P] [--seed S] [--eos-id ID]
         [--json] [--nproc-per-node N --tensor-model-parallel-size N
-        --pipeline-model-parallel-size M --expert-model-parallel-size E]
+        --pipeline-model-parallel-size M --expert-model-parallel-size E
+        --sequence-parallel]
 
 Text goes through the tokenizer the checkpoint records. ``--json`` prints one line
 ``{"prompt_ids": [...], "generated_ids": [...], "text": ...}`` (text: the continuation, null
@@ -18,6 +19,8 @@ without torch.distributed; otherwise N local processes (gloo on CPU, nccl on GPU
 checkpoint (trained at any ep) loads at any tp × pp; ``--expert-model-parallel-size E`` spreads its
 experts over E data-parallel replicas that decode the same prompt together. Started by torchrun (or
 that launcher), i.e. with WORLD_SIZE in the environment, the process is one of the ranks.
+``--sequence-parallel`` (at tp > 1) splits the prefill's sequence over the TP ranks; decode steps
+(one token, which TP cannot split) run without it (``sequence_parallel.py``).
 """
 from __future__ import annotations
 
@@ -50,6 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     parser.add_argument("--expert-model-parallel-size", type=int, default=1,
                         help="ranks the experts of an MoE checkpoint are spread over")
+    parser.add_argument("--sequence-parallel", action="store_true",
+                        help="split the prefill's sequence over the TP ranks (tp > 1)")
     parser.add_argument("--distributed-backend", default=None, choices=["gloo", "nccl"])
     parser.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
     return parser
@@ -132,7 +137,7 @@ def run(args, state=None) -> dict:
 
     tokenizer = load_tokenizer(args.load)
     prompt_ids = prompt_ids_from(args, tokenizer)
-    chunks = load_model(args.load, state)
+    chunks = load_model(args.load, state, sequence_parallel=args.sequence_parallel)
     eos = args.eos_id if args.eos_id is not None else default_eos_id(args.load, tokenizer,
                                                                      chunks[0].config.vocab_size)
     (generated,) = generate(chunks, [prompt_ids], args.max_new_tokens,

@@ -11,6 +11,10 @@ Every rank of the model-parallel group calls ``generate`` with the same argument
               → −inf─ greedy / sampled token (same on every TP rank) ─broadcast over the pipeline
               group→ every rank appends it
 
+Sequence parallelism (a model loaded with ``sequence_parallel=True`` at tp > 1): the prompts are
+left-padded to a multiple of tp so the prefill runs split over TP; a step whose token count tp
+does not divide (a decode step's single token) runs with SP off (``sequence_parallel.py``).
+
 ``use_cache=False`` recomputes the whole sequence every step (the reference the KV cache is
 checked against, and the benchmark's baseline): without padding through the training forward
 itself, with padding through a fresh context per step (its document ids mask the pads).
@@ -25,6 +29,7 @@ from tpfuse.parallel.mappings import gather_from_region
 
 from .context import InferenceContext
 from .sampling import SamplingParams, mask_padded_vocab, sample_next_tokens
+from .sequence_parallel import prompt_length_multiple, step_context
 
 
 def _unwrap(model) -> list:
@@ -57,10 +62,11 @@ def _check_lengths(config, prompts, max_new_tokens: int) -> None:
                          f"max_position_embeddings={config.max_position_embeddings}")
 
 
-def left_pad(prompts: list[list[int]], pad_id: int = 0):
-    """tokens (b, s_p) int64 left-padded with ``pad_id``, pad lengths (b,); on the host (the
-    caller moves the tokens to the model's device)."""
-    length = max(len(p) for p in prompts)
+def left_pad(prompts: list[list[int]], pad_id: int = 0, multiple: int = 1):
+    """tokens (b, s_p) int64 left-padded with ``pad_id``, pad lengths (b,); s_p is the longest
+    prompt's length rounded up to ``multiple``; on the host (the caller moves the tokens to the
+    model's device)."""
+    length = -(-max(len(p) for p in prompts) // multiple) * multiple
     pads = torch.tensor([length - len(p) for p in prompts], device="cpu")
     tokens = torch.tensor([[pad_id] * (length - len(p)) + p for p in prompts], device="cpu")
     return tokens, pads
@@ -84,7 +90,8 @@ def pipeline_forward(chunks, tokens, position_ids, inference_context=None, state
     pp_rank = state.pp_rank if state is not None else 0
     stages = pp * len(chunks)
     config = chunks[0].config
-    shape = (tokens.shape[1], tokens.shape[0], config.hidden_size)      # (s, b, h)
+    split = state.tp_size if state is not None and config.sequence_parallel else 1
+    shape = (tokens.shape[1] // split, tokens.shape[0], config.hidden_size)   # (s[/tp], b, h)
     output, sends = None, []
     for stage in range(pp_rank, stages, pp):
         chunk = chunks[stage // pp]
@@ -125,6 +132,7 @@ class _Decoder:
 
     def __init__(self, chunks, tokens, pads, max_new_tokens: int, use_cache: bool, state):
         self.chunks, self.tokens, self.pads, self.state = chunks, tokens, pads, state
+        self.tp = state.tp_size if state is not None else 1
         self.padded = bool((pads > 0).any())
         self.context = None
         if use_cache:
@@ -140,7 +148,8 @@ class _Decoder:
             start = self.context.sequence_len_offset
             new = self.tokens[:, start:]
             positions = positions_for(self.pads, start, length - start).to(device)
-            logits = pipeline_forward(self.chunks, new, positions, self.context, self.state)
+            with step_context(self.chunks, length - start, self.tp):
+                logits = pipeline_forward(self.chunks, new, positions, self.context, self.state)
             self.context.increment_sequence_len_offset(length - start)
             return logits
         positions = positions_for(self.pads, 0, length).to(device)
@@ -148,7 +157,8 @@ class _Decoder:
         if self.padded:                                # recompute, pads masked by a fresh context
             context = InferenceContext(self.tokens.shape[0], length)
             context.set_left_padding(self.pads.to(device))
-        return pipeline_forward(self.chunks, self.tokens, positions, context, self.state)
+        with step_context(self.chunks, length, self.tp):
+            return pipeline_forward(self.chunks, self.tokens, positions, context, self.state)
 
 
 @torch.no_grad()
@@ -176,7 +186,9 @@ def generate(model, prompt_ids, max_new_tokens: int, *, greedy: bool = False,
     for chunk in chunks:
         chunk.eval()
     device = next(chunks[0].parameters()).device
-    tokens, pads = left_pad(prompts)
+    tp = state.tp_size if state is not None else 1
+    tokens, pads = left_pad(prompts, multiple=prompt_length_multiple(chunks, tp) if use_cache
+                            else 1)
     decoder = _Decoder(chunks, tokens.to(device), pads, max_new_tokens, use_cache, state)
     generator = torch.Generator(device=device).manual_seed(seed)
     results = [[] for _ in prompts]

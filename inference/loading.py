@@ -10,11 +10,12 @@ torch.distributed is tp = pp = 1), whatever layout wrote the checkpoint:
     checkpoint/reshard.py: every parameter re-cut from the old layout's shards (optimizer state,
         scheduler and RNG are never read)
 
-Inference settings: sequence parallelism off (a decode step holds one token per sequence, which
-cannot be split over TP), dropout 0, no recompute, no context parallelism, layers split evenly
-over the pipeline stages. Experts: the checkpoint's experts (saved at any ep / etp) are re-cut for
-this run's ep and etp (default ep = 1: every expert on every rank of the TP group, split over
-etp = tp).
+Inference settings: sequence parallelism off unless ``sequence_parallel=True`` at tp > 1 (then
+the model splits a step's sequence over TP as in training, and ``generate`` runs the steps TP
+cannot split — a decode step's single token — with SP off: ``sequence_parallel.py``), dropout
+0, no recompute, no context parallelism, layers split evenly over the pipeline stages.
+Experts: the checkpoint's experts (saved at any ep / etp) are re-cut for this run's ep and etp
+(default ep = 1: every expert on every rank of the TP group, split over etp = tp).
 
 MoE under TP without sequence parallelism (inference only): training requires SP with MoE at
 tp > 1 (Megatron-core's rule: each TP rank routes and back-propagates its own s/tp tokens). In
@@ -69,8 +70,9 @@ def config_without_sequence_parallel(values: dict, **overrides):
 
 def inference_config(saved: dict, tp: int = 1, pp: int = 1, vpp: int | None = None,
                      params_dtype: torch.dtype | None = None, ep: int = 1,
-                     etp: int | None = None):
-    """The checkpoint's TransformerConfig re-targeted to (tp, pp, vpp, ep, etp) for inference."""
+                     etp: int | None = None, sequence_parallel: bool = False):
+    """The checkpoint's TransformerConfig re-targeted to (tp, pp, vpp, ep, etp) for inference
+    (``sequence_parallel``: kept on at tp > 1; at tp = 1 there is nothing to split)."""
     padded = config_from_dict(saved).padded_vocab_size
     divisible = padded // tp if padded % tp == 0 else saved["make_vocab_size_divisible_by"]
     overrides = dict(INFERENCE_SETTINGS, tensor_model_parallel_size=tp,
@@ -83,6 +85,8 @@ def inference_config(saved: dict, tp: int = 1, pp: int = 1, vpp: int | None = No
         overrides.update(params_dtype=params_dtype, bf16=False, fp16=False)
         if params_dtype in PRECISION_FLAGS:
             overrides[PRECISION_FLAGS[params_dtype]] = True
+    if sequence_parallel and tp > 1:
+        return config_from_dict(saved, **dict(overrides, sequence_parallel=True))
     return config_without_sequence_parallel(saved, **overrides)
 
 
@@ -116,8 +120,9 @@ def materialize(chunk, device):
 
 
 def load_model(checkpoint_dir: str, state=None, *, params_dtype: torch.dtype | None = None,
-               device=None) -> list:
-    """This rank's model chunks (one per virtual stage) with the checkpoint's weights."""
+               device=None, sequence_parallel: bool = False) -> list:
+    """This rank's model chunks (one per virtual stage) with the checkpoint's weights
+    (``sequence_parallel=True``: built with SP at tp > 1, see the module docstring)."""
     state = resolve_state(state)
     head = read_checkpoint_head(checkpoint_dir)
     saved = head.get("model_config")
@@ -127,7 +132,8 @@ def load_model(checkpoint_dir: str, state=None, *, params_dtype: torch.dtype | N
     sizes = sizes_of(state) if state is not None else dense_sizes(1, 0)
     config = inference_config(saved, sizes["tp"], state.pp_size if state is not None else 1,
                               state.vpp_size if state is not None else None, params_dtype,
-                              ep=sizes["ep"], etp=sizes["etp"])
+                              ep=sizes["ep"], etp=sizes["etp"],
+                              sequence_parallel=sequence_parallel)
     with torch.device("meta"):                      # shapes only: every value comes from disk
         chunks = build_model(make_gpt_model_provider(config), config, state)
     chunks = [materialize(chunk, device or _default_device()) for chunk in chunks]

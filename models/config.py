@@ -162,6 +162,9 @@ class TransformerConfig:
         "probs")
     moe_shared_expert_intermediate_size: int | None = _f(
         "moe", "hidden size of the shared expert MLP every token also goes through", None)
+    moe_shared_expert_gate: bool = _f(
+        "moe", "scale the shared expert's output by sigmoid(x w_g) (one gate weight (1, h))",
+        False)
     moe_token_dispatcher_type: str = _f(
         "moe", "token dispatch across expert-parallel ranks: allgather | alltoall", "allgather")
     moe_grouped_gemm: bool = _f(

@@ -13,7 +13,8 @@
     inference:     ``forward(..., inference_context=ctx)`` runs the layers on the new tokens only,
                    attention reading/extending ctx's KV cache (see tpfuse.inference); positions
                    default to ctx.sequence_len_offset + 0..s−1; logits of the last token only
-                   when ctx.materialize_only_last_token_logits
+                   when ctx.materialize_only_last_token_logits; under SP a step's s must be a
+                   multiple of tp (generate runs the other steps with SP off)
 
 Layout-independent initialisation: every global layer i is built inside
 ``torch.random.fork_rng`` with ``torch.manual_seed(config.seed + LAYER_SEED_OFFSET + i)``, and the
@@ -260,9 +261,7 @@ class GPTModel(nn.Module):
                 and self.state is not None and self.state.cp_size > 1:
             position_ids = self._context_parallel_positions(input_ids)
         if inference_context is not None and self.config.sequence_parallel:
-            raise ValueError("inference_context needs sequence_parallel=False (a decode step has "
-                             "one token per sequence); build the model for inference with "
-                             "tpfuse.inference.load_model or sequence_parallel=False")
+            self._check_sequence_split(input_ids)
         coordinates = None
         if inference_context is None and has_input:
             coordinates = self.dropout_coordinates(*self._local_batch_tokens(input_ids))
@@ -288,7 +287,9 @@ class GPTModel(nn.Module):
         if not self.post_process:
             return hidden
         if inference_context is not None and inference_context.materialize_only_last_token_logits:
-            hidden = hidden[-1:]                                      # (1, b, h)
+            # (1, b, h); under SP each rank's last row, which the output layer gathers to
+            # (tp, b, h): its last row is the step's last token
+            hidden = hidden[-1:]
         logits = self.output_layer(self.final_norm(hidden))           # (s, b, V/tp)
         if labels is None:
             return logits.transpose(0, 1).contiguous()                # (b, s, V/tp)
@@ -296,6 +297,14 @@ class GPTModel(nn.Module):
                                             vocab_size=self.config.vocab_size,
                                             state=self.state)         # (s, b) fp32
         return loss.transpose(0, 1).contiguous()                      # (b, s)
+
+    def _check_sequence_split(self, input_ids):
+        """An inference step under SP must split its s tokens over tp (ValueError otherwise)."""
+        tp = self.state.tp_size if self.state is not None else 1
+        if input_ids is not None and tp > 1 and input_ids.shape[1] % tp:
+            raise ValueError(f"inference step of {input_ids.shape[1]} tokens with "
+                             f"sequence_parallel=True: tp={tp} must divide it (tpfuse.inference"
+                             ".generate runs such steps with sequence parallelism off)")
 
     def _rotary_tables(self, hidden, position_ids):
         """The rope ``(cos, sin)`` tables ``(b, 1, s, d)`` of this forward over the full sequence

@@ -96,6 +96,9 @@ def _validate_parallel_sizes(config):
         raise ValueError(f"moe_ffn_hidden_size={config.moe_ffn_hidden_size} is not divisible by "
                          f"expert_tensor_parallel_size={etp}")
     shared = config.moe_shared_expert_intermediate_size
+    if config.moe_shared_expert_gate and shared is None:
+        raise ValueError("moe_shared_expert_gate=True needs moe_shared_expert_intermediate_size "
+                         "(a shared expert to gate)")
     if shared is not None:
         require_positive(config, "moe_shared_expert_intermediate_size")
         if shared % tp:

@@ -8,6 +8,7 @@ _EXPORTS = {
     "MoELayer": "layer",
     "TopKRouter": "router",
     "GroupedExperts": "experts",
+    "SharedExpertMLP": "shared_experts",
     "AllGatherDispatcher": "dispatcher",
     "AlltoAllDispatcher": "dispatcher",
     "RouterLossTracker": "aux_losses",

@@ -4,7 +4,8 @@
                         ─ dispatcher.dispatch → rows of my local experts
                         ─ GroupedExperts → their outputs
                         ─ dispatcher.combine (weighted by probs) → (T, h)
-                        [+ shared expert: a ParallelMLP every token goes through]
+                        [+ shared expert: a dense MLP every token goes through, optionally
+                           gated by σ(x w_gᵀ) (``shared_experts.py``)]
                         → (s/tp, b, h), returned as ``(output, None)`` like ParallelMLP
 
 Under tensor parallelism the layer requires sequence parallelism (as Megatron-core): each TP rank
@@ -12,7 +13,7 @@ routes its own s/tp tokens. The expert-parallel (ep), expert-tensor-parallel (et
 partition (tp × cp) groups come from the ParallelState (``groups.py``).
 
 Construction order of the master draws (under the caller's seeded generator): router weight,
-experts' fc1, fc2, then the shared expert's fc1, fc2.
+experts' fc1, fc2, then the shared expert's fc1, fc2 and its gate.
 """
 from __future__ import annotations
 
@@ -20,12 +21,11 @@ import math
 
 from torch import nn
 
-from tpfuse.tp_layers import ParallelMLP
-
 from .dispatcher import AllGatherDispatcher, AlltoAllDispatcher
 from .experts import GroupedExperts
 from .groups import MoEGroups
 from .router import TopKRouter
+from .shared_experts import SharedExpertMLP
 
 
 def build_dispatcher(config, groups):
@@ -52,12 +52,8 @@ class MoELayer(nn.Module):
         self.dispatcher = build_dispatcher(config, self.groups)
         self.shared_experts = None
         if config.moe_shared_expert_intermediate_size is not None:
-            self.shared_experts = ParallelMLP(
-                config.hidden_size, config.moe_shared_expert_intermediate_size,
-                activation=config.activation, add_bias_linear=config.add_bias_linear,
-                sequence_parallel=config.sequence_parallel,
-                init_method_std=config.init_method_std, output_layer_init_std=output_std,
-                params_dtype=config.params_dtype, group=self.groups.tp)
+            self.shared_experts = SharedExpertMLP(config, self.groups,
+                                                  output_layer_init_std=output_std)
 
     def forward(self, hidden):
         """``hidden (s_local, b, h)`` → ``(output (s_local, b, h), None)``."""
@@ -67,6 +63,5 @@ class MoELayer(nn.Module):
         expert_rows = self.experts(rows, tokens_per_expert)
         output = self.dispatcher.combine(expert_rows, plan).view_as(hidden)
         if self.shared_experts is not None:
-            shared, shared_bias = self.shared_experts(hidden)
-            output = output + (shared if shared_bias is None else shared + shared_bias)
+            output = output + self.shared_experts(hidden)
         return output, None

@@ -9,7 +9,7 @@ _EXPORTS = {
     "RankLayout": "layout",
     "ParallelState": "state", "get_default_state": "state", "set_default_state": "state",
     "has_default_state": "state", "resolve_state": "state", "resolve_state_or_none": "state",
-    "collective_device": "devices",
+    "collective_device": "devices", "model_device": "devices",
     "MicrobatchCalculator": "microbatches", "bubble_fraction": "microbatches",
     "WorkerPool": "launch", "WorkerError": "launch", "spawn": "launch",
     "copy_to_region": "mappings", "reduce_from_region": "mappings",

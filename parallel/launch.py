@@ -63,6 +63,8 @@ def _worker_main(rank, world_size, port, backend, collective_timeout_s, threads,
     import torch
     import torch.distributed as dist
 
+    from .host_staging import is_host_staged, register_host_staged_backends
+
     torch.set_num_threads(threads)
     os.environ.update(
         RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
@@ -70,6 +72,8 @@ def _worker_main(rank, world_size, port, backend, collective_timeout_s, threads,
     )
     if backend == "nccl":
         torch.cuda.set_device(rank % torch.cuda.device_count())
+    if is_host_staged(backend):
+        register_host_staged_backends()
     try:
         dist.init_process_group(
             backend, rank=rank, world_size=world_size, init_method=f"tcp://127.0.0.1:{port}",

@@ -54,6 +54,7 @@ import torch
 import torch.distributed as dist
 
 from tpfuse.parallel.checks import check_non_negative_int
+from tpfuse.parallel.host_staging import backend_family
 
 from .plan import message_orders
 from .simulate import Message, simulate
@@ -66,9 +67,9 @@ def recv_ahead_for(requested: int | None, backend: str) -> int:
     ``requested`` (a config's ``p2p_recv_ahead``) or, when None, GLOO_RECV_AHEAD on gloo and 0
     elsewhere. ValueError for a depth > 0 off gloo (see 3. above)."""
     if requested is None:
-        return GLOO_RECV_AHEAD if backend == "gloo" else 0
+        return GLOO_RECV_AHEAD if backend_family(backend) == "gloo" else 0
     check_non_negative_int("p2p_recv_ahead", requested)   # configs that skip validate() too
-    if requested > 0 and backend != "gloo":
+    if requested > 0 and backend_family(backend) != "gloo":
         raise ValueError(f"p2p_recv_ahead={requested} needs the gloo backend, the pipeline group "
                          f"uses {backend!r} (a posted receive there blocks the sends behind it); "
                          f"set it to 0 or leave it unset")

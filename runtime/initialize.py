@@ -15,11 +15,18 @@ import socket
 import torch
 import torch.distributed as dist
 
+from tpfuse.parallel.devices import check_device_choice, cuda_index_for
+from tpfuse.parallel.host_staging import world_backend
 from tpfuse.pipeline.p2p import recv_ahead_for
 
 
-def initialize_distributed(backend: str | None, timeout_minutes: float) -> None:
+def initialize_distributed(backend: str | None, timeout_minutes: float,
+                           device: str | None = None) -> None:
     """Join the world described by RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT.
+
+    ``device`` (``--device``: None, "cpu" or "cuda") is where the model will live; "cuda" on gloo
+    sets each rank's CUDA device (``cuda_index_for``: ranks may share one) and joins the world
+    with the host-staged gloo backend (``tpfuse.parallel.host_staging``).
 
     A no-op when torch.distributed is already initialised (tests run pretrain inside a worker
     pool). Without those variables a single-process world is created, so ``python -m
@@ -32,6 +39,7 @@ def initialize_distributed(backend: str | None, timeout_minutes: float) -> None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl" and not torch.cuda.is_available():
         raise ValueError("--distributed-backend nccl needs CUDA, which is not available here")
+    check_device_choice(device, backend)
     if "RANK" not in os.environ:
         from tpfuse.parallel.launch import free_port
 
@@ -39,6 +47,9 @@ def initialize_distributed(backend: str | None, timeout_minutes: float) -> None:
                           MASTER_PORT=str(free_port()))
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    elif device == "cuda":
+        torch.cuda.set_device(cuda_index_for(int(os.environ.get("LOCAL_RANK", "0"))))
+    backend = world_backend(backend, torch.device(device or "cpu"))
     timeout = datetime.timedelta(minutes=timeout_minutes)
     store = rendezvous_store(timeout)
     if store is None:

@@ -439,3 +439,31 @@ def test_dropout_moe_ep2_reproduces_single_process(run_distributed):
     layout = _losses(run_distributed, 2, MOE + DROPOUT + ["--expert-model-parallel-size", "2"])
     assert single[-1] < single[0]
     assert layout == pytest.approx(single, rel=1e-5)
+
+
+# ================================================ MoE shared experts (begin; owned by the moe area)
+# The MoE model with a gated shared expert (every token through a dense MLP of width 16, scaled
+# by σ(x w_g)): tp = 2 + SP (the shared expert TP-sharded like a dense MLP, its gate replicated
+# and reduced over TP) with ep = 2 (it is replicated over ep) reproduces one process (1e-5 band).
+# Five iterations (the suite's time): the layouts' only difference, summation order, shows at once.
+MOE_SHARED = MOE + ["--moe-shared-expert-intermediate-size", "16", "--moe-shared-expert-gate",
+                    "--train-iters", "5", "--lr-decay-iters", "5"]
+MOE_SHARED_LAYOUTS = {
+    "tp2-sp-ep2": (4, _parallel(tp=2, sp=True) + ["--expert-model-parallel-size", "2"]),
+}
+
+
+@pytest.fixture(scope="module")
+def moe_shared_reference(run_distributed):
+    losses = _losses(run_distributed, 1, MOE_SHARED)
+    assert len(losses) == 5 and losses[-1] < losses[0]
+    return losses
+
+
+@pytest.mark.parametrize("name", sorted(MOE_SHARED_LAYOUTS))
+def test_moe_shared_expert_layout_reproduces_single_process_losses(run_distributed,
+                                                                   moe_shared_reference, name):
+    world_size, argv = MOE_SHARED_LAYOUTS[name]
+    losses = _losses(run_distributed, world_size, MOE_SHARED + argv)
+    assert losses == pytest.approx(moe_shared_reference, rel=1e-5)
+# ================================================== MoE shared experts (end)

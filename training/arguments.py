@@ -176,8 +176,8 @@ CHECKPOINT_SHAPE_FIELDS = (
     "position_embedding_type", "rotary_base", "use_rope_scaling", "rope_scaling_factor",
     "window_size", "add_bias_linear", "add_qkv_bias", "untie_embeddings_and_output_weights",
     "num_moe_experts", "moe_ffn_hidden_size", "moe_router_topk", "moe_layer_freq",
-    "moe_shared_expert_intermediate_size", "moe_router_score_function",
-    "moe_router_pre_softmax", "moe_router_num_groups", "moe_router_group_topk",
+    "moe_shared_expert_intermediate_size", "moe_shared_expert_gate",
+    "moe_router_score_function", "moe_router_pre_softmax", "moe_router_num_groups", "moe_router_group_topk",
     "moe_router_topk_scaling_factor")
 
 

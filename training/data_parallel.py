@@ -39,6 +39,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from tpfuse.parallel.host_staging import backend_family
+
 from .grad_buffers import ParamAndGradBuffer
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -70,7 +72,7 @@ def _all_reduce_is_faster(group) -> bool:
     ranks: 8.8 ms vs 4.1 ms, this CPU), so there the distributed optimizer all-reduces a bucket
     and reads its shard from it: the same numbers, and the gradient buffer is full-size anyway.
     NCCL reduce-scatters (half an all-reduce's traffic)."""
-    return dist.get_backend(group) == "gloo"
+    return backend_family(dist.get_backend(group)) == "gloo"
 
 
 def is_expert(param) -> bool:

@@ -7,28 +7,41 @@ rank's receives are its peers' sends). Scalars (the grad norm, loss logs) are le
 ``m`` micro-batches per step, per micro-batch on a rank of tp = t > 1:
 
 ==========================  ================================================================
-TP, no SP (all-reduce)      4X per layer (proj and fc2 forward, QKV and fc1 input gradients),
-                            + 2X per layer re-run by full recompute, + X per layer whose MLP
-                            is recomputed; embedding X forward, output layer X backward;
+TP, no SP (all-reduce)      2X per attention block and per TP MLP (proj and fc2 forward, QKV
+                            and fc1 input gradients), + X per block re-run by full or MLP
+                            recompute; embedding X forward, output layer X backward;
                             cross-entropy 3·s·b·4 (max, sum-exp and target logit)
-TP with SP                  all-gather 6X per layer (QKV and fc1 inputs forward, their
-                            re-gather for the weight gradients, the gradients of the two
-                            reduce-scatters) + embedding X (its gradient) + learned positions X
-                            + output layer 2X; reduce-scatter 4X per layer + embedding X +
-                            output layer X; full / MLP recompute re-run the forward's (2X / X
-                            each); all-reduce of the sequence-parallel parameters' gradients
-                            (norms, row-parallel biases) in their dtype + cross-entropy
+TP with SP                  per attention block and TP MLP all-gather 3X (QKV / fc1 input
+                            forward, its re-gather for the weight gradient, the gradient of the
+                            reduce-scatter) and reduce-scatter 2X; a re-run forward X of each;
+                            + embedding X (its gradient) + learned positions X + output layer
+                            2X all-gathered, embedding X + output layer X reduce-scattered;
+                            all-reduce of the sequence-parallel parameters' gradients (norms,
+                            row-parallel biases, MoE routers' (E, h) weights, shared-expert gates
+                            (1, h)) in their dtype +
+                            cross-entropy. The TP MLPs: a dense layer's MLP and an MoE layer's
+                            shared expert; the routed experts talk over ep / etp (below)
 CP ring (send)              (3·cp − 2)·KV per layer, KV = 2·s·b·g/t·d·e (the K, V blocks
                             forward (cp − 1 hops), again in backward, their gradients cp hops)
-EP (allgather dispatcher)   per MoE layer all-gather 2·ep·T·h·e + ep·T·E·5 (probabilities and
-                            routing map), reduce-scatter 2·ep·T·h·e + ep·T·E·4, T = s·b/t'
-EP (alltoall dispatcher)    per MoE layer all-to-all 2·(sent + received)·h·e (dispatch and
-                            combine, both again in backward), ``alltoall_rows``: padded to
+MoE, allgather dispatcher   per MoE layer over etp × ep (G ranks; the ``ep``, ``etp`` or
+                            ``etp-ep`` kind): all-gather 2·G·T·h·e + G·T·E·(p + 1) (tokens
+                            forward, output gradient backward; probabilities in the router
+                            dtype, p bytes, and the uint8 routing map), reduce-scatter
+                            2·G·T·h·e + G·T·E·p; T = s·b/t' tokens per rank
+MoE, alltoall dispatcher    per MoE layer all-to-all over ep 2·(sent + received)·h·e (dispatch
+                            and combine, both again in backward), ``alltoall_rows``: padded to
                             capacity sent = received = E·C, exact; dropless sent = T·k
                             (exact) and received depends on the routing: the plan gives
                             T·k (uniform routing, and the ep group's mean: the group's sum
-                            is exact) and its [low, high] in ``step_comm_bounds``; unpadded,
-                            the split counts' all-gather ep·E·8 (exact)
+                            is exact) and its [low, high] in ``step_comm_bounds``; over etp
+                            (etp > 1) all-gather and reduce-scatter 2·etp·R·h·e each (R the
+                            largest etp rank's received rows: E·C padded, else routing-
+                            dependent, bounded); unpadded, the split counts' all-gather over
+                            etp × ep G·E·8 (exact)
+MoE experts' fc2 bias       all-reduce over etp (etp > 1) of its (E/ep, h) gradient
+MoE router losses           over tp × cp, per MoE layer: ``aux_loss`` all-reduce E·8 (the top-k
+                            counts), ``seq_aux_loss`` all-gather and reduce-scatter s·b·E·4
+                            (the scores), when ``moe_aux_loss_coeff`` > 0
 PP (send)                   X/t' per micro-batch and chunk with a next stage (activation) and
                             with a previous stage (gradient)
 ==========================  ================================================================
@@ -42,18 +55,22 @@ reduce over the expert-data group (``edp``), dense ones over dp·cp (``dp``). Wi
 (``fsdp_bytes``): the padded parameters all-gathered in the compute dtype once (ZeRO-2) or twice
 (ZeRO-3, forward and backward), the padded fp32 gradients reduce-scattered once.
 
+A forward re-run by recompute (full: the layer; selective ``mlp``: its MLP block, an MoE
+layer's dispatch included) repeats the forward's collectives.
+
 Checked byte for byte against the collectives of a real step for TP (with and without SP, full
 recompute), DP (plain, distributed optimizer, FSDP ZeRO-2 and ZeRO-3), PP and the tied
 embedding, CP (cp = 2), EP with the allgather dispatcher and with the alltoall one padded to
-capacity (tests/training/test_plan.py); the dropless alltoall dispatcher's all-to-all is checked
-within its per-rank bounds and exactly in its sum over each ep group. Not modelled: the alltoall
-dispatcher's rows all-gathered and reduce-scattered over the expert-tensor group (etp > 1), and
-the TP traffic of MoE layers under tensor parallelism (counted as a dense layer's: their router
-statistics, shared-expert-only gathers and the dispatchers' etp collectives differ).
+capacity, MoE layers under TP + SP (the allgather dispatcher over etp × ep, the alltoall one's
+etp gathers, ep = 1, a gated shared expert, full and MLP recompute, both load-balancing
+losses) (tests/training/test_plan.py);
+the dropless alltoall dispatcher's all-to-all is checked within its per-rank bounds and
+exactly in its sum over each ep group.
 """
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import dataclass
 
 from tpfuse.models.layer_assignment import layers_for
 from tpfuse.models.moe_config import moe_layer_pattern
@@ -62,34 +79,87 @@ from .fsdp import padded_shard_numel, shard_rows
 from .plan import buffer_plans, element_bytes, fsdp_units
 
 
-def _layer_counts(config, pp_rank: int) -> tuple[int, int, int]:
-    """(layers, MoE layers, layers re-run by full recompute) of all chunks of ``pp_rank``."""
+@dataclass(frozen=True)
+class _Layers:
+    """The layers of all chunks of one pipeline rank: dense and MoE ones, and how many of each
+    re-run their forward in backward (full recompute: the whole layer; ``*_mlp_rerun``: the MLP
+    block, by full recompute or the selective ``mlp`` module)."""
+    dense: int
+    moe: int
+    dense_rerun: int
+    moe_rerun: int
+    dense_mlp_rerun: int
+    moe_mlp_rerun: int
+
+    @property
+    def total(self) -> int:
+        return self.dense + self.moe
+
+    @property
+    def rerun(self) -> int:
+        return self.dense_rerun + self.moe_rerun
+
+
+def _layer_counts(config, pp_rank: int) -> _Layers:
     vpp = config.virtual_pipeline_model_parallel_size
     pattern = moe_layer_pattern(config)
-    layers = moe = rerun = 0
+    mlp_recompute = (config.recompute_granularity == "selective"
+                     and "mlp" in (config.recompute_modules or ()))
+    counts = defaultdict(int)
     for chunk in range(vpp or 1):
         indices = layers_for(config, pp_rank, None if vpp is None else chunk)
-        layers += len(indices)
-        moe += sum(pattern[i] for i in indices)
+        rerun = ()
         if config.recompute_granularity == "full":
             n = config.recompute_num_layers
-            rerun += len(indices) if config.recompute_method == "uniform" else min(n, len(indices))
-    return layers, moe, rerun
+            rerun = indices if config.recompute_method == "uniform" else indices[:n]
+        for i in indices:
+            kind = "moe" if pattern[i] else "dense"
+            counts[kind] += 1
+            counts[f"{kind}_rerun"] += i in rerun
+            counts[f"{kind}_mlp_rerun"] += (i in rerun) or mlp_recompute
+    return _Layers(**{f: counts[f] for f in ("dense", "moe", "dense_rerun", "moe_rerun",
+                                            "dense_mlp_rerun", "moe_mlp_rerun")})
+
+
+def _has_shared_expert(config) -> bool:
+    return config.num_moe_experts is not None and \
+        config.moe_shared_expert_intermediate_size is not None
+
+
+def _tp_mlps(config, layers: _Layers) -> tuple[int, int]:
+    """(dense TP MLPs, their forwards re-run): the dense layers' MLPs and the MoE layers'
+    shared experts (a ParallelMLP on the same tokens)."""
+    shared = _has_shared_expert(config)
+    return (layers.dense + shared * layers.moe,
+            layers.dense_mlp_rerun + shared * layers.moe_mlp_rerun)
 
 
 def _sequence_parallel_params(config, pp_rank: int) -> int:
-    """Elements whose gradient is all-reduced over TP under SP: norms and row-parallel biases."""
-    per_norm = config.hidden_size * (2 if config.normalization == "LayerNorm" else 1)
-    layers, _, _ = _layer_counts(config, pp_rank)
-    rows = 2 * config.hidden_size if config.add_bias_linear else 0
-    total = layers * (2 * per_norm + rows)
+    """Elements whose gradient is all-reduced over TP under SP: norms, row-parallel biases (the
+    attention projection's, the dense MLPs' fc2), the MoE routers' weights (E, h) and the
+    shared experts' gates (1, h)."""
+    h = config.hidden_size
+    per_norm = h * (2 if config.normalization == "LayerNorm" else 1)
+    layers = _layer_counts(config, pp_rank)
+    mlps, _ = _tp_mlps(config, layers)
+    biases = (layers.total + mlps) * h if config.add_bias_linear else 0
+    total = layers.total * 2 * per_norm + biases
+    if layers.moe:
+        total += layers.moe * config.num_moe_experts * h
+        if _has_shared_expert(config) and config.moe_shared_expert_gate:
+            total += layers.moe * h                             # the shared expert's gate (1, h)
     if pp_rank == config.pipeline_model_parallel_size - 1:
         total += per_norm                                       # the final norm
     return total
 
 
 def tensor_parallel_bytes(config, micro_batch_size: int, pp_rank: int) -> dict:
-    """TP volume of one micro-batch on ``pp_rank`` (its chunks together)."""
+    """TP volume of one micro-batch on ``pp_rank`` (its chunks together).
+
+    Per layer the attention block moves 3X with SP (gathers; 2X reduce-scattered) and 2X
+    all-reduced without; so does every dense TP MLP: a dense layer's MLP and an MoE layer's
+    shared expert (an MoE layer's routed experts talk over their own groups, see
+    ``expert_parallel_bytes``). A re-run forward adds X per block (attention, MLP)."""
     t = config.tensor_model_parallel_size
     if t == 1:
         return {}
@@ -97,21 +167,20 @@ def tensor_parallel_bytes(config, micro_batch_size: int, pp_rank: int) -> dict:
     e = element_bytes(config.params_dtype)
     s = config.seq_length // config.context_parallel_size
     x = s * micro_batch_size * config.hidden_size * e
-    layers, _, rerun = _layer_counts(config, pp_rank)
-    mlp_rerun = layers if (config.recompute_granularity == "selective"
-                           and "mlp" in (config.recompute_modules or ())) else 0
+    layers = _layer_counts(config, pp_rank)
+    mlps, mlp_reruns = _tp_mlps(config, layers)
     first, last = pp_rank == 0, pp_rank == pp - 1        # chunk 0 of rank 0, last chunk of last
     cross_entropy = 3 * s * micro_batch_size * 4 if last else 0
+    # forward and backward of every block, + the forwards re-run
+    blocks = 2 * (layers.total + mlps) + layers.rerun + mlp_reruns
     if not config.sequence_parallel:
-        reduce = (4 * layers + 2 * rerun + mlp_rerun) * x + (x if first else 0) \
-            + (x if last else 0) + cross_entropy
+        reduce = blocks * x + (x if first else 0) + (x if last else 0) + cross_entropy
         return {"tp_all_reduce": reduce}
     positions = config.position_embedding_type == "learned_absolute"
-    gather = (6 * layers + 2 * rerun + mlp_rerun) * x
+    gather = (blocks + layers.total + mlps) * x       # + the re-gather for the weight gradient
     gather += (x + (x if positions else 0)) if first else 0
     gather += 2 * x if last else 0
-    scatter = (4 * layers + 2 * rerun + mlp_rerun) * x + (x if first else 0) \
-        + (x if last else 0)
+    scatter = blocks * x + (x if first else 0) + (x if last else 0)
     reduce = _sequence_parallel_params(config, pp_rank) * e + cross_entropy
     return {"tp_all_gather": gather, "tp_reduce_scatter": scatter, "tp_all_reduce": reduce}
 
@@ -126,14 +195,31 @@ def context_parallel_bytes(config, micro_batch_size: int, pp_rank: int) -> dict:
     s = config.seq_length // cp
     kv = 2 * s * micro_batch_size * groups // config.tensor_model_parallel_size * head_dim \
         * element_bytes(config.params_dtype)
-    layers, _, rerun = _layer_counts(config, pp_rank)
-    return {"cp_send": ((3 * cp - 2) * layers + (cp - 1) * rerun) * kv}
+    layers = _layer_counts(config, pp_rank)
+    return {"cp_send": ((3 * cp - 2) * layers.total + (cp - 1) * layers.rerun) * kv}
 
 
 def _moe_tokens(config, micro_batch_size: int) -> int:
     """T: the tokens one rank routes per micro-batch and MoE layer (s/cp · b, / tp under SP)."""
     t_sp = config.tensor_model_parallel_size if config.sequence_parallel else 1
     return config.seq_length // config.context_parallel_size * micro_batch_size // t_sp
+
+
+def _expert_tensor_size(config) -> int:
+    return config.expert_tensor_parallel_size or config.tensor_model_parallel_size
+
+
+def expert_group_kind(config) -> str:
+    """The kind of the group the allgather dispatcher and the split counts use (etp × ep): the
+    ep group when etp = 1, the etp group when ep = 1, else ``etp-ep``."""
+    etp, ep = _expert_tensor_size(config), config.expert_model_parallel_size
+    return "ep" if etp == 1 else "etp" if ep == 1 else "etp-ep"
+
+
+def _router_prob_bytes(config) -> int:
+    """The probabilities are in the router's dtype (the tokens' dtype unless set)."""
+    return {"fp32": 4, "fp64": 8}.get(config.moe_router_dtype,
+                                      element_bytes(config.params_dtype))
 
 
 def alltoall_rows(config, micro_batch_size: int) -> dict:
@@ -167,42 +253,113 @@ def alltoall_rows(config, micro_batch_size: int) -> dict:
             "sent_exact": False, "padded": False}
 
 
-def _alltoall_bytes(config, micro_batch_size: int, moe_layers: int) -> tuple[dict, dict]:
-    """(volume under uniform routing, ``{kind: (low, high)}`` of the routing-dependent kinds).
+class _Volume:
+    """Bytes by kind, each a value with its ``[low, high]`` (equal where exact)."""
 
-    Per MoE layer the dispatch all-to-all sends the rows this rank routes, the combine sends
-    back the rows its experts received; backward swaps them. Without padding the split sizes
-    are exchanged first: an all-gather of every ep rank's (E,) int64 counts (exact)."""
+    def __init__(self):
+        self.value, self.low, self.high = defaultdict(int), defaultdict(int), defaultdict(int)
+
+    def add(self, key: str, value, low=None, high=None) -> None:
+        self.value[key] += value
+        self.low[key] += value if low is None else low
+        self.high[key] += value if high is None else high
+
+    def result(self) -> tuple[dict, dict]:
+        bounds = {key: (self.low[key], self.high[key]) for key in self.value
+                  if (self.low[key], self.high[key]) != (self.value[key], self.value[key])}
+        return {key: v for key, v in self.value.items() if v}, bounds
+
+
+def _allgather_dispatcher(config, micro_batch_size: int, layers: _Layers, volume) -> None:
+    """Per MoE layer over etp × ep (G ranks), T tokens: forward all-gathers the tokens
+    (G·T·h·e), probabilities (G·T·E·p) and routing map (G·T·E, uint8) and reduce-scatters the
+    combined rows (G·T·h·e); backward reduce-scatters the tokens' and probabilities'
+    gradients and all-gathers the output's. A re-run forward repeats the forward's."""
+    group = _expert_tensor_size(config) * config.expert_model_parallel_size
+    tokens, h, experts = _moe_tokens(config, micro_batch_size), config.hidden_size, \
+        config.num_moe_experts
+    rows = group * tokens * h * element_bytes(config.params_dtype)
+    probs = group * tokens * experts * _router_prob_bytes(config)
+    kind = expert_group_kind(config)
+    gather_forward, scatter_forward = rows + probs + group * tokens * experts, rows
+    volume.add(f"{kind}_all_gather", layers.moe * (gather_forward + rows)
+               + layers.moe_mlp_rerun * gather_forward)
+    volume.add(f"{kind}_reduce_scatter", layers.moe * (scatter_forward + rows + probs)
+               + layers.moe_mlp_rerun * scatter_forward)
+
+
+def _alltoall_dispatcher(config, micro_batch_size: int, layers: _Layers, volume) -> None:
+    """Per MoE layer: the dispatch all-to-all over ep sends the rows this rank routes, the
+    combine sends back the rows its experts received (backward swaps them); over etp the
+    received rows are all-gathered (each etp rank's block padded to the largest, R rows:
+    etp·R·h·e) and the combine reduce-scatters them, both again in backward. Without padding
+    the split sizes are exchanged first: an all-gather of every etp × ep rank's (E,) int64
+    counts (exact). A re-run forward repeats the forward's."""
     rows = alltoall_rows(config, micro_batch_size)
     row_bytes = config.hidden_size * element_bytes(config.params_dtype)
-    volume = {"ep_all_to_all": moe_layers * 2 * (rows["sent"] + rows["received"]) * row_bytes}
-    if rows["padded"]:
-        return volume, {}
-    ep, experts = config.expert_model_parallel_size, config.num_moe_experts
-    volume["ep_all_gather"] = moe_layers * ep * experts * 8
-    low = moe_layers * 2 * rows["sent"] * row_bytes if rows["sent_exact"] else 0
-    high = moe_layers * 2 * (rows["sent"] + rows["received_max"]) * row_bytes
-    return volume, {"ep_all_to_all": (low, high)}
+    ep, etp = config.expert_model_parallel_size, _expert_tensor_size(config)
+    passes = 2 * layers.moe + layers.moe_mlp_rerun            # forward, backward, re-runs
+    if ep > 1:
+        low = rows["sent"] if rows["sent_exact"] else 0
+        volume.add("ep_all_to_all", passes * (rows["sent"] + rows["received"]) * row_bytes,
+                   passes * low * row_bytes,
+                   passes * (rows["sent"] + rows["received_max"]) * row_bytes)
+    if etp > 1:
+        gathered = etp * row_bytes
+        low = rows["received"] if rows["padded"] else 0
+        for op in ("all_gather", "reduce_scatter"):
+            volume.add(f"etp_{op}", passes * rows["received"] * gathered,
+                       passes * low * gathered, passes * rows["received_max"] * gathered)
+    if not rows["padded"]:
+        forwards = layers.moe + layers.moe_mlp_rerun
+        volume.add(f"{expert_group_kind(config)}_all_gather",
+                   forwards * etp * ep * config.num_moe_experts * 8)
 
 
 def _expert_parallel(config, micro_batch_size: int, pp_rank: int) -> tuple[dict, dict]:
-    ep = config.expert_model_parallel_size
-    _, moe_layers, _ = _layer_counts(config, pp_rank)
-    if ep == 1 or moe_layers == 0:
+    layers = _layer_counts(config, pp_rank)
+    etp = _expert_tensor_size(config)
+    if layers.moe == 0 or etp * config.expert_model_parallel_size == 1:
         return {}, {}
+    volume = _Volume()
     if config.moe_token_dispatcher_type == "alltoall":
-        return _alltoall_bytes(config, micro_batch_size, moe_layers)
-    tokens = _moe_tokens(config, micro_batch_size)
-    h, experts = config.hidden_size, config.num_moe_experts
-    e = element_bytes(config.params_dtype)
-    return {"ep_all_gather": moe_layers * (2 * ep * tokens * h * e + ep * tokens * experts * 5),
-            "ep_reduce_scatter": moe_layers * (2 * ep * tokens * h * e
-                                               + ep * tokens * experts * 4)}, {}
+        _alltoall_dispatcher(config, micro_batch_size, layers, volume)
+    else:
+        _allgather_dispatcher(config, micro_batch_size, layers, volume)
+    if etp > 1 and config.add_bias_linear:       # fc2's bias enters through copy over etp
+        local = config.num_moe_experts // config.expert_model_parallel_size
+        volume.add("etp_all_reduce", layers.moe * local * config.hidden_size
+                   * element_bytes(config.params_dtype))
+    return volume.result()
+
+
+def router_loss_bytes(config, micro_batch_size: int, pp_rank: int) -> dict:
+    """The load-balancing loss's statistics over the sequence partition group (tp × cp, when
+    it has more than one rank and ``moe_aux_loss_coeff`` > 0), once per MoE layer and
+    micro-batch (a recomputed layer computes its losses only in the re-run): ``aux_loss``
+    all-reduces the (E,) int64 top-k counts; ``seq_aux_loss`` all-gathers the scores of the
+    whole sequence (s·b·E, fp32 or the fp64 router dtype) and reduce-scatters their gradient."""
+    partition = config.tensor_model_parallel_size * config.context_parallel_size
+    kind = config.moe_router_load_balancing_type
+    if partition == 1 or not config.moe_aux_loss_coeff or kind == "none":
+        return {}
+    layers = _layer_counts(config, pp_rank)
+    if layers.moe == 0:
+        return {}
+    group = "tp" if config.context_parallel_size == 1 else "tp-cp"
+    if kind == "aux_loss":
+        return {f"{group}_all_reduce": layers.moe * config.num_moe_experts * 8}
+    scores = config.seq_length * micro_batch_size * config.num_moe_experts \
+        * (8 if config.moe_router_dtype == "fp64" else 4)
+    return {f"{group}_all_gather": layers.moe * scores,
+            f"{group}_reduce_scatter": layers.moe * scores}
 
 
 def expert_parallel_bytes(config, micro_batch_size: int, pp_rank: int) -> dict:
-    """EP volume of one micro-batch on ``pp_rank`` (the alltoall dispatcher unpadded: under
-    uniform routing, see ``expert_parallel_bounds``)."""
+    """The routed experts' volume of one micro-batch on ``pp_rank``: the dispatcher's
+    collectives over ep, etp and etp × ep, and the etp all-reduce of the experts' fc2 bias
+    gradient (the alltoall dispatcher unpadded: under uniform routing, see
+    ``expert_parallel_bounds``)."""
     return _expert_parallel(config, micro_batch_size, pp_rank)[0]
 
 
@@ -299,7 +456,7 @@ def step_comm_bytes(config, layout, rank: int, buffers, micro_batch_size: int,
     pp_rank = layout.rank_in("pp", rank)
     volume = defaultdict(int)
     for part in (tensor_parallel_bytes, context_parallel_bytes, expert_parallel_bytes,
-                 pipeline_bytes):
+                 router_loss_bytes, pipeline_bytes):
         for key, value in part(config, micro_batch_size, pp_rank).items():
             volume[key] += value * num_microbatches
     if buffers.fsdp_strategy is not None:

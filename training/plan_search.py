@@ -107,7 +107,7 @@ def _ring_factor(op: str, n: int) -> float:
 
 
 GROUP_OF_KIND = {"tp": "tp", "cp": "cp", "ep": "ep", "pp": "pp", "dp": "dp-cp", "edp": "edp",
-                 "embedding": "embedding"}
+                 "embedding": "embedding", "etp": "etp", "etp-ep": "etp-ep", "tp-cp": "tp-cp"}
 
 
 def comm_seconds(comm: dict, layout, rank: int, cluster: Cluster) -> float:

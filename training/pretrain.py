@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from tpfuse.checkpoint import format as ckpt
 from tpfuse.parallel import parallel_state
-from tpfuse.parallel.devices import collective_device
+from tpfuse.parallel.devices import model_device
 from tpfuse.parallel.microbatches import MicrobatchCalculator
 from tpfuse.runtime.initialize import check_layout, initialize_distributed
 from tpfuse.training.arguments import parse_args
@@ -93,7 +93,7 @@ class _Run:
         training, checkpoint = settings.training, settings.checkpoint
         self.forward_step = forward_step
         self.state = parallel_state.get_default_state()
-        self.device = collective_device()
+        self.device = model_device(settings.distributed.device)
         self.model = [chunk.to(self.device) for chunk in build_model(model_provider, config)]
         resumes = checkpoint.load and resume_point(checkpoint.load,
                                                    checkpoint.exit_on_missing_checkpoint)
@@ -409,8 +409,8 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step,
                  (train_valid_test_datasets_provider, model_provider, forward_step)]
     distributed = settings.distributed
     initialize_distributed(distributed.distributed_backend,
-                           distributed.distributed_timeout_minutes)
-    if collective_device().type == "cpu":
+                           distributed.distributed_timeout_minutes, distributed.device)
+    if model_device(distributed.device).type == "cpu":
         keep_freed_host_memory()         # activations reused step to step, not re-faulted
     check_layout(config)
     parallel_state.initialize_model_parallel(

@@ -323,6 +323,10 @@ class DistributedSettings(SettingsGroup):
     distributed_backend: str | None = setting(
         None, "default: nccl when CUDA is available (Megatron's), else gloo",
         choices=("gloo", "nccl"))
+    device: str | None = setting(
+        None, "where the model and its activations live: cuda (this rank's GPU; under gloo "
+              "every collective is staged through host memory, so ranks may share one GPU) or "
+              "cpu; default: the backend's (nccl: cuda, gloo: cpu)", choices=("cpu", "cuda"))
     distributed_timeout_minutes: float = setting(
         10.0, "a collective waiting longer than this fails the job",
         bounds=(0.0, False, None, False))

@@ -10,6 +10,8 @@ of a GPT this way: ``decoder.layers.<name>`` has a leading axis of ``num_layers`
 ``replica_id`` is 0 (or all zeros) for the one copy that is written; other copies (the same
 piece on another tp / dp rank) are only read. ``ShardedObject``: any picklable ``data`` stored
 under ``unique_key``. ``LocalNonpersistentObject``: returned as it is, never stored.
+``ShardedTensorFactory``: a tensor stored as the ShardedTensors its ``build_fn`` makes and
+loaded back through its ``merge_fn`` (a strided partition: the gated fc1, stacked experts).
 ``flattened_range`` (pieces of a flattened tensor, Megatron's distributed optimizer format) is
 not supported.
 
@@ -20,7 +22,7 @@ tpfuse parameter attributes (``tensor_model_parallel``, ``partition_dim``,
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Optional, Tuple, Union
+from typing import Callable, Optional, Tuple, Union
 
 import torch
 
@@ -142,6 +144,55 @@ class ShardedObject(ShardedBase):
                    tuple(int(x) for x in offset.split(".")), replica_id)
 
 
+@dataclass
+class ShardedTensorFactory(ShardedBase):
+    """A tensor saved as the sub-state-dict ``build_fn(key, data, replica_id, flattened_range)``
+    (ShardedTensors of other pieces / layouts) and loaded back as ``merge_fn(loaded
+    sub-state-dict)``: Megatron's way to store a gated MLP's fc1 or stacked experts so that the
+    stored tensor does not depend on the layout (see ``strided_factory``)."""
+    key: str
+    data: Optional[torch.Tensor] = field(repr=False)
+    build_fn: Callable = field(repr=False)
+    merge_fn: Callable = field(repr=False)
+    replica_id: ReplicaId = 0
+    flattened_range: Optional[slice] = None
+
+    def build(self):
+        return self.build_fn(self.key, self.data, self.replica_id, self.flattened_range)
+
+    def validate_metadata_integrity(self) -> None:
+        """Nothing to check before the build (Megatron's rule)."""
+
+    def without_data(self):
+        return replace(self, data=None)
+
+
+def apply_factories(tree):
+    """The nesting with every ShardedTensorFactory replaced by its built sub-state-dict."""
+    if isinstance(tree, ShardedTensorFactory):
+        return tree.build()
+    if isinstance(tree, dict):
+        return {key: apply_factories(value) for key, value in tree.items()}
+    if isinstance(tree, list):
+        return [apply_factories(value) for value in tree]
+    return tree
+
+
+def apply_factory_merges(loaded, sharded):
+    """``loaded`` (the load of ``apply_factories(sharded)``) with every factory position merged
+    back by its ``merge_fn``; entries ``loaded`` lacks are left out."""
+    if isinstance(sharded, ShardedTensorFactory):
+        return sharded.merge_fn(loaded)
+    if isinstance(sharded, dict) and isinstance(loaded, dict):
+        for key, value in sharded.items():
+            if key in loaded:
+                loaded[key] = apply_factory_merges(loaded[key], value)
+    elif isinstance(sharded, list) and isinstance(loaded, list) and len(sharded) == len(loaded):
+        for index, value in enumerate(sharded):
+            loaded[index] = apply_factory_merges(loaded[index], value)
+    return loaded
+
+
 class LocalNonpersistentObject:
     """Kept on this rank through ``load`` unchanged; never saved."""
 
@@ -163,11 +214,12 @@ def tp_coordinates():
 
 
 def sharded_tensor_for(key: str, tensor: torch.Tensor, sharded_offsets: tuple = (),
-                       tp=None, dp_rank=None) -> ShardedTensor:
+                       tp=None, dp_rank=None):
     """A ShardedTensor for a (tpfuse) parameter or buffer: cut along ``partition_dim`` over the
     tp ranks when it is tensor-parallel, else replicated (written by tp rank 0); ``dp_rank``
     (data + context parallel) goes into the replica id; ``sharded_offsets`` are prepended axes
-    ``(axis, offset, size)`` (the layer axis)."""
+    ``(axis, offset, size)`` (the layer axis). A weight partitioned with a stride (a gated
+    MLP's fc1: ``partition_stride`` 2) becomes a ``strided_factory``."""
     if tp is None:
         tp_size, tp_rank, dp_rank_default = tp_coordinates()
     else:
@@ -177,16 +229,47 @@ def sharded_tensor_for(key: str, tensor: torch.Tensor, sharded_offsets: tuple = 
     offsets = list(sharded_offsets)
     data = tensor.detach()
     if getattr(tensor, "tensor_model_parallel", False) and tp_size > 1:
-        if int(getattr(tensor, "partition_stride", 1)) != 1:
-            raise ValueError(f"{key}: a strided tensor-parallel weight (partition_stride "
-                             f"{tensor.partition_stride}, e.g. a gated MLP's fc1) has no "
-                             "ShardedTensor layout in tpfuse's dist_checkpointing")
-        offsets.append((prepend + int(tensor.partition_dim), tp_rank, tp_size))
+        axis = prepend + int(tensor.partition_dim)
         replica = (0, 0, dp_rank)
+        stride = int(getattr(tensor, "partition_stride", 1))
+        if stride != 1:
+            return strided_factory(key, data, sharded_offsets, axis, tp_rank, tp_size, stride,
+                                   replica)
+        offsets.append((axis, tp_rank, tp_size))
     else:
         replica = (0, tp_rank, dp_rank)
     return ShardedTensor.from_rank_offsets(key, data, *offsets, replica_id=replica,
                                            prepend_axis_num=prepend)
+
+
+def strided_pieces(key, data, sharded_offsets, axis, rank, size, stride, replica_id,
+                   rank_offsets=()):
+    """The ``stride`` ShardedTensors of a strided partition: the partitioned global axis is cut
+    into ``size · stride`` blocks dealt round-robin, so this rank's local tensor is its blocks
+    ``rank, rank + size, ...`` in order; block j of the local tensor sits at global block
+    ``j · size + rank``. For a gated fc1 (stride 2 on the output rows) this is Megatron's
+    ``apply_swiglu_sharded_factory``: the gate rows of every rank, then the up rows, so the
+    stored tensor is the tp = 1 ``[gate; up]`` at any tp. ``rank_offsets``: further
+    ``(axis, rank, size)`` cuts of the other (not prepended) axes."""
+    prepend = len(sharded_offsets)
+    blocks = torch.chunk(data, stride, dim=axis - prepend)
+    return [ShardedTensor.from_rank_offsets(key, block.contiguous(), *sharded_offsets,
+                                            *rank_offsets,
+                                            (axis, j * size + rank, size * stride),
+                                            replica_id=replica_id, prepend_axis_num=prepend)
+            for j, block in enumerate(blocks)]
+
+
+def strided_factory(key, data, sharded_offsets, axis, rank, size, stride, replica_id):
+    """``strided_pieces`` as a ShardedTensorFactory (merge: the blocks concatenated back)."""
+    local_axis = axis - len(sharded_offsets)
+
+    def build(key, data, replica_id, flattened_range):
+        return strided_pieces(key, data, sharded_offsets, axis, rank, size, stride, replica_id)
+
+    def merge(blocks):
+        return torch.cat(blocks, dim=local_axis)
+    return ShardedTensorFactory(key, data, build, merge, replica_id)
 
 
 def make_sharded_tensors_for_module(module: torch.nn.Module, prefix: str = "",

@@ -3,10 +3,11 @@
 
 ``save(sharded_state_dict, checkpoint_dir)`` (collective): the ShardedTensors' main replicas
 and the ShardedObjects go into the torch.distributed.checkpoint files, every other entry
-(rank 0's) into ``common.pt``, then ``metadata.json``. Before anything is written, every rank
-checks (on the gathered pieces of all ranks) that each key's main replicas tile its global
-tensor exactly once and agree on its global shape; a violation is a CheckpointingException
-naming the key, raised on every rank.
+(rank 0's) into ``common.pt``, then ``metadata.json``; a ShardedTensorFactory is saved as the
+sub-state-dict it builds (and merged back by its ``merge_fn`` at load). Before anything is
+written, every rank checks (on the gathered pieces of all ranks) that each key's main replicas
+tile its global tensor exactly once and agree on its global shape; a violation is a
+CheckpointingException naming the key, raised on every rank.
 
 ``load(sharded_state_dict, checkpoint_dir)`` (collective) returns the same nesting with every
 ShardedTensor replaced by this rank's loaded piece (``local_shape``, the requested dtype),
@@ -24,7 +25,8 @@ import torch.distributed as dist
 from . import torch_dist
 from .core import (CheckpointingConfig, CheckpointingException, maybe_load_config,
                    save_config)
-from .mapping import LocalNonpersistentObject, ShardedObject, ShardedTensor, is_main_replica
+from .mapping import (LocalNonpersistentObject, ShardedObject, ShardedTensor, apply_factories,
+                      apply_factory_merges, is_main_replica)
 
 COMMON_STATE_FNAME = "common.pt"
 _SUPPORTED_STRATEGIES = (None, ("torch_dist", 1), "torch_dist")
@@ -43,20 +45,30 @@ def _leaves(tree, path=()):
 
 
 def _rebuild(tree, leaf_fn):
-    """The same nesting with each leaf mapped (leaf_fn returning _DROP removes it)."""
+    """The same nesting with each leaf mapped (leaf_fn returning _DROP removes it; a container
+    whose entries were all removed is removed too, an empty one is kept)."""
     if isinstance(tree, dict):
         out = {}
         for key, value in tree.items():
             mapped = _rebuild(value, leaf_fn)
             if mapped is not _DROP:
                 out[key] = mapped
-        return out
+        return _DROP if tree and not out else out
     if isinstance(tree, list):
-        return [m for m in (_rebuild(v, leaf_fn) for v in tree) if m is not _DROP]
+        out = [m for m in (_rebuild(v, leaf_fn) for v in tree) if m is not _DROP]
+        return _DROP if tree and not out else out
     return leaf_fn(tree)
 
 
 _DROP = object()
+
+
+def _rebuild_top(tree, leaf_fn):
+    """``_rebuild`` of a whole state dict (an empty dict when everything was removed)."""
+    out = _rebuild(tree, leaf_fn)
+    return {} if out is _DROP else out
+
+
 _SHARDED = (ShardedTensor, ShardedObject, LocalNonpersistentObject)
 
 
@@ -137,13 +149,14 @@ def save(sharded_state_dict, checkpoint_dir, sharded_strategy=None, common_strat
             raise ValueError(f"{name} is not supported by tpfuse's dist_checkpointing")
     if not Path(checkpoint_dir).is_dir():
         raise CheckpointingException(f"checkpoint directory {checkpoint_dir} does not exist")
+    sharded_state_dict = apply_factories(sharded_state_dict)
     leaves = [leaf for _, leaf in _leaves(sharded_state_dict)]
     tensors = [leaf for leaf in leaves if isinstance(leaf, ShardedTensor)]
     objects = [leaf for leaf in leaves if isinstance(leaf, ShardedObject)]
     if validate_access_integrity:
         validate_sharding_integrity(tensors)
-    common = _rebuild(sharded_state_dict, lambda leaf: _DROP if isinstance(leaf, _SHARDED)
-                      else leaf)
+    common = _rebuild_top(sharded_state_dict, lambda leaf: _DROP if isinstance(leaf, _SHARDED)
+                          else leaf)
     if _rank() == 0:
         torch.save(common, os.path.join(checkpoint_dir, COMMON_STATE_FNAME))
     torch_dist.save_sharded([sh for sh in tensors if is_main_replica(sh.replica_id)],
@@ -178,6 +191,7 @@ def load(sharded_state_dict, checkpoint_dir, sharded_strategy=None, common_strat
     if config.sharded_backend != "torch_dist":
         raise CheckpointingException(f"{checkpoint_dir} was written with the "
                                      f"{config.sharded_backend!r} backend; tpfuse reads torch_dist")
+    with_factories, sharded_state_dict = sharded_state_dict, apply_factories(sharded_state_dict)
     leaves = [leaf for _, leaf in _leaves(sharded_state_dict)]
     tensors = [leaf for leaf in leaves if isinstance(leaf, ShardedTensor)]
     objects = [leaf for leaf in leaves if isinstance(leaf, ShardedObject)]
@@ -191,8 +205,8 @@ def load(sharded_state_dict, checkpoint_dir, sharded_strategy=None, common_strat
         if isinstance(leaf, LocalNonpersistentObject):
             return leaf.unwrap()
         return _DROP
-    return _merge(load_common_state_dict(str(checkpoint_dir)),
-                  _rebuild(sharded_state_dict, value_of))
+    values = apply_factory_merges(_rebuild_top(sharded_state_dict, value_of), with_factories)
+    return _merge(load_common_state_dict(str(checkpoint_dir)), values)
 
 
 def load_tensors_metadata(checkpoint_dir, sharded_strategy=None):

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from . import sharded_state
+
 
 class MegatronOptimizer:
     def __init__(self, native, config, model_chunks):
@@ -63,12 +65,13 @@ class MegatronOptimizer:
         return self.native.state_dict()
 
     def load_state_dict(self, state_dict) -> None:
+        if sharded_state.is_sharded_format(state_dict):      # what dist_checkpointing loaded
+            return sharded_state.load_sharded_optimizer_state(self, state_dict)
         self.native.load_state_dict(state_dict)
 
     def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False, **kwargs):
-        raise ValueError("optimizer.sharded_state_dict (Megatron's dist_checkpointing of the "
-                         "optimizer state) is not implemented by tpfuse: save the optimizer with "
-                         "state_dict() / torch.save, or use tpfuse's native checkpoints")
+        return sharded_state.optimizer_sharded_state_dict(self, model_sharded_state_dict,
+                                                          is_loading, **kwargs)
 
 
 class FP32Optimizer(MegatronOptimizer):

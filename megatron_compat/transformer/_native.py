@@ -37,7 +37,7 @@ NOT_IMPLEMENTED_MODEL_FIELDS = (
     "experimental_attention_variant", "linear_attention_freq", "softmax_scale", "softmax_type",
     "pipeline_model_parallel_layout", "account_for_embedding_in_pipeline_split",
     "account_for_loss_in_pipeline_split", "heterogeneous_block_specs", "mrope_section",
-    "is_hybrid_model", "moe_shared_expert_gate", "moe_router_enable_expert_bias",
+    "is_hybrid_model", "moe_router_enable_expert_bias",
     "moe_router_force_load_balancing", "moe_input_jitter_eps", "moe_apply_probs_on_input",
     "moe_latent_size", "moe_router_topk_limited_devices", "moe_use_legacy_grouped_gemm",
     "moe_enable_routing_replay",

@@ -20,6 +20,7 @@ import tokenizers
 import transformers
 
 from tpfuse.checkpoint.reading import load_tokenizer
+from tpfuse.convert.hf import export_hf
 from tpfuse.data import IndexedDataset, build_tokenizer
 from tpfuse.data.preprocess import main as preprocess_main
 from tpfuse.data.tokenizer_tiktoken import PATTERNS
@@ -218,6 +219,8 @@ def test_preprocess_and_train_give_the_library_ids(run_distributed, tmp_path, ca
     assert abs(losses[0] - math.log(case["vocab_size"])) < 1.0
     restored = load_tokenizer(save)
     assert restored.tokenize(PROBE) == case["encode"](PROBE) and restored.eod == case["eod"]
+    # the HF export names the same end-of-document id (rebuilt from the files the flags name)
+    assert export_hf(save, str(tmp_path / "hf"))["eos_token_id"] == case["eod"]
 
 
 # ---------------------------------------------------------------------- special text, workers

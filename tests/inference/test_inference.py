@@ -153,11 +153,12 @@ def test_load_model_holds_the_checkpoint_weights(trained):
     assert model.config.sequence_parallel is False and model.config.padded_vocab_size == 272
 
 
-def _generate_at(root, tp, pp, vpp):
+def _generate_at(root, tp, pp, vpp, sp=False):
     from tpfuse.parallel import parallel_state
 
     state = parallel_state.initialize_model_parallel(tp, pp, vpp)
-    chunks = load_model(root, state)
+    chunks = load_model(root, state, sequence_parallel=sp)
+    assert all(chunk.config.sequence_parallel == sp for chunk in chunks)
     cached = generate(chunks, PROMPTS, STEPS, greedy=True, state=state)
     recomputed = [generate(chunks, [p], STEPS, greedy=True, use_cache=False, state=state)[0]
                   for p in PROMPTS]
@@ -166,7 +167,11 @@ def _generate_at(root, tp, pp, vpp):
     return cached, recomputed, sampled
 
 
-LAYOUTS = {"tp2": (2, 2, 1, None), "pp2-vpp2": (2, 1, 2, 2), "tp2-pp2": (4, 2, 2, None)}
+LAYOUTS = {"tp2": (2, 2, 1, None), "pp2-vpp2": (2, 1, 2, 2), "tp2-pp2": (4, 2, 2, None),
+           # sequence parallelism: the prefill (prompts left-padded to a multiple of tp) split
+           # over TP — across the pipeline the stages exchange (s/tp, b, h) — the decode steps
+           # and the odd-length recomputations without it
+           "tp2-pp2-sp": (4, 2, 2, None, True)}
 
 
 @pytest.fixture(scope="module")
@@ -190,13 +195,40 @@ def test_single_process_kv_cache_equals_recomputation(single_process):
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_kv_cache_generation_equals_recomputation(run_distributed, trained, single_process,
                                                   layout):
-    world, tp, pp, vpp = LAYOUTS[layout]
-    per_rank = run_distributed(world, _generate_at, trained, tp, pp, vpp)
+    world, *sizes = LAYOUTS[layout]
+    per_rank = run_distributed(world, _generate_at, trained, *sizes)
     cached, recomputed, sampled = per_rank[0]
     assert cached == recomputed == single_process[0]
     for other in per_rank[1:]:                 # every rank returns the same tokens
         assert other == per_rank[0]
     assert all(0 <= t < 257 for seq in sampled for t in seq)
+
+
+def _check_sequence_parallel_switch():
+    """Under tp2 + SP: ``sequence_parallel_disabled`` turns every flag the modules read off and
+    back on; a cached step TP cannot split is refused by name before any collective."""
+    from tpfuse.inference.sequence_parallel import _flagged, sequence_parallel_disabled
+    from tpfuse.parallel.state import ParallelState
+
+    state = ParallelState.initialize(tp=2)
+    try:
+        model = GPTModel(_config(tensor_model_parallel_size=2, sequence_parallel=True),
+                         state=state).eval()
+        flags = _flagged([model])
+        assert len(flags) > 10 and all(value for _, value in flags)
+        with sequence_parallel_disabled([model]):
+            assert not any(owner.sequence_parallel for owner, _ in flags)
+        assert all(owner.sequence_parallel for owner, _ in flags)
+        context = InferenceContext(1, 8)
+        with pytest.raises(ValueError, match="inference step of 3 tokens with "
+                                             "sequence_parallel=True: tp=2 must divide it"):
+            model(torch.tensor([[1, 2, 3]]), inference_context=context)
+    finally:
+        state.destroy()
+
+
+def test_sequence_parallel_is_switched_off_and_on_for_steps_tp_cannot_split(run_distributed):
+    run_distributed(2, _check_sequence_parallel_switch)
 
 
 # -------------------------------------------------------------------- the trainer's sample, the CLI
@@ -254,7 +286,8 @@ def test_generate_cli_in_process_and_on_two_ranks(trained, monkeypatch, capsys):
     done = subprocess.run(
         [sys.executable, "-m", "tpfuse.inference.cli", "--load", trained, "--prompt-ids",
          "120 32 61 32", "--max-new-tokens", "5", "--greedy", "--json", "--nproc-per-node", "2",
-         "--tensor-model-parallel-size", "2"], capture_output=True, text=True, timeout=300,
+         "--tensor-model-parallel-size", "2", "--sequence-parallel"], capture_output=True,
+        text=True, timeout=300,
         env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     assert [json.loads(out) for out in done.stdout.splitlines()] == [expected]

@@ -1,5 +1,6 @@
 """Mixture-of-experts checkpoints through generation: trained at tp2 + SP with ep2, loaded at any
-tp × pp (× ep), and the trainer's ``--sample-prompt`` on every rank of an ep run.
+tp × pp (× ep), with or without sequence parallelism, and the trainer's ``--sample-prompt`` on
+every rank of an ep run.
 
 Reference: the single-process model loaded from the same checkpoint (its experts re-joined from
 the ep / etp shards). Greedy tokens are compared exactly: every layout runs the same fp32 weights
@@ -52,12 +53,12 @@ def single(trained_run):
     return model, generate(model, PROMPTS, STEPS, greedy=True)
 
 
-def _generate_at(root, tp, pp, ep):
+def _generate_at(root, tp, pp, ep, sp=False):
     from tpfuse.parallel import parallel_state
 
     state = parallel_state.initialize_model_parallel(tp, pp, expert_model_parallel_size=ep)
-    chunks = load_model(root, state)
-    assert all(not chunk.config.sequence_parallel for chunk in chunks)
+    chunks = load_model(root, state, sequence_parallel=sp)
+    assert all(chunk.config.sequence_parallel == sp for chunk in chunks)
     return generate(chunks, PROMPTS, STEPS, greedy=True, state=state)
 
 
@@ -80,14 +81,17 @@ def test_single_process_load_joins_the_expert_shards(trained_run, single):
 
 
 LAYOUTS = {"tp2": (2, 2, 1, 1), "pp2": (2, 1, 2, 1), "ep2": (2, 1, 1, 2),
-           "tp2-ep2": (4, 2, 1, 2)}
+           "tp2-ep2": (4, 2, 1, 2),
+           # the prefill split over TP (the MoE layers route each rank's s/2 tokens), decode
+           # steps without SP
+           "tp2-sp": (2, 2, 1, 1, True), "tp2-ep2-sp": (4, 2, 1, 2, True)}
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_moe_generation_is_the_same_at_every_layout(run_distributed, trained_run, single,
                                                     layout):
-    world, tp, pp, ep = LAYOUTS[layout]
-    per_rank = run_distributed(world, _generate_at, trained_run[0], tp, pp, ep)
+    world, *sizes = LAYOUTS[layout]
+    per_rank = run_distributed(world, _generate_at, trained_run[0], *sizes)
     assert per_rank == [single[1]] * world
 
 

@@ -60,6 +60,8 @@ def test_defaults_follow_megatron():
     (dict(moe_layer_freq=0), "moe_layer_freq=0"),
     (dict(moe_shared_expert_intermediate_size=15, tensor_model_parallel_size=2,
           sequence_parallel=True), "moe_shared_expert_intermediate_size=15"),
+    (dict(moe_shared_expert_gate=True), "moe_shared_expert_gate=True needs "
+                                        "moe_shared_expert_intermediate_size"),
 ])
 def test_invalid_moe_settings_raise_naming_the_values(overrides, named):
     with pytest.raises(ValueError, match=re.escape(named)):
@@ -74,12 +76,14 @@ def test_megatron_flags_and_round_trip():
                     "--moe-z-loss-coeff", "0.001", "--moe-expert-capacity-factor", "1.25",
                     "--moe-pad-expert-input-to-capacity", "--moe-token-dispatcher-type",
                     "alltoall", "--moe-grouped-gemm", "--moe-shared-expert-intermediate-size",
-                    "64", "--expert-model-parallel-size", "2", "--moe-ffn-hidden-size", "48"])
+                    "64", "--moe-shared-expert-gate", "--expert-model-parallel-size", "2",
+                    "--moe-ffn-hidden-size", "48"])
     assert config.num_moe_experts == 8 and config.moe_router_topk == 1
     assert config.moe_layer_freq == [0, 1, 1, 1, 0, 1, 1, 1]
     assert config.moe_router_pre_softmax and config.moe_grouped_gemm
     assert config.moe_pad_expert_input_to_capacity and config.moe_expert_capacity_factor == 1.25
     assert (config.moe_ffn_hidden_size, config.moe_shared_expert_intermediate_size) == (48, 64)
+    assert config.moe_shared_expert_gate
     assert parse(config_to_argv(config)) == config
 
 

@@ -3,7 +3,8 @@
 Four gloo ranks hold the tokens of several micro-batches (data parallel) split over the sequence
 (sequence parallelism when tp = 2); every layout — ep = 1, 2, 4; etp = 1, 2; both dispatchers;
 grouped GEMM and the expert loop; gelu, gelu_tanh and swiglu; with biases, a shared expert, the
-load-balancing loss (aux_loss or seq_aux_loss) and the z-loss — must give, on every rank:
+load-balancing loss (aux_loss or seq_aux_loss) and the z-loss, the shared expert's sigmoid gate on
+in every other layout (ep2, ep4, tp2-ep2-etp1) — must give, on every rank:
 the outputs of its tokens, the input gradients, and every parameter gradient (after the reductions
 the trainer performs: dense parameters over dp, expert parameters over edp) equal to the float64
 dense reference of ``_moe_reference.py`` on the full micro-batches. The logged losses (partials
@@ -37,6 +38,7 @@ LAYOUTS = {  # name: (tp, ep, etp) over 4 ranks
 def _cfg(variant):
     return {"hidden": HIDDEN, "ffn": FFN, "experts": EXPERTS, "topk": TOPK,
             "activation": ("gelu", "swiglu", "gelu_tanh")[variant % 3], "bias": True, "shared": 8,
+            "shared_gate": variant % 2 == 1,
             "score_function": "softmax", "aux_coeff": 0.1,
             "balancing": "seq_aux_loss" if variant % 2 else "aux_loss", "z_coeff": 0.01}
 
@@ -49,6 +51,7 @@ def _config(cfg, tp, ep, etp, dispatcher, grouped):
         expert_tensor_parallel_size=etp, num_moe_experts=EXPERTS, moe_ffn_hidden_size=FFN,
         moe_router_topk=TOPK, activation=cfg["activation"], add_bias_linear=cfg["bias"],
         moe_shared_expert_intermediate_size=cfg["shared"],
+        moe_shared_expert_gate=cfg["shared_gate"],
         moe_router_load_balancing_type=cfg["balancing"], moe_aux_loss_coeff=cfg["aux_coeff"],
         moe_z_loss_coeff=cfg["z_coeff"], moe_token_dispatcher_type=dispatcher,
         moe_grouped_gemm=grouped)
@@ -79,6 +82,7 @@ def _load(layer, m, state, stride, ep_size):
                                                 stride)[:, 0],
         "shared_experts.linear_fc2.weight": shard(m["shared_fc2"], 1, tp, r),
         "shared_experts.linear_fc2.bias": m["shared_fc2_bias"],
+        "shared_experts.gate_weight": m.get("shared_gate"),
     }
     with torch.no_grad():
         for name, param in layer.named_parameters():
@@ -112,7 +116,8 @@ MASTER_OF = {"router.weight": "router", "experts.weight1": "w1", "experts.weight
              "shared_experts.linear_fc1.weight": "shared_fc1",
              "shared_experts.linear_fc1.bias": "shared_fc1_bias",
              "shared_experts.linear_fc2.weight": "shared_fc2",
-             "shared_experts.linear_fc2.bias": "shared_fc2_bias"}
+             "shared_experts.linear_fc2.bias": "shared_fc2_bias",
+             "shared_experts.gate_weight": "shared_gate"}
 
 
 def _check_layout(tp, ep, etp, variant):

@@ -5,7 +5,8 @@ Used in float64 as the reference of the router, loss and layer tests.
 Masters (full, single-process shapes): ``router (E, h)``, ``w1 (E, h, F1)``, ``b1 (E, F1)``,
 ``w2 (E, F, h)``, ``b2 (E, h)``; F1 = 2F for swiglu (``[gate | up]``); optionally the shared
 expert ``shared_fc1 (F_s·g, h)``, ``shared_fc1_bias``, ``shared_fc2 (h, F_s)``,
-``shared_fc2_bias`` (nn.Linear layout, g = 2 for swiglu).
+``shared_fc2_bias`` (nn.Linear layout, g = 2 for swiglu) and its gate ``shared_gate (1, h)``
+(the shared output scaled by σ(x·shared_gateᵀ)).
 """
 import math
 
@@ -47,7 +48,10 @@ def expert_mlp(x, m, e, activation):
 
 def shared_mlp(x, m, activation):
     h = F.linear(x, m["shared_fc1"], m.get("shared_fc1_bias"))
-    return F.linear(_act(h, activation), m["shared_fc2"], m.get("shared_fc2_bias"))
+    y = F.linear(_act(h, activation), m["shared_fc2"], m.get("shared_fc2_bias"))
+    if "shared_gate" in m:
+        y = y * torch.sigmoid(x @ m["shared_gate"].t())
+    return y
 
 
 def balance_scores(logits, score_function):
@@ -127,4 +131,6 @@ def draw_masters(cfg, seed):
         if cfg.get("bias"):
             m["shared_fc1_bias"] = randn(gated * fs, fan_in=4)
             m["shared_fc2_bias"] = randn(h, fan_in=4)
+        if cfg.get("shared_gate"):
+            m["shared_gate"] = randn(1, h, fan_in=h)
     return m

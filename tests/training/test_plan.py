@@ -94,9 +94,6 @@ def test_static_memory_equals_the_trainers_record_on_every_rank(run_distributed,
 # -------------------------------------------------------------------- communication
 STEP = ["--eval-iters", "0", "--no-progress-bar", "--no-layout-table", "--attention-dropout", "0",
         "--micro-batch-size", "2"]
-COUNTER_NAMES = {"dp-cp_all_reduce": "dp_all_reduce", "dp-cp_all_gather": "dp_param_all_gather",
-                 "dp-cp_reduce_scatter": "dp_reduce_scatter",
-                 "edp_all_gather": "edp_param_all_gather"}
 
 
 def counted_step_body(flags):
@@ -123,11 +120,15 @@ def counted_step_body(flags):
                          argv=BASE + STEP + flags)
     finally:
         trainer._Run.train_step = original
-    return dist.get_rank(), {COUNTER_NAMES.get(k, k): v for k, v in counted.items()}
+    return dist.get_rank(), dict(counted)
 
 
 ALLTOALL = ["--num-experts", "4", "--expert-model-parallel-size", "2", "--moe-router-topk", "2",
             "--global-batch-size", "8", "--moe-token-dispatcher-type", "alltoall"]
+TP_MOE = ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--num-experts", "4",
+          "--moe-router-topk", "2", "--global-batch-size", "4"]
+PADDED_ALLTOALL = ["--moe-token-dispatcher-type", "alltoall", "--moe-expert-capacity-factor", "1.5",
+                   "--moe-pad-expert-input-to-capacity"]
 COMM_GRID = [
     (2, ["--tensor-model-parallel-size", "2", "--global-batch-size", "4",
          "--log-memory-plan"]),
@@ -144,6 +145,21 @@ COMM_GRID = [
          "--global-batch-size", "8"]),
     # the alltoall dispatcher padded to capacity: E·C rows each way, whatever the routing
     (4, ALLTOALL + ["--moe-expert-capacity-factor", "1.5", "--moe-pad-expert-input-to-capacity"]),
+    # MoE layers under TP + SP: the allgather dispatcher over etp × ep (bf16 probabilities,
+    # dense layers between), the alltoall one's etp gathers, ep = 1 (the dispatchers over etp
+    # = the tp group) with a gated shared expert and full or MLP recompute re-running the forwards
+    (4, TP_MOE + ["--expert-model-parallel-size", "2", "--moe-layer-freq", "2", "--bf16"]),
+    (4, TP_MOE + ["--expert-model-parallel-size", "2"] + PADDED_ALLTOALL),
+    (2, TP_MOE + ["--moe-shared-expert-intermediate-size", "32", "--moe-shared-expert-gate",
+                  "--recompute-granularity", "full", "--recompute-method", "block",
+                  "--recompute-num-layers", "1"]),
+    (2, TP_MOE + PADDED_ALLTOALL + ["--recompute-granularity", "selective",
+                                    "--recompute-modules", "mlp"]),
+    # the load-balancing losses' statistics over tp (8 experts: the counts are not a scalar)
+    (2, TP_MOE + ["--num-experts", "8", "--moe-aux-loss-coeff", "0.01", "--recompute-granularity",
+                  "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]),
+    (2, TP_MOE + ["--moe-aux-loss-coeff", "0.01", "--moe-router-load-balancing-type",
+                  "seq_aux_loss"]),
     # FSDP: ZeRO-2 (3 experts over edp = dp: padded row splits), ZeRO-3 beside TP + SP
     (2, FSDP + ["optim_grads", "--bf16", "--num-experts", "3", "--moe-router-topk", "2",
                 "--global-batch-size", "8"]),
@@ -152,15 +168,29 @@ COMM_GRID = [
 ]
 
 
+PLAN_GROUPS = {"dp": "dp-cp"}            # the plan's kinds whose group has another name
+OPS = ("param_all_gather", "all_gather", "all_reduce", "reduce_scatter", "all_to_all", "send")
+
+
 def _as_counted(planned: dict, layout, rank: int) -> dict:
-    """The plan's kinds as the counter names them: it tells groups apart by the group, so where
-    the expert-data group is the dp·cp group (ep = 1) it counts ``edp_*`` as ``dp_*``."""
-    if layout.group_of("edp", rank) != layout.group_of("dp-cp", rank):
-        return planned
+    """The plan's kinds as the counter names them: it tells groups apart by their ranks, so a
+    kind is counted under the first of the counter's kinds whose group on ``rank`` holds the
+    same ranks (the expert-data group is the dp·cp group where ep = 1; the etp group is the
+    tp group where etp = tp; with tp = etp = ep = 2 over 4 ranks the ep group is the dp
+    group), and ``*_param_all_gather`` as an ``all_gather``."""
+    from support.comm_counter import KINDS, SEND_KINDS
+
     merged = {}
     for key, value in planned.items():
-        key = "dp_" + key[len("edp_"):] if key.startswith("edp_") else key
-        merged[key] = merged.get(key, 0) + value
+        op = next(op for op in OPS if key.endswith("_" + op))
+        kind = key[:-len(op) - 1]
+        ranks = layout.group_of(PLAN_GROUPS.get(kind, kind), rank)
+        counted_op = "all_gather" if op == "param_all_gather" else op
+        counted_kind = next(k for k in (SEND_KINDS if op == "send" else KINDS)
+                            if len(layout.group_of(k, rank)) > 1
+                            and layout.group_of(k, rank) == ranks)
+        merged[f"{counted_kind}_{counted_op}"] = merged.get(f"{counted_kind}_{counted_op}",
+                                                            0) + value
     return merged
 
 
@@ -180,31 +210,41 @@ def test_comm_bytes_equal_the_collectives_of_a_real_step(run_distributed, world,
         assert _as_counted(planned, layout, rank) == counted[rank], rank
 
 
+@pytest.mark.parametrize("flags", [
+    ALLTOALL, TP_MOE + ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type",
+                        "alltoall"]], ids=["ep2", "tp2-sp-ep2"])
 def test_dropless_alltoall_volume_is_exact_over_the_ep_group_and_bounded_per_rank(
-        run_distributed):
+        run_distributed, flags):
     """Dropless, the rows an ep rank's experts receive follow the routing: per rank the counted
     all-to-all lies in the plan's [low, high] (low: the rows it sends, exact; high: every token
     of the group routed to its experts) and over each ep group it sums to the plan's value
     (every row sent is received there: the plan's per-rank value is the group's mean, and the
-    exact value under uniform routing); every other kind, the counts' all-gather included, is
-    exact per rank."""
+    exact value under uniform routing); so do the etp gathers of the received rows under TP
+    (each etp rank's block padded to the largest: bounded, counted with the tp group's);
+    every other kind, the counts' all-gather included, is exact per rank."""
     from tpfuse.training.plan_comm import step_comm_bounds, step_comm_bytes
 
-    counted = dict(run_distributed(4, counted_step_body, ALLTOALL))
-    config, settings = parse_args(BASE + STEP + ALLTOALL)
+    counted = dict(run_distributed(4, counted_step_body, flags))
+    config, settings = parse_args(BASE + STEP + flags)
     layout = layout_of(config, 4)
-    buffers = buffer_settings(config, settings, 4)
-    m = 8 // (2 * 4)
+    dp = 4 // config.tensor_model_parallel_size
+    buffers = buffer_settings(config, settings, dp)
+    m = settings.training.global_batch_size // (2 * dp)
     for group in layout.groups("ep"):
         planned_sum = counted_sum = 0
         for rank in group:
             planned = step_comm_bytes(config, layout, rank, buffers, 2, m, backend="gloo")
-            low, high = step_comm_bounds(config, layout, rank, 2, m)["ep_all_to_all"]
-            volume = counted[rank].pop("ep_all_to_all")
-            assert low <= volume <= high, (rank, low, volume, high)
-            planned_sum += planned.pop("ep_all_to_all")
-            counted_sum += volume
-            assert planned == counted[rank], rank
+            bounds = step_comm_bounds(config, layout, rank, 2, m)
+            assert "ep_all_to_all" in bounds
+            low, high = ({key: bounds.get(key, (value, value))[side]
+                          for key, value in planned.items()} for side in (0, 1))
+            low, high = _as_counted(low, layout, rank), _as_counted(high, layout, rank)
+            assert set(low) == set(counted[rank]), rank
+            for key, volume in counted[rank].items():      # equal where low = high
+                assert low[key] <= volume <= high[key], (rank, key, low[key], volume, high[key])
+            (all_to_all,) = _as_counted({"ep_all_to_all": 1}, layout, rank)
+            planned_sum += _as_counted(planned, layout, rank)[all_to_all]
+            counted_sum += counted[rank][all_to_all]
         assert counted_sum == planned_sum, group
 
 
