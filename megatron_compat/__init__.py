@@ -20,7 +20,8 @@ __version__ = "0.16.1"
 _SUBMODULES = ("parallel_state", "tensor_parallel", "utils", "model_parallel_config",
                "num_microbatches_calculator", "pipeline_parallel", "transformer", "enums",
                "datasets", "models", "distributed", "optimizer", "dist_checkpointing",
-               "optimizer_param_scheduler", "fusions")
+               "optimizer_param_scheduler", "fusions", "hyper_comm_grid",
+               "process_groups_config")
 __all__ = ["parallel_state", "tensor_parallel", "utils", "ModelParallelConfig", "mpu"]
 
 

@@ -14,3 +14,21 @@ def get_attr_wrapped_model(model, attr, allow_none=True, return_model_obj=False)
     if not hasattr(model, attr) or (not allow_none and getattr(model, attr) is None):
         raise RuntimeError(f"couldn't find attribute {attr!r} on the model")
     return model if return_model_obj else getattr(model, attr)
+
+
+def get_tensor_model_parallel_group_if_none(tp_group, is_expert=False, check_initialized=True):
+    """``tp_group``, or when it is None the (expert) tensor-parallel group of parallel_state;
+    None without torch.distributed, ``tp_group`` unchanged before parallel_state is set up
+    (megatron-core 0.16's helper for layers that take an optional group)."""
+    import torch.distributed as dist
+
+    from . import parallel_state
+
+    if not dist.is_initialized():
+        return None
+    if not parallel_state.is_initialized() or tp_group is not None:
+        return tp_group
+    if is_expert:
+        return parallel_state.get_expert_tensor_parallel_group(
+            check_initialized=check_initialized)
+    return parallel_state.get_tensor_model_parallel_group(check_initialized=check_initialized)

@@ -91,10 +91,17 @@ def _trainable(model_chunks) -> list:
 
 
 def _tied_embedding(model_chunks, state) -> frozenset:
-    """ids of the word embedding summed across pipeline stages (GPT chunks; none otherwise)."""
-    if not all(hasattr(getattr(c, "module", c), "shared_embedding_or_output_weight")
-               for c in model_chunks):
+    """ids of the word embedding summed across pipeline stages (GPT chunks; none otherwise).
+    Buffers over a subset of a rank's chunks (one per virtual chunk, as Megatron's DDP) hold it
+    only when the subset has the pipeline's end chunk (pre_process first, post_process last)."""
+    chunks = [getattr(c, "module", c) for c in model_chunks]
+    if not all(hasattr(c, "shared_embedding_or_output_weight") for c in chunks):
         return frozenset()
+    if state is not None and chunks and state.pp_size > 1:
+        first = state.is_pipeline_first_stage()
+        end, flag = (chunks[0], "pre_process") if first else (chunks[-1], "post_process")
+        if not getattr(end, flag, True):
+            return frozenset()
     from tpfuse.models.gpt import tied_embedding_weight
 
     weight = tied_embedding_weight(model_chunks, state)

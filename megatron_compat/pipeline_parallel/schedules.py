@@ -15,8 +15,9 @@ force_all_reduce=False`` and returns the list of what the loss function reduced 
 A loss function may return ``(loss, reduced)`` (loss × cp / m before backward) or
 ``(loss, num_tokens, reduced)`` (loss / num_tokens / m, or untouched with
 ``calculate_per_token_loss``). Gradient synchronisation hooks run without overlap: the whole
-schedule runs inside ``no_sync_func()``, then ``grad_sync_func`` per chunk, then
-``finalize_model_grads_func`` — the same gradients, reduced after the last backward.
+schedule runs inside ``no_sync_func()`` (a list of them, one per model chunk, entered together),
+then ``grad_sync_func`` per chunk (one, or a list), then ``finalize_model_grads_func`` — the
+same gradients, reduced after the last backward.
 
 As Megatron's, the interleaved schedule ignores ``decoder_seq_length`` (its tensors are
 ``seq_length`` long) and checks ``microbatch_group_size_per_vp_stage`` g at the call:
@@ -144,6 +145,19 @@ def _call_per_chunk(funcs, chunks):
         func(chunk.parameters())
 
 
+def _no_sync_context(no_sync_func):
+    """``no_sync_func()``; a list (one per model chunk, Megatron's virtual pipeline) entered
+    together; nothing when None."""
+    if no_sync_func is None:
+        return contextlib.nullcontext()
+    if not isinstance(no_sync_func, (list, tuple)):
+        return no_sync_func()
+    stack = contextlib.ExitStack()
+    for chunk_no_sync in no_sync_func:
+        stack.enter_context(chunk_no_sync())
+    return stack
+
+
 def _run(native, interleaved, *, forward_step_func, data_iterator, model, num_microbatches,
          seq_length, micro_batch_size, decoder_seq_length=None, forward_only=False,
          collect_non_loss_data=False, first_val_step=None, adjust_tensor_shapes_fn=None,
@@ -167,8 +181,7 @@ def _run(native, interleaved, *, forward_step_func, data_iterator, model, num_mi
             barrier=getattr(config, "barrier_with_L1_time", False))
     if not forward_only:
         _call_per_chunk(getattr(config, "param_sync_func", None), chunks)
-    no_sync = getattr(config, "no_sync_func", None) or contextlib.nullcontext
-    with no_sync():
+    with _no_sync_context(getattr(config, "no_sync_func", None)):
         store = native(step, data_iterator, chunks if interleaved else chunks[0],
                        num_microbatches, seq_length, micro_batch_size,
                        forward_only=forward_only, state=state, tensor_shape=shape)

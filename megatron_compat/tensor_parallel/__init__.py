@@ -17,7 +17,8 @@ from .mappings import (all_gather_last_dim_from_tensor_parallel_region, all_to_a
                        reduce_scatter_to_sequence_parallel_region,
                        scatter_to_sequence_parallel_region,
                        scatter_to_tensor_model_parallel_region)
-from .random import (CudaRNGStatesTracker, checkpoint, convert_cuda_rng_state,
+from .random import (CheckpointWithoutOutput, CudaRNGStatesTracker, checkpoint,
+                     convert_cuda_rng_state,
                      get_cuda_rng_tracker, get_data_parallel_rng_tracker_name,
                      get_expert_parallel_rng_tracker_name, is_graph_safe_cuda_rng_tracker,
                      model_parallel_cuda_manual_seed)
@@ -38,6 +39,6 @@ __all__ = [
     "all_to_all_hp2sp", "checkpoint", "convert_cuda_rng_state", "get_cuda_rng_tracker",
     "model_parallel_cuda_manual_seed", "get_data_parallel_rng_tracker_name",
     "get_expert_parallel_rng_tracker_name", "is_graph_safe_cuda_rng_tracker",
-    "CudaRNGStatesTracker", "split_tensor_along_last_dim", "split_tensor_into_1d_equal_chunks",
+    "CudaRNGStatesTracker", "CheckpointWithoutOutput", "split_tensor_along_last_dim", "split_tensor_into_1d_equal_chunks",
     "gather_split_1d_tensor", "VocabUtility",
 ]

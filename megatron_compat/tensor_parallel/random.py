@@ -6,8 +6,12 @@
 Megatron's setters apply), and — as Megatron does — seeds the CUDA default generator with
 ``seed`` when CUDA is available; the CPU default generator is left alone. Transformer Engine's
 tracker, the inference tracker and CUDA-graph-safe generators are Megatron-only options.
+``CheckpointWithoutOutput`` (recompute a function's freed outputs in backward) lives in
+``checkpoint_without_output.py``.
 """
 from __future__ import annotations
+
+import contextlib
 
 import torch
 from torch.utils.checkpoint import checkpoint as _torch_checkpoint
@@ -15,6 +19,7 @@ from torch.utils.checkpoint import checkpoint as _torch_checkpoint
 from tpfuse.tp_layers import random as _random
 
 from .. import parallel_state as _mpu
+from .checkpoint_without_output import CheckpointWithoutOutput  # noqa: F401  (Megatron's home)
 
 _MODEL_PARALLEL_RNG_TRACKER_NAME = _random.MODEL_PARALLEL_RNG
 _EXPERT_PARALLEL_RNG_TRACKER_NAME = _random.EXPERT_PARALLEL_RNG
@@ -33,34 +38,116 @@ class CudaRNGStatesTracker(_random.CudaRNGStatesTracker, metaclass=_TrackerType)
     """Megatron's tracker: tpfuse's streams, and ``set_states`` stores whatever it is given as
     Megatron's does (``set_states({"state1": 1234})`` then ``get_states()["state1"] == 1234``).
     Generator-state tensors (uint8) become streams; any other value is kept as given, returned
-    by ``get_states`` and refused by ``fork`` (RuntimeError, naming it)."""
+    by ``get_states`` and refused by ``fork`` (RuntimeError, naming it).
+
+    ``fork`` nests as Megatron's: entering a stream while another is forked first saves the
+    outer stream's progress, and leaving restores the outer stream from its saved (possibly
+    since advanced) state, so ``fork(a)`` inside ``fork(b)`` inside ``fork(a)`` draws a's
+    numbers in sequence. ``states_`` is Megatron's name → state mapping.
+
+    ``use_cudagraphable_rng=True`` (Megatron: CUDA-graph-safe generators) is emulated where
+    there is no CUDA device: each stream is a ``torch.Generator`` object, returned as such by
+    ``get_states`` / ``states_``, accepted by ``set_states``; with CUDA it is refused."""
 
     def __init__(self, use_cudagraphable_rng=False, is_inference_rng_tracker=False):
-        _check_plain_tracker(False, is_inference_rng_tracker, use_cudagraphable_rng)
-        super().__init__()
+        _check_plain_tracker(False, is_inference_rng_tracker,
+                             use_cudagraphable_rng and torch.cuda.is_available())
         self.use_cudagraphable_rng = use_cudagraphable_rng
         self.is_inference_rng_tracker = is_inference_rng_tracker
+        super().__init__()
 
     def reset(self) -> None:
         super().reset()
         self.opaque_states_: dict = {}
+        self.generators_: dict = {}
+        self.current_stream_ = None
+
+    @property
+    def states_(self) -> dict:
+        return self.get_states()
+
+    def add(self, name: str, seed: int) -> None:
+        if not self.use_cudagraphable_rng:
+            return super().add(name, seed)
+        if name in self.generators_:
+            raise ValueError(f"RNG state {name!r} already exists; reset() the tracker first")
+        if seed in self.seeds_.values():
+            raise ValueError(f"seed {seed} already exists (each stream needs its own seed)")
+        self._is_initialized = True
+        self.seeds_[name] = seed
+        self.generators_[name] = torch.Generator().manual_seed(seed)
 
     def get_states(self) -> dict:
+        if self.use_cudagraphable_rng:
+            return {**self.generators_, **self.opaque_states_}
         return {**super().get_states(), **getattr(self, "opaque_states_", {})}
 
     def set_states(self, states: dict) -> None:
-        generator_states = {name: value for name, value in states.items()
-                            if isinstance(value, torch.Tensor) and value.dtype == torch.uint8}
-        super().set_states(generator_states)
-        self.opaque_states_ = {name: value for name, value in states.items()
-                               if name not in generator_states}
+        if self.use_cudagraphable_rng:
+            self.generators_ = {n: v for n, v in states.items()
+                                if isinstance(v, torch.Generator)}
+        else:
+            super().set_states({n: v for n, v in states.items()
+                                if isinstance(v, torch.Tensor) and v.dtype == torch.uint8})
+        streams = self.generators_ if self.use_cudagraphable_rng else self.cpu_states_
+        self.opaque_states_ = {n: v for n, v in states.items() if n not in streams}
         self._is_initialized = True
 
+    # ------------------------------------------------------------------ forking
+    def _has_stream(self, name) -> bool:
+        return name in (self.generators_ if self.use_cudagraphable_rng else self.cpu_states_)
+
+    def _save_live(self, name) -> None:
+        """The default generators' state of now is stream ``name``'s progress."""
+        if self.use_cudagraphable_rng:
+            self.generators_[name].set_state(torch.get_rng_state())
+            return
+        self.cpu_states_[name] = torch.get_rng_state()
+        if _random._cuda_in_use():
+            self.cuda_states_[name] = torch.cuda.get_rng_state()
+
+    def _load_live(self, name) -> None:
+        """Put stream ``name`` into the default generators."""
+        if self.use_cudagraphable_rng:
+            torch.set_rng_state(self.generators_[name].get_state())
+            return
+        if _random._cuda_in_use():
+            if name not in self.cuda_states_:        # CUDA initialised after seeding
+                if name not in self.seeds_:
+                    raise RuntimeError(f"RNG state {name!r} was restored without a CUDA state "
+                                       "and its seed is unknown; seed the tracker first")
+                self.cuda_states_[name] = self._fresh_cuda_state(self.seeds_[name])
+            torch.cuda.set_rng_state(self.cuda_states_[name])
+        torch.set_rng_state(self.cpu_states_[name])
+
+    def _live(self):
+        cuda = torch.cuda.get_rng_state() if _random._cuda_in_use() else None
+        return torch.get_rng_state(), cuda
+
+    @contextlib.contextmanager
     def fork(self, name: str = _random.MODEL_PARALLEL_RNG):
         if name in getattr(self, "opaque_states_", {}):
             raise RuntimeError(f"RNG state {name!r} holds {type(self.opaque_states_[name]).__name__}"
                                ", not a generator state: it cannot be forked")
-        return super().fork(name)
+        if not self._has_stream(name):
+            raise RuntimeError(f"RNG state {name!r} is not added: call "
+                               "model_parallel_cuda_manual_seed(seed) or add(name, seed) first")
+        outer, (cpu, cuda) = self.current_stream_, self._live()
+        if outer is not None:
+            self._save_live(outer)
+        self._load_live(name)
+        self.current_stream_ = name
+        try:
+            yield
+        finally:
+            self._save_live(name)
+            self.current_stream_ = outer
+            if outer is not None:
+                self._load_live(outer)
+            else:
+                torch.set_rng_state(cpu)
+                if cuda is not None:
+                    torch.cuda.set_rng_state(cuda)
 
 
 def _check_plain_tracker(use_te_rng_tracker, inference_rng_tracker, use_cudagraphable_rng):
@@ -99,10 +186,19 @@ def get_all_rng_states():
 
 
 def convert_cuda_rng_state(state, to_graphable=False):
-    """A generator state tensor (a Generator gives its state); graph-safe states are
-    Megatron-only."""
+    """A generator state tensor ↔ a graph-safe state. Without CUDA the graph-safe form is a
+    ``torch.Generator`` holding the state (what the emulated ``use_cudagraphable_rng=True``
+    tracker stores); with CUDA ``to_graphable=True`` is Megatron-only."""
     if to_graphable:
-        raise ValueError("to_graphable=True (CUDA-graph-safe RNG states) is not supported")
+        if torch.cuda.is_available():
+            raise ValueError("to_graphable=True (CUDA-graph-safe RNG states) is not supported")
+        if isinstance(state, torch.Generator):
+            return state
+        if isinstance(state, torch.Tensor):
+            generator = torch.Generator()
+            generator.set_state(state)
+            return generator
+        raise ValueError(f"Invalid state type: {type(state).__name__}")
     if isinstance(state, torch.Generator):
         return state.get_state()
     if isinstance(state, torch.Tensor):
@@ -111,7 +207,7 @@ def convert_cuda_rng_state(state, to_graphable=False):
 
 
 def is_graph_safe_cuda_rng_tracker(cuda_rng_tracker):
-    return False
+    return bool(getattr(cuda_rng_tracker, "use_cudagraphable_rng", False))
 
 
 def model_parallel_cuda_manual_seed(seed, te_rng_tracker=False, inference_rng_tracker=False,
@@ -132,9 +228,14 @@ def model_parallel_cuda_manual_seed(seed, te_rng_tracker=False, inference_rng_tr
 
 
 def checkpoint(function, distribute_saved_activations, *args):
-    """Activation checkpointing that replays the tracker's streams in the recomputation."""
+    """Activation checkpointing that replays the tracker's streams in the recomputation.
+
+    With ``distribute_saved_activations`` (Megatron's memory saving under tensor parallelism)
+    the first argument's data is cut to this rank's 1/tp of its flattened elements after the
+    forward (so ``args[0]`` reads as that 1-D chunk afterwards, as in Megatron) and gathered
+    back to its shape before the recomputation (``_DistributedCheckpoint``)."""
     if distribute_saved_activations:
-        raise ValueError("distribute_saved_activations=True is not supported by tpfuse")
+        return _DistributedCheckpoint.apply(function, *args)
     tracker = _random.get_rng_tracker()
     at_forward = tracker.get_states()
     calls = []
@@ -152,3 +253,46 @@ def checkpoint(function, distribute_saved_activations, *args):
 
     return _torch_checkpoint(body, *args, use_reentrant=False, preserve_rng_state=True)
 
+
+class _DistributedCheckpoint(torch.autograd.Function):
+    """Megatron's reentrant checkpoint with the first input stored split over tp:
+    forward ``function(*args)`` without history, ``args[0].data`` ← its 1/tp flat chunk;
+    backward: gather it back, recompute under the forward's RNG states, backpropagate."""
+
+    @staticmethod
+    def forward(ctx, function, *args):
+        from .checkpoint_without_output import _all_rng_states
+        from .utils import split_tensor_into_1d_equal_chunks
+
+        ctx.function, ctx.rng_states = function, _all_rng_states()
+        with torch.no_grad():
+            outputs = function(*args)
+        first = args[0]
+        if not isinstance(first, torch.Tensor):
+            raise ValueError("distribute_saved_activations=True needs a tensor first argument")
+        ctx.first_shape = first.shape
+        first.data = split_tensor_into_1d_equal_chunks(first.data, new_buffer=True)
+        ctx.save_for_backward(*args)
+        return outputs
+
+    @staticmethod
+    def backward(ctx, *grad_outputs):
+        from .checkpoint_without_output import _fork_all_rng, _set_all_rng_states
+        from .utils import gather_split_1d_tensor
+
+        if not torch.autograd._is_checkpoint_valid():
+            raise RuntimeError("Checkpointing is not compatible with .grad(), please use "
+                               ".backward() if possible")
+        inputs = list(ctx.saved_tensors)
+        inputs[0].data = gather_split_1d_tensor(inputs[0].data).view(ctx.first_shape)
+        detached = [t.detach().requires_grad_(t.requires_grad) for t in inputs]
+        with _fork_all_rng():
+            _set_all_rng_states(*ctx.rng_states)
+            with torch.enable_grad():
+                outputs = ctx.function(*detached)
+        outputs = (outputs,) if isinstance(outputs, torch.Tensor) else tuple(outputs)
+        pairs = [(o, g) for o, g in zip(outputs, grad_outputs)
+                 if o.requires_grad and g is not None]
+        if pairs:
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        return (None,) + tuple(t.grad for t in detached)

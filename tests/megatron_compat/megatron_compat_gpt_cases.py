@@ -98,19 +98,23 @@ def per_token_forward_step(data_iterator, model):
 
 
 def megatron_train(model, steps=STEPS, step_func=forward_step):
-    """(per-step mean loss on the last stage, step results) with Megatron's training calls."""
+    """(per-step mean loss on the last stage, step results) with Megatron's training calls.
+    ``model``: one DDP chunk, or a list of them (virtual pipeline: one data iterator each)."""
     from tpfuse.megatron_compat import parallel_state
     from tpfuse.megatron_compat.optimizer import OptimizerConfig, get_megatron_optimizer
     from tpfuse.megatron_compat.pipeline_parallel import get_forward_backward_func
 
-    optimizer = get_megatron_optimizer(OptimizerConfig(lr=LR), [model])
+    chunks = model if isinstance(model, list) else [model]
+    optimizer = get_megatron_optimizer(OptimizerConfig(lr=LR), chunks)
     forward_backward = get_forward_backward_func()
-    iterator, losses, results = data_iterator(), [], []
+    iterator = [data_iterator() for _ in chunks] if len(chunks) > 1 else data_iterator()
+    losses, results = [], []
     for _ in range(steps):
-        model.zero_grad_buffer()
+        for chunk in chunks:
+            chunk.zero_grad_buffer()
         optimizer.zero_grad()
         reduced = forward_backward(forward_step_func=step_func, data_iterator=iterator,
-                                   model=[model], num_microbatches=MICROBATCHES,
+                                   model=chunks, num_microbatches=MICROBATCHES,
                                    seq_length=SEQ, micro_batch_size=MICRO,
                                    decoder_seq_length=SEQ, forward_only=False)
         results.append(optimizer.step())
@@ -195,26 +199,98 @@ def per_token_and_mean_tp2():
     return runs
 
 
+def megatron_virtual_chunks(config, vpp, tied=True):
+    """Megatron's get_model for a virtual pipeline: model_provider once per chunk i with
+    ``pre_process = is_pipeline_first_stage(ignore_virtual=False, vp_stage=i)`` (and last),
+    one DDP per chunk (bucketing off after the first), the chunks' no_sync / grad-sync hooks
+    in the config as lists. (chunks, no_sync entries counted per chunk)."""
+    from tpfuse.megatron_compat import parallel_state
+    from tpfuse.megatron_compat.distributed import (DistributedDataParallel,
+                                                    DistributedDataParallelConfig)
+    from tpfuse.megatron_compat.models.gpt import GPTModel
+    from tpfuse.megatron_compat.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    def model_provider(pre_process=True, post_process=True, vp_stage=None):
+        return GPTModel(config, get_gpt_layer_local_spec(), vocab_size=VOCAB,
+                        max_sequence_length=SEQ, pre_process=pre_process,
+                        post_process=post_process, share_embeddings_and_output_weights=tied,
+                        vp_stage=vp_stage)
+
+    chunks = []
+    for i in range(vpp):
+        model = model_provider(parallel_state.is_pipeline_first_stage(False, vp_stage=i),
+                               parallel_state.is_pipeline_last_stage(False, vp_stage=i),
+                               vp_stage=i)
+        chunks.append(DistributedDataParallel(config, DistributedDataParallelConfig(), model,
+                                              disable_bucketing=i > 0))
+    entered = [0] * vpp
+
+    def counting_no_sync(i):
+        def no_sync():
+            entered[i] += 1
+            return chunks[i].no_sync()
+        return no_sync
+    config.no_sync_func = [counting_no_sync(i) for i in range(vpp)]
+    config.grad_sync_func = [chunk.start_grad_sync for chunk in chunks]
+    return chunks, entered
+
+
+def compat_and_native_pp2_vpp2():
+    """pp2·vpp2 (4 layers: one per chunk) the Megatron way and the native way: (is last stage,
+    compat losses, native losses, step results, no_sync entries per chunk, layers of each chunk
+    built the Megatron way, the same built after set_virtual_pipeline_model_parallel_rank)."""
+    import warnings
+
+    from tpfuse.megatron_compat import parallel_state
+    from tpfuse.megatron_compat.models.gpt import GPTModel
+    from tpfuse.megatron_compat.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from tpfuse.megatron_compat.tensor_parallel import model_parallel_cuda_manual_seed
+
+    parallel_state.initialize_model_parallel(1, 2, virtual_pipeline_model_parallel_size=2)
+    try:
+        model_parallel_cuda_manual_seed(SEED)
+        config = megatron_config(1, 2, virtual_pipeline_model_parallel_size=2)
+        chunks, entered = megatron_virtual_chunks(config, 2)
+        last = parallel_state.is_pipeline_last_stage()
+        compat, results = megatron_train(chunks)
+        layers = [c.module.native.layer_indices for c in chunks]
+        older = []                  # the older style: set the virtual rank, then build
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            for i in range(2):
+                parallel_state.set_virtual_pipeline_model_parallel_rank(i)
+                model = GPTModel(config, get_gpt_layer_local_spec(), vocab_size=VOCAB,
+                                 max_sequence_length=SEQ,
+                                 pre_process=parallel_state.is_pipeline_first_stage(False),
+                                 post_process=parallel_state.is_pipeline_last_stage(False))
+                older.append((model.native.layer_indices, model.pre_process, model.post_process))
+            parallel_state.set_virtual_pipeline_model_parallel_rank(0)
+    finally:
+        parallel_state.destroy_model_parallel()
+    return last, compat, native_losses(1, 2, vpp=2), results, entered, layers, older
+
+
 # ----------------------------------------------------------------------------- native tpfuse
-def native_losses(tp, pp):
-    from tpfuse.models import GPTModel, TransformerConfig, allreduce_embedding_grads
+def native_losses(tp, pp, vpp=None):
+    from tpfuse.models import TransformerConfig, allreduce_embedding_grads
+    from tpfuse.models.build import build_model, make_gpt_model_provider
     from tpfuse.parallel.state import ParallelState
     from tpfuse.pipeline import get_forward_backward_func
     from tpfuse.training.data_parallel import (DataParallelBuffers,
                                                DistributedDataParallelConfig)
     from tpfuse.training.optimizer import MixedPrecisionOptimizer
 
-    state = ParallelState.initialize(tp=tp, pp=pp)
+    state = ParallelState.initialize(tp=tp, pp=pp, vpp=vpp)
     try:
         config = TransformerConfig(num_layers=LAYERS, hidden_size=HIDDEN,
                                    num_attention_heads=HEADS, vocab_size=VOCAB, seq_length=SEQ,
                                    tensor_model_parallel_size=tp,
-                                   pipeline_model_parallel_size=pp, hidden_dropout=0.0,
+                                   pipeline_model_parallel_size=pp,
+                                   virtual_pipeline_model_parallel_size=vpp, hidden_dropout=0.0,
                                    attention_dropout=0.0, seed=SEED)
-        model = GPTModel(config, pre_process=state.is_pipeline_first_stage(),
-                         post_process=state.is_pipeline_last_stage(), state=state)
-        buffers = DataParallelBuffers([model], DistributedDataParallelConfig(), state)
-        optimizer = MixedPrecisionOptimizer([model], buffers, state, lr=LR, weight_decay=0.01,
+        chunks = build_model(make_gpt_model_provider(config), config, state)
+        buffers = DataParallelBuffers(chunks, DistributedDataParallelConfig(), state)
+        optimizer = MixedPrecisionOptimizer(chunks, buffers, state, lr=LR, weight_decay=0.01,
                                             clip_grad=1.0)
         forward_backward = get_forward_backward_func(state)
 
@@ -223,12 +299,13 @@ def native_losses(tp, pp):
             loss = chunk(batch["tokens"], labels=batch["labels"])
             return loss, lambda out: (out.mean(), {"lm loss": out.mean().detach()})
 
-        iterator, losses = data_iterator(), []
+        iterator = [data_iterator() for _ in chunks] if len(chunks) > 1 else data_iterator()
+        losses = []
         for _ in range(STEPS):
             buffers.zero_grad_buffer()
-            logs = forward_backward(native_step, iterator, [model], MICROBATCHES, SEQ, MICRO)
+            logs = forward_backward(native_step, iterator, chunks, MICROBATCHES, SEQ, MICRO)
             buffers.finish_grad_sync()
-            allreduce_embedding_grads([model], state)
+            allreduce_embedding_grads(chunks, state)
             optimizer.step()
             if state.is_pipeline_last_stage():
                 losses.append(torch.stack([d["lm loss"] for d in logs]).mean().item())

@@ -39,6 +39,24 @@ def test_model_provider_tp2_pp2_matches_native_losses(run_distributed):
     assert all(step[0] for step in steps)
 
 
+def test_virtual_pipeline_pp2_vpp2_matches_native_losses(run_distributed):
+    """One model_provider call and one DDP per virtual chunk, tied embeddings across the first
+    and last chunk (finalize_model_grads), one optimizer over both chunks, the interleaved
+    schedule over the chunk list: the native vpp run's losses (the same engine, rel 1e-6 as
+    above)."""
+    results = run_distributed(2, cases.compat_and_native_pp2_vpp2)
+    for rank, (last, compat, native, steps, entered, layers, older) in enumerate(results):
+        assert last == (rank == 1)
+        assert entered == [cases.STEPS, cases.STEPS]            # every chunk's no_sync, per step
+        assert all(step[0] for step in steps)
+        # virtual stage c·pp + r holds global layer c·pp + r (one layer per chunk)
+        assert layers == [[rank], [2 + rank]]
+        assert older == [([rank], rank == 0, False), ([2 + rank], False, rank == 1)]
+    compat, native = results[1][1], results[1][2]
+    assert len(compat) == cases.STEPS
+    assert compat == pytest.approx(native, rel=1e-6)
+
+
 def test_per_token_loss_scaling_in_finalize_model_grads(run_distributed):
     """Every micro-batch has the same token count T, so Σ loss / (m·T) after finalize equals the
     mean of the per-micro-batch means: the same gradient norms and steps (rel 1e-6, the order

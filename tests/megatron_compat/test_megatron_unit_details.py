@@ -60,6 +60,58 @@ def test_rng_tracker_set_states_stores_what_it_is_given():
     assert isinstance(get_cuda_rng_tracker(), CudaRNGStatesTracker)
 
 
+def _draws(tracker, plan):
+    """Run ``plan`` (nested lists of stream names) drawing 3 numbers on entering each fork and
+    on leaving it; {stream: its draws in order}."""
+    drawn = {}
+
+    def run(name, inner):
+        with tracker.fork(name):
+            drawn.setdefault(name, []).append(torch.randn(3))
+            for child in inner:
+                run(*child)
+            drawn[name].append(torch.randn(3))
+    for item in plan:
+        run(*item)
+    return drawn
+
+
+@pytest.mark.parametrize("graphable", [False, True])
+def test_rng_tracker_nested_forks_continue_each_stream(graphable):
+    """a inside b inside a: each stream's draws are the ones of forking it alone, in sequence
+    (Megatron's nesting), the default generator comes back unchanged; the graph-safe tracker
+    (emulated on CPU with Generator objects) behaves the same."""
+    def fresh():
+        tracker = CudaRNGStatesTracker(use_cudagraphable_rng=graphable)
+        tracker.add("a", 1234)
+        tracker.add("b", 5678)
+        return tracker
+    before = torch.get_rng_state()
+    nested = _draws(fresh(), [("a", [("b", [("a", [])])])])
+    alone = _draws(fresh(), [("a", []), ("a", []), ("b", [])])
+    assert torch.equal(torch.get_rng_state(), before)
+    assert torch.equal(torch.cat(nested["a"]), torch.cat(alone["a"]))
+    assert torch.equal(torch.cat(nested["b"]), torch.cat(alone["b"]))
+
+
+def test_rng_states_convert_between_plain_and_graph_safe_trackers():
+    from tpfuse.megatron_compat.tensor_parallel import (convert_cuda_rng_state,
+                                                        is_graph_safe_cuda_rng_tracker)
+
+    plain = CudaRNGStatesTracker()
+    plain.add("s", 9)
+    graph_safe = CudaRNGStatesTracker(use_cudagraphable_rng=True)
+    assert is_graph_safe_cuda_rng_tracker(graph_safe) and not is_graph_safe_cuda_rng_tracker(plain)
+    graph_safe.set_states({"s": convert_cuda_rng_state(plain.states_["s"], to_graphable=True)})
+    assert isinstance(graph_safe.get_states()["s"], torch.Generator)
+    with plain.fork("s"), torch.random.fork_rng():
+        expected = torch.rand(4)
+    with graph_safe.fork("s"):
+        assert torch.equal(torch.rand(4), expected)
+    back = convert_cuda_rng_state(graph_safe.states_["s"], to_graphable=False)
+    assert torch.equal(back, graph_safe.get_states()["s"].get_state())
+
+
 def _ranks(group):
     return dist.get_process_group_ranks(group)
 
@@ -140,3 +192,95 @@ def _interleaved_checks_and_shape():
 def test_interleaved_schedule_checks_like_megatron_and_ignores_decoder_seq_length(
         run_distributed):
     assert run_distributed(2, _interleaved_checks_and_shape) == [1] * 2
+
+
+def _distributed_saved_activations():
+    """checkpoint(f, True, x, ...): after the forward x holds this tp rank's half of its flat
+    elements; backward gathers it back and gives the gradients of the plain run (the same
+    arithmetic: compared exactly), dropout from a tracker stream included."""
+    from tpfuse.megatron_compat.tensor_parallel import (checkpoint,
+                                                        model_parallel_cuda_manual_seed)
+    from tpfuse.megatron_compat.utils import get_tensor_model_parallel_group_if_none
+
+    mpu.initialize_model_parallel(2)
+    try:
+        tp_group = mpu.get_tensor_model_parallel_group()
+        assert get_tensor_model_parallel_group_if_none(None) is tp_group
+        assert get_tensor_model_parallel_group_if_none(None, is_expert=True) is \
+            mpu.get_expert_tensor_parallel_group()
+        given = object()
+        assert get_tensor_model_parallel_group_if_none(given) is given
+        weight = torch.linspace(-1.0, 1.0, 12).view(3, 4).requires_grad_()
+
+        def block(x, scale):
+            with get_cuda_rng_tracker().fork():
+                return torch.nn.functional.dropout((x @ weight.t()).tanh() * scale, 0.5)
+
+        runs = []
+        for distribute in (None, True):
+            model_parallel_cuda_manual_seed(3)
+            weight.grad = None
+            x = torch.arange(8.0).view(2, 4).div(8).requires_grad_()
+            scale = torch.full((2, 3), 2.0, requires_grad=True)
+            out = block(x, scale) if distribute is None else checkpoint(block, True, x, scale)
+            if distribute:
+                rank = mpu.get_tensor_model_parallel_rank()
+                assert x.shape == (4,)
+                assert torch.equal(x.detach(), torch.arange(8.0).div(8)[4 * rank:4 * rank + 4])
+            (out * torch.arange(6.0).view(2, 3)).sum().backward()
+            runs.append((out.detach(), x.grad, scale.grad, weight.grad.clone()))
+        for plain, checkpointed in zip(*runs):
+            assert torch.equal(plain, checkpointed)
+    finally:
+        mpu.destroy_model_parallel()
+        get_cuda_rng_tracker().reset()
+    return 1
+
+
+def test_checkpoint_distributes_saved_activations_over_tp(run_distributed):
+    assert run_distributed(2, _distributed_saved_activations) == [1] * 2
+
+
+@pytest.mark.parametrize("shape, names", [([2, 1, 4, 1], ["tp", "cp", "pp", "dp"]),
+                                          ([2, 2, 2, 1], ["tp", "cp", "dp", "pp"])])
+def test_hyper_comm_grid_enumerates_as_the_rank_generator(monkeypatch, shape, names):
+    """HyperCommGrid's groups of one dim are the RankGenerator's for the same order string;
+    inside a multi-dim group the last named dim varies fastest (Megatron's enumeration)."""
+    from tpfuse.megatron_compat.hyper_comm_grid import HyperCommGrid
+
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    grid = HyperCommGrid(shape, names)
+    sizes = dict(zip(names, shape))
+    generator = mpu.RankGenerator(tp=sizes["tp"], ep=1, dp=sizes["dp"], pp=sizes["pp"],
+                                  cp=sizes["cp"], order="-".join(names))
+    for dim in names:
+        assert grid.get_rank_enum(dim) == generator.get_ranks(dim), dim
+    assert HyperCommGrid([2, 2, 2], ["a", "b", "c"]).get_rank_enum(["a", "b"]) == \
+        [[0, 2, 1, 3], [4, 6, 5, 7]]
+    with pytest.raises(RuntimeError, match="over sized"):
+        HyperCommGrid([4, 4], ["tp", "dp"])
+
+
+def _grid_groups_and_stage_predicates():
+    from tpfuse.megatron_compat.hyper_comm_grid import HyperCommGrid
+    from tpfuse.megatron_compat.pipeline_parallel.p2p_communication import P2PCommunicator
+    from tpfuse.megatron_compat.pipeline_parallel.utils import is_pp_first_stage, \
+        is_pp_last_stage
+    from tpfuse.megatron_compat.process_groups_config import ProcessGroupCollection
+
+    grid = HyperCommGrid([1, 2], ["tp", "pp"])
+    pp_group = grid.create_pg("pp")
+    assert grid.get_pg("pp") is pp_group and _ranks(pp_group) == [0, 1]
+    with pytest.raises(KeyError, match="already been created"):
+        grid.create_pg("pp")
+    rank = dist.get_rank()
+    assert (is_pp_first_stage(pp_group), is_pp_last_stage(pp_group)) == (rank == 0, rank == 1)
+    p2p = P2PCommunicator(pp_group, config=None)
+    assert (p2p.next_rank, p2p.prev_rank) == (1 - rank, 1 - rank)
+    collection = ProcessGroupCollection(pp=pp_group)
+    assert collection.pp is pp_group and collection.tp is None
+    return 1
+
+
+def test_grid_groups_and_pipeline_stage_predicates(run_distributed):
+    assert run_distributed(2, _grid_groups_and_stage_predicates) == [1] * 2

@@ -58,6 +58,19 @@ def _refuse_options(**options) -> None:
                              f"at {default!r}")
 
 
+def _running_vp_stage(vp_stage):
+    """``vp_stage``, or under a virtual pipeline the chunk set by parallel_state's
+    ``set_virtual_pipeline_model_parallel_rank`` (Megatron's older providers build chunk i
+    after setting the virtual rank to i; megatron-core 0.16 asserts a vp_stage instead)."""
+    if vp_stage is not None:
+        return vp_stage
+    from ... import parallel_state
+
+    if parallel_state.get_virtual_pipeline_model_parallel_world_size() is None:
+        return None
+    return parallel_state.get_virtual_pipeline_model_parallel_rank()
+
+
 class LanguageModule(MegatronModule):
     """Megatron's base of language models (``models.common.language_module``)."""
 
@@ -84,6 +97,7 @@ class GPTModel(LanguageModule):
         self.transformer_layer_spec = transformer_layer_spec
         self.vocab_size, self.max_sequence_length = vocab_size, max_sequence_length
         self.pre_process, self.post_process = pre_process, post_process
+        vp_stage = _running_vp_stage(vp_stage)
         self.parallel_output, self.vp_stage = parallel_output, vp_stage
         self.share_embeddings_and_output_weights = share_embeddings_and_output_weights
         self.position_embedding_type, self.rotary_base = position_embedding_type, rotary_base
