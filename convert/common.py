@@ -84,3 +84,22 @@ def take_output_layer(source: TensorSet, params: dict, config, embedding_name: s
             params["embedding.word_embeddings.weight"]):
         raise ValueError(f"{source.where}: lm_head.weight differs from {embedding_name} although "
                          "tie_word_embeddings is true")
+
+
+def plain_topk_router_needs(c) -> list:
+    """What both HF MoE families (Mixtral, Qwen2-MoE) route by, as ``(field, holds, needed)``
+    rows: softmax scores, no capacity, no group-limited routing, no top-k scaling, no linear
+    biases."""
+    return [("moe_router_score_function", c.moe_router_score_function == "softmax", "softmax"),
+            ("moe_expert_capacity_factor", c.moe_expert_capacity_factor is None, "None"),
+            ("moe_router_num_groups", c.moe_router_num_groups is None, "None"),
+            ("moe_router_topk_scaling_factor", c.moe_router_topk_scaling_factor is None,
+             "None"),
+            ("add_bias_linear", not c.add_bias_linear, "False")]
+
+
+def unmet(c, needs: list) -> list:
+    """``"field=value (needs needed)"`` for each ``(field, holds, needed)`` row that does not
+    hold."""
+    return [f"{name}={getattr(c, name)} (needs {needed})" for name, holds, needed in needs
+            if not holds]

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from . import llama
-from .common import TensorSet
+from .common import TensorSet, plain_topk_router_needs, unmet
 
 MODEL_TYPE = "mixtral"
 ARCHITECTURE = "MixtralForCausalLM"
@@ -57,15 +57,8 @@ def mismatches(config) -> list[str]:
     wanted = [("moe_layer_freq", c.moe_layer_freq == 1 or all(c.moe_layer_freq), "1"),
               ("moe_shared_expert_intermediate_size",
                c.moe_shared_expert_intermediate_size is None, "None"),
-              ("moe_router_score_function", c.moe_router_score_function == "softmax", "softmax"),
-              ("moe_router_pre_softmax", not c.moe_router_pre_softmax, "False"),
-              ("moe_expert_capacity_factor", c.moe_expert_capacity_factor is None, "None"),
-              ("moe_router_num_groups", c.moe_router_num_groups is None, "None"),
-              ("moe_router_topk_scaling_factor", c.moe_router_topk_scaling_factor is None,
-               "None"),
-              ("add_bias_linear", not c.add_bias_linear, "False")]
-    return dense_checks + [f"{name}={getattr(c, name)} (needs {need})"
-                           for name, ok, need in wanted if not ok]
+              ("moe_router_pre_softmax", not c.moe_router_pre_softmax, "False")]
+    return dense_checks + unmet(c, wanted + plain_topk_router_needs(c))
 
 
 def config_to_hf(config, eos_id: int | None) -> dict:

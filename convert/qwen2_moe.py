@@ -34,7 +34,7 @@ from __future__ import annotations
 import torch
 
 from . import llama, qwen2
-from .common import TensorSet
+from .common import TensorSet, plain_topk_router_needs, unmet
 
 MODEL_TYPE = "qwen2_moe"
 ARCHITECTURE = "Qwen2MoeForCausalLM"
@@ -98,15 +98,8 @@ def mismatches(config) -> list[str]:
                 if not p.startswith(("num_moe_experts", "add_qkv_bias"))]
     wanted = [("moe_shared_expert_intermediate_size",
                c.moe_shared_expert_intermediate_size is not None, "a shared expert"),
-              ("moe_shared_expert_gate", c.moe_shared_expert_gate, "True"),
-              ("moe_router_score_function", c.moe_router_score_function == "softmax", "softmax"),
-              ("moe_expert_capacity_factor", c.moe_expert_capacity_factor is None, "None"),
-              ("moe_router_num_groups", c.moe_router_num_groups is None, "None"),
-              ("moe_router_topk_scaling_factor", c.moe_router_topk_scaling_factor is None,
-               "None"),
-              ("add_bias_linear", not c.add_bias_linear, "False")]
-    return problems + [f"{name}={getattr(c, name)} (needs {need})"
-                       for name, ok, need in wanted if not ok]
+              ("moe_shared_expert_gate", c.moe_shared_expert_gate, "True")]
+    return problems + unmet(c, wanted + plain_topk_router_needs(c))
 
 
 def _pattern(config) -> list[bool]:
