@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import tempfile
 
 
 def pretrain_with_metrics(argv: list, metrics_file: str):
@@ -18,3 +20,25 @@ def pretrain_with_metrics(argv: list, metrics_file: str):
         return None
     with open(metrics_file) as handle:
         return result.train_losses, [json.loads(line) for line in handle if line.strip()]
+
+
+def memory_and_step_time(argv: list, metrics_file: str, skip: int):
+    """On every rank: the job of ``argv``; the logging rank returns its start-up ``memory_bytes``
+    record, the mean ``ms_per_iter`` of the iterations after the first ``skip`` (warm-up) and its
+    losses; the others None."""
+    logged = pretrain_with_metrics(argv, metrics_file)
+    if logged is None:
+        return None
+    losses, records = logged
+    memory = next(r["memory_bytes"] for r in records if "memory_bytes" in r)
+    steps = [r["ms_per_iter"] for r in records if "ms_per_iter" in r]
+    return {"memory": memory, "ms": sum(steps[skip:]) / len(steps[skip:]), "losses": losses}
+
+
+def run_memory_and_step_time(pool, argv: list, skip: int) -> dict:
+    """``memory_and_step_time`` on every rank of ``pool``: the logging rank's result."""
+    with tempfile.TemporaryDirectory() as folder:
+        per_rank = pool.run(memory_and_step_time, argv, os.path.join(folder, "m.jsonl"), skip,
+                            timeout_s=1800.0)
+    (logged,) = [r for r in per_rank if r is not None]
+    return logged

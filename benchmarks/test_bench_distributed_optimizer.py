@@ -27,13 +27,12 @@ Targets: optimizer state per rank ≤ 1.1 × (plain / dp); step time with the di
 from __future__ import annotations
 
 import os
-import tempfile
 
 import pytest
 
 from tpfuse.parallel.launch import WorkerPool
 
-from pretrain_job import pretrain_with_metrics
+from pretrain_job import run_memory_and_step_time
 
 ITERS = int(os.environ.get("TPFUSE_BENCH_ITERS", "6"))
 SKIP = int(os.environ.get("TPFUSE_BENCH_SKIP", "2"))
@@ -57,23 +56,9 @@ CASES = {
 _RESULTS: dict = {}     # name -> {"memory": bytes dict, "ms": [per round], "losses": [...]}
 
 
-def _train_job(argv: list, metrics_file: str):
-    logged = pretrain_with_metrics(argv, metrics_file)
-    if logged is None:
-        return None
-    losses, records = logged
-    memory = next(r["memory_bytes"] for r in records if "memory_bytes" in r)
-    steps = [r["ms_per_iter"] for r in records if "ms_per_iter" in r]
-    return {"memory": memory, "ms": sum(steps[SKIP:]) / len(steps[SKIP:]), "losses": losses}
-
-
 def _run_case(pool, name) -> dict:
     _, flags = CASES[name]
-    with tempfile.TemporaryDirectory() as folder:
-        per_rank = pool.run(_train_job, MODEL + ["--train-iters", str(ITERS)] + flags,
-                            os.path.join(folder, "m.jsonl"), timeout_s=1800.0)
-    (logged,) = [r for r in per_rank if r is not None]
-    return logged
+    return run_memory_and_step_time(pool, MODEL + ["--train-iters", str(ITERS)] + flags, SKIP)
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -28,13 +28,13 @@ optimizer's at dp 2.
 from __future__ import annotations
 
 import os
-import tempfile
+import statistics
 
 import pytest
 
 from tpfuse.parallel.launch import WorkerPool
 
-from pretrain_job import pretrain_with_metrics
+from pretrain_job import run_memory_and_step_time
 
 ITERS = int(os.environ.get("TPFUSE_BENCH_ITERS", "6"))
 SKIP = int(os.environ.get("TPFUSE_BENCH_SKIP", "2"))
@@ -57,32 +57,13 @@ _RESULTS: dict = {}     # name -> {"memory": bytes dict, "ms": [per round], "los
 HELD = ("parameters", "main_parameters", "gradients", "optimizer_state")
 
 
-def _train_job(argv: list, metrics_file: str):
-    logged = pretrain_with_metrics(argv, metrics_file)
-    if logged is None:
-        return None
-    losses, records = logged
-    memory = next(r["memory_bytes"] for r in records if "memory_bytes" in r)
-    steps = [r["ms_per_iter"] for r in records if "ms_per_iter" in r]
-    return {"memory": memory, "ms": sum(steps[SKIP:]) / len(steps[SKIP:]), "losses": losses}
-
-
 def _run_case(pool, kind) -> dict:
-    with tempfile.TemporaryDirectory() as folder:
-        per_rank = pool.run(_train_job, MODEL + ["--train-iters", str(ITERS)] + FLAGS[kind],
-                            os.path.join(folder, "m.jsonl"), timeout_s=1800.0)
-    (logged,) = [r for r in per_rank if r is not None]
-    return logged
+    return run_memory_and_step_time(pool, MODEL + ["--train-iters", str(ITERS)] + FLAGS[kind],
+                                    SKIP)
 
 
 def _held(name) -> int:
     return sum(_RESULTS[name]["memory"][k] for k in HELD)
-
-
-def _median(values) -> float:
-    ordered = sorted(values)
-    middle = len(ordered) // 2
-    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -98,7 +79,7 @@ def summary():
     for name, res in _RESULTS.items():
         dp = int(name[2])
         share = f" ({_held(name) / (single / dp):.3f} x dp1/dp)" if single else ""
-        print(f"  {name:12s} {_held(name) / mib:7.2f} MiB{share} | {_median(res['ms']):.0f} "
+        print(f"  {name:12s} {_held(name) / mib:7.2f} MiB{share} | {statistics.median(res['ms']):.0f} "
               f"[{min(res['ms']):.0f}-{max(res['ms']):.0f}] ms/iter")
     for dp in (1, 2, 4):
         if f"dp{dp}-distopt" not in _RESULTS:
@@ -108,7 +89,7 @@ def summary():
                 # per round: rounds run the kinds back to back, so a round's ratio shares its load
                 ratios = [a / b for a, b in zip(_RESULTS[f"dp{dp}-{kind}"]["ms"],
                                                 _RESULTS[f"dp{dp}-distopt"]["ms"])]
-                print(f"  dp={dp}: {kind} / distopt step time = {_median(ratios):.3f} "
+                print(f"  dp={dp}: {kind} / distopt step time = {statistics.median(ratios):.3f} "
                       f"[{min(ratios):.3f}-{max(ratios):.3f}] over {len(ratios)} rounds")
 
 
