@@ -80,7 +80,9 @@ def is_expert(param) -> bool:
     return not getattr(param, "allreduce", True)
 
 
-def _trainable(model_chunks) -> list:
+def trainable_parameters(model_chunks) -> list:
+    """The chunks' parameters that require a gradient, each once (a tied parameter shared by two
+    chunks included once), in module order."""
     seen, params = set(), []
     for chunk in model_chunks:
         for param in chunk.parameters():
@@ -113,7 +115,7 @@ class DataParallelBuffers:
 
     def __init__(self, model_chunks, config: DistributedDataParallelConfig, state):
         self.chunks, self.config, self.state = list(model_chunks), config, state
-        self.params = _trainable(self.chunks)
+        self.params = trainable_parameters(self.chunks)
         dp_cp = state.size("dp-cp")
         bucket_size = config.bucket_size or max(40_000_000, 1_000_000 * dp_cp)
         if not config.overlap_grad_reduce:

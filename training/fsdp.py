@@ -67,7 +67,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .data_parallel import is_expert
+from .data_parallel import is_expert, trainable_parameters
 
 STRATEGY_RESHARDS = {"optim_grads": False, "optim_grads_params": True}
 
@@ -197,7 +197,7 @@ class FullyShardedModel:
                 unit.set_custom_reduce_scatter(reduce_scatter)
             for chunk in self.chunks:
                 _prefetch_asynchronously(chunk)
-        self.params = _trainable(self.chunks)
+        self.params = trainable_parameters(self.chunks)
         self.num_microbatches, self.backwards = 1, [0] * len(self.chunks)
         self.synced = [False] * len(self.chunks)
         for index, chunk in enumerate(self.chunks):
@@ -397,16 +397,6 @@ def _layers_of(chunk) -> list:
         raise ValueError(f"--use-torch-fsdp2: {type(model).__name__} has no .layers to shard one "
                          "unit per transformer layer")
     return list(layers)
-
-
-def _trainable(model_chunks) -> list:
-    seen, params = set(), []
-    for chunk in model_chunks:
-        for param in chunk.parameters():
-            if param.requires_grad and id(param) not in seen:
-                seen.add(id(param))
-                params.append(param)
-    return params
 
 
 def _device_type() -> str:
