@@ -17,10 +17,11 @@ import torch
 transformers = pytest.importorskip("transformers")
 os.environ["HF_HUB_OFFLINE"] = "1"     # nothing may be downloaded
 
-from safetensors.torch import load_file  # noqa: E402
 
 from tpfuse.convert import export_hf, import_hf  # noqa: E402
 from tpfuse.inference import generate, load_model, pipeline_forward  # noqa: E402
+
+from support.hf_checks import assert_same_safetensors  # noqa: E402
 
 VOCAB = 100
 PROMPTS = [[5, 6, 7], [11, 12, 13, 14, 15], [42]]
@@ -135,11 +136,7 @@ def test_export_of_import_is_bit_identical(tmp_path, kind):
     import_hf(str(tmp_path / "hf"), str(tmp_path / "tpfuse"), tensor_model_parallel_size=2,
               pipeline_model_parallel_size=2)
     export_hf(str(tmp_path / "tpfuse"), str(tmp_path / "back"))
-    before = load_file(str(tmp_path / "hf" / "model.safetensors"))
-    after = load_file(str(tmp_path / "back" / "model.safetensors"))
-    assert sorted(after) == sorted(before)
-    for name, tensor in before.items():
-        assert after[name].dtype == tensor.dtype and torch.equal(after[name], tensor), name
+    assert_same_safetensors(tmp_path / "hf", tmp_path / "back")
     original = json.loads((tmp_path / "hf" / "config.json").read_text())
     written = json.loads((tmp_path / "back" / "config.json").read_text())
     shape_keys = {"gpt2": ["n_layer", "n_embd", "n_head", "n_positions", "activation_function"],

@@ -15,10 +15,11 @@ import torch
 transformers = pytest.importorskip("transformers")
 os.environ["HF_HUB_OFFLINE"] = "1"     # nothing may be downloaded
 
-from safetensors.torch import load_file  # noqa: E402
 
 from tpfuse.convert import export_hf, import_hf  # noqa: E402
 from tpfuse.inference import generate, load_model  # noqa: E402
+
+from support.hf_checks import assert_same_safetensors, hf_greedy  # noqa: E402
 
 VOCAB = 100
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [11, 12]]
@@ -65,17 +66,12 @@ def test_family_import_gives_transformers_logits_and_tokens_and_exports_back(tmp
     with torch.no_grad():
         expected = model(ids).logits
         logits = ours(ids)[..., :VOCAB]
-        hf_tokens = [model.generate(torch.tensor([p]), max_new_tokens=STEPS, do_sample=False,
-                                    eos_token_id=None)[0, len(p):].tolist() for p in PROMPTS]
+        hf_tokens = hf_greedy(model, PROMPTS, STEPS)
     torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
     assert generate(ours, PROMPTS, STEPS, greedy=True) == hf_tokens
     hf = export_hf(str(tmp_path / "tpfuse"), str(tmp_path / "back"))
     assert hf["model_type"] == ("llama" if kind == "llama3" else kind)
-    before = load_file(str(tmp_path / "hf" / "model.safetensors"))
-    after = load_file(str(tmp_path / "back" / "model.safetensors"))
-    assert sorted(before) == sorted(after)
-    for name, tensor in before.items():
-        assert torch.equal(tensor, after[name]), name
+    assert_same_safetensors(tmp_path / "hf", tmp_path / "back")
 
 
 def test_llama3_scaling_at_long_positions_and_without_it(tmp_path):

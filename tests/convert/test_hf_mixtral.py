@@ -22,6 +22,9 @@ from tpfuse.convert import export_hf, import_hf  # noqa: E402
 from tpfuse.convert.cli import main  # noqa: E402
 from tpfuse.inference import generate, load_model  # noqa: E402
 
+from support.hf_checks import (assert_export_refused, assert_same_safetensors,  # noqa: E402
+                               hf_greedy)
+
 VOCAB = 100
 PROMPTS = [[5, 6, 7], [11, 12, 13, 14, 15]]
 STEPS = 6
@@ -40,12 +43,6 @@ def _hf_mixtral(**overrides):
     return model.eval()
 
 
-def hf_greedy(model, prompts=PROMPTS, steps=STEPS):
-    with torch.no_grad():
-        return [model.generate(torch.tensor([p]), max_new_tokens=steps, do_sample=False,
-                               eos_token_id=None)[0, len(p):].tolist() for p in prompts]
-
-
 @pytest.mark.parametrize("tp", [1, 2])
 def test_mixtral_import_gives_transformers_logits_and_tokens(tmp_path, tp):
     """Imported at tp (experts split like the dense layers), loaded in one process."""
@@ -60,26 +57,19 @@ def test_mixtral_import_gives_transformers_logits_and_tokens(tmp_path, tp):
         expected = model(ids).logits
         logits = ours(ids)[..., :VOCAB]
     torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
-    assert generate(ours, PROMPTS, STEPS, greedy=True) == hf_greedy(model)
+    assert generate(ours, PROMPTS, STEPS, greedy=True) == hf_greedy(model, PROMPTS, STEPS)
 
 
 def test_mixtral_export_of_import_is_bit_identical(tmp_path):
-    from safetensors.torch import load_file
-
     model = _hf_mixtral()
     model.save_pretrained(str(tmp_path / "hf"))
     import_hf(str(tmp_path / "hf"), str(tmp_path / "tpfuse"), make_vocab_size_divisible_by=16)
     hf = export_hf(str(tmp_path / "tpfuse"), str(tmp_path / "back"))
     assert hf["architectures"] == ["MixtralForCausalLM"]
-    before = load_file(str(tmp_path / "hf" / "model.safetensors"))
-    after = load_file(str(tmp_path / "back" / "model.safetensors"))
-    assert sorted(before) == sorted(after)
-    for name, tensor in before.items():
-        assert torch.equal(tensor, after[name]), name
+    assert_same_safetensors(tmp_path / "hf", tmp_path / "back")
 
 
 def test_moe_model_without_a_mixtral_counterpart_is_a_clear_refusal(tmp_path, capsys):
-    from tpfuse.convert.tpfuse_io import write_checkpoint, single_process_model
     from tpfuse.models import TransformerConfig
 
     config = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2, seq_length=8,
@@ -88,11 +78,5 @@ def test_moe_model_without_a_mixtral_counterpart_is_a_clear_refusal(tmp_path, ca
                                position_embedding_type="rope", add_bias_linear=False,
                                ffn_hidden_size=32, moe_shared_expert_intermediate_size=16,
                                make_vocab_size_divisible_by=8)
-    params = {name: torch.zeros(p.shape) for name, p in
-              single_process_model(config).named_parameters()}
-    write_checkpoint(str(tmp_path / "ckpt"), config, params, {})
-    assert main(["--to-hf", "--load", str(tmp_path / "ckpt"), "--save",
-                 str(tmp_path / "hf")]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "moe_shared_expert_intermediate_size=16 (needs None)" in err[0]
-    assert not os.path.exists(tmp_path / "hf")
+    assert_export_refused(tmp_path, capsys, config,
+                          "moe_shared_expert_intermediate_size=16 (needs None)")

@@ -19,10 +19,12 @@ import torch
 transformers = pytest.importorskip("transformers")
 os.environ["HF_HUB_OFFLINE"] = "1"     # nothing may be downloaded
 
-from safetensors.torch import load_file  # noqa: E402
 
 from tpfuse.convert.cli import main  # noqa: E402
 from tpfuse.inference import generate, load_model  # noqa: E402
+
+from support.hf_checks import (assert_export_refused, assert_same_safetensors,  # noqa: E402
+                               hf_greedy)
 
 VOCAB = 100
 PROMPTS = [[5, 6, 7], [11, 12, 13, 14, 15]]
@@ -55,12 +57,6 @@ def _hf_qwen2_moe(**overrides):
     return model.eval()
 
 
-def _greedy(model):
-    with torch.no_grad():
-        return [model.generate(torch.tensor([p]), max_new_tokens=STEPS, do_sample=False,
-                               eos_token_id=None)[0, len(p):].tolist() for p in PROMPTS]
-
-
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_qwen2_moe_round_trip_is_certified_and_bit_identical(tmp_path, variant):
     model = _hf_qwen2_moe(**VARIANTS[variant])
@@ -83,16 +79,12 @@ def test_qwen2_moe_round_trip_is_certified_and_bit_identical(tmp_path, variant):
     with torch.no_grad():
         gap = (ours(ids)[..., :VOCAB] - model(ids).logits).abs().max()
     assert gap <= stored["tolerance"]
-    assert generate(ours, PROMPTS, STEPS, greedy=True) == _greedy(model)
+    assert generate(ours, PROMPTS, STEPS, greedy=True) == hf_greedy(model, PROMPTS, STEPS)
 
     back = json.loads((tmp_path / "back" / "config.json").read_text())
     assert back["architectures"] == ["Qwen2MoeForCausalLM"]
     assert back["norm_topk_prob"] == (variant != "all-sparse")
-    before = load_file(str(tmp_path / "hf" / "model.safetensors"))
-    after = load_file(str(tmp_path / "back" / "model.safetensors"))
-    assert sorted(before) == sorted(after)
-    for name, tensor in before.items():
-        assert torch.equal(tensor, after[name]), name
+    assert_same_safetensors(tmp_path / "hf", tmp_path / "back")
 
 
 def test_qwen2_moe_imported_at_tp2_loads_in_one_process(tmp_path):
@@ -124,7 +116,6 @@ def test_qwen2_moe_sliding_window_is_a_clear_refusal(tmp_path, capsys):
 
 
 def test_ungated_shared_expert_has_no_counterpart_and_says_why(tmp_path, capsys):
-    from tpfuse.convert.tpfuse_io import single_process_model, write_checkpoint
     from tpfuse.models import TransformerConfig
 
     config = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2, seq_length=8,
@@ -134,11 +125,5 @@ def test_ungated_shared_expert_has_no_counterpart_and_says_why(tmp_path, capsys)
                                add_qkv_bias=True, ffn_hidden_size=32,
                                moe_shared_expert_intermediate_size=16,
                                make_vocab_size_divisible_by=8)
-    params = {name: torch.zeros(p.shape) for name, p in
-              single_process_model(config).named_parameters()}
-    write_checkpoint(str(tmp_path / "ckpt"), config, params, {})
-    assert main(["--to-hf", "--load", str(tmp_path / "ckpt"), "--save",
-                 str(tmp_path / "hf")]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "qwen2_moe: moe_shared_expert_gate=False (needs True)" in err[0]
-    assert not os.path.exists(tmp_path / "hf")
+    assert_export_refused(tmp_path, capsys, config,
+                          "qwen2_moe: moe_shared_expert_gate=False (needs True)")
