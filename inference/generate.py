@@ -29,7 +29,7 @@ from tpfuse.parallel.mappings import gather_from_region
 
 from .context import InferenceContext
 from .sampling import SamplingParams, mask_padded_vocab, sample_next_tokens
-from .sequence_parallel import prompt_length_multiple, step_context
+from .sequence_parallel import StepContexts, prompt_length_multiple
 
 
 def _unwrap(model) -> list:
@@ -134,6 +134,7 @@ class _Decoder:
         self.chunks, self.tokens, self.pads, self.state = chunks, tokens, pads, state
         self.tp = state.tp_size if state is not None else 1
         self.padded = bool((pads > 0).any())
+        self.step_context = StepContexts(chunks, self.tp)
         self.context = None
         if use_cache:
             self.context = InferenceContext(tokens.shape[0], tokens.shape[1] + max_new_tokens)
@@ -148,7 +149,7 @@ class _Decoder:
             start = self.context.sequence_len_offset
             new = self.tokens[:, start:]
             positions = positions_for(self.pads, start, length - start).to(device)
-            with step_context(self.chunks, length - start, self.tp):
+            with self.step_context(length - start):
                 logits = pipeline_forward(self.chunks, new, positions, self.context, self.state)
             self.context.increment_sequence_len_offset(length - start)
             return logits
@@ -157,7 +158,7 @@ class _Decoder:
         if self.padded:                                # recompute, pads masked by a fresh context
             context = InferenceContext(self.tokens.shape[0], length)
             context.set_left_padding(self.pads.to(device))
-        with step_context(self.chunks, length, self.tp):
+        with self.step_context(length):
             return pipeline_forward(self.chunks, self.tokens, positions, context, self.state)
 
 

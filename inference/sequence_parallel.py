@@ -56,9 +56,12 @@ def _flagged(chunks):
 
 
 @contextlib.contextmanager
-def sequence_parallel_disabled(chunks):
-    """SP off in the chunks for the ``with`` block (a no-op for a model without SP)."""
-    flagged = [(owner, value) for owner, value in _flagged(chunks) if value]
+def sequence_parallel_disabled(chunks, flagged=None):
+    """SP off in the chunks for the ``with`` block (a no-op for a model without SP);
+    ``flagged``: the chunks' ``_flagged`` owners when already collected."""
+    if flagged is None:
+        flagged = _flagged(chunks)
+    flagged = [(owner, value) for owner, value in flagged if value]
     for owner, _ in flagged:
         owner.sequence_parallel = False
     try:
@@ -68,8 +71,16 @@ def sequence_parallel_disabled(chunks):
             owner.sequence_parallel = value
 
 
-def step_context(chunks, num_tokens: int, tp: int):
-    """The ``with`` context of one step: as the model is, or SP off (see the rule above)."""
-    if model_sequence_parallel(chunks, tp) and not step_splits(num_tokens, tp):
-        return sequence_parallel_disabled(chunks)
-    return contextlib.nullcontext()
+class StepContexts:
+    """``contexts(num_tokens)``: the ``with`` context of one step: as the model is, or SP off
+    (the rule above). The flags SP is switched by are collected once, at construction, not on
+    every decode step."""
+
+    def __init__(self, chunks, tp: int):
+        self.chunks, self.tp = chunks, tp
+        self.flagged = _flagged(chunks) if model_sequence_parallel(chunks, tp) else None
+
+    def __call__(self, num_tokens: int):
+        if self.flagged is not None and not step_splits(num_tokens, self.tp):
+            return sequence_parallel_disabled(self.chunks, self.flagged)
+        return contextlib.nullcontext()
