@@ -28,13 +28,25 @@ its last backward: g_shard = RS_{dp·cp}(Σ_micro g) / dp_cp, the sum the bucket
 all-reduce. ZeRO-2 also keeps its gathered parameters across the
 micro-batches (``set_reshard_after_backward(False)`` until that last backward): one all-gather
 per unit per step. ZeRO-3 re-shards after every forward and backward (gathered twice per
-micro-batch). The price: from a unit's first backward to its last, the unit holds its unsharded
-fp32 gradient (ZeRO-2 its unsharded parameters too), so within a step the gradients peak at
-the TP shard's size, as plain data parallelism's buffer; between steps a rank holds 1/dp_cp.
+micro-batch, less its seams below). The price: from a unit's first backward to its last, the
+unit holds its unsharded fp32 gradient (ZeRO-2 its unsharded parameters too), so within a step
+the gradients peak at the TP shard's size, as plain data parallelism's buffer; between steps a
+rank holds 1/dp_cp.
+
+ZeRO-3 without a pipeline (pp = 1: F0 B0 F1 B1 ...) keeps gathered across the seams between
+passes what it would re-shard and gather again at once (``keeps_seams``): after a forward the
+last layer and the root (embedding, output layer: torchtitan's last-block rule, FSDP2's own
+root default), whose backward comes next; after a backward that is not the step's last the
+first layer and the root, which the next forward opens with. The seam holds them gathered
+either way, so the peak is ZeRO-3's; per step the root is gathered once, the last layer m
+times, the first m + 1, every other layer 2m (``gathers_per_step``). With a pipeline other
+micro-batches' passes fall between (1F1B's warm-up, interleaved chunks): every unit re-shards.
+
 On gloo the reduce-scatter runs as a ring all-reduce with this rank's block copied out
-(``_AllReduceScatter``). Mixed precision (``MixedPrecisionPolicy``): bf16/fp16 compute, fp32
-reduce, fp32 sharded parameters, which are the optimizer's main parameters
-(``training/fsdp_optimizer.py``).
+(``_AllReduceScatter``), started asynchronously and completed in ``finish_grad_sync``, so it
+overlaps the backward of the layers before it, as the bucketed buffers' ``overlap_grad_reduce``
+does. Mixed precision (``MixedPrecisionPolicy``): bf16/fp16 compute, fp32 reduce, fp32 sharded
+parameters, which are the optimizer's main parameters (``training/fsdp_optimizer.py``).
 
 Zero-bubble (``--pipeline-schedule zb-h1``): a W action computes weight gradients after the I
 pass (the autograd backward) that deferred them, so no backward may reduce-scatter: every I pass
@@ -84,6 +96,25 @@ class FsdpConfig:
     @property
     def reshard_after_forward(self) -> bool:
         return STRATEGY_RESHARDS[self.strategy]
+
+
+def keeps_seams(strategy: str, pp: int) -> bool:
+    """ZeRO-3 without a pipeline keeps its seam units gathered (module docstring)."""
+    return STRATEGY_RESHARDS[strategy] and pp == 1
+
+
+def gathers_per_step(strategy: str, num_microbatches: int, *, kept_after_forward: bool,
+                     kept_after_backward: bool) -> int:
+    """All-gathers of one unit per step of m micro-batches: ZeRO-2 once; ZeRO-3 in every
+    forward and backward (2m), less those a seam keeps: kept after forward, m (each backward
+    reuses its forward's); kept after a backward that is not the step's last, m + 1 (each
+    forward after the first reuses it); both, once."""
+    m = num_microbatches
+    if not STRATEGY_RESHARDS[strategy] or (kept_after_forward and kept_after_backward):
+        return 1
+    if kept_after_forward:
+        return m
+    return m + 1 if kept_after_backward else 2 * m
 
 
 # -------------------------------------------------------------------- pure shard arithmetic
@@ -167,32 +198,37 @@ class FullyShardedModel:
             param_dtype=None if compute == torch.float32 else compute,
             reduce_dtype=torch.float32, output_dtype=None)
         self.unsharded_experts = []
+        self.seams = keeps_seams(config.strategy, state.size("pp"))
         units = []
         for chunk in self.chunks:
             attributes = _parameter_attributes(chunk)
             chunk.float()                               # fp32 sharded master parameters
-            for layer in _layers_of(chunk):
+            layers = _layers_of(chunk)
+            for layer in layers:
+                kept_after_forward = self.seams and layer is layers[-1]
+                reshard = config.reshard_after_forward and not kept_after_forward
                 experts = _expert_units(layer)
                 if expert_mesh is not None:
                     for unit in experts:
                         units.append(fully_shard(unit, mesh=expert_mesh, mp_policy=policy,
-                                     reshard_after_forward=config.reshard_after_forward))
+                                     reshard_after_forward=reshard))
                     ignored = None
                 else:
                     ignored = {p for unit in experts for p in unit.parameters()}
                     self.unsharded_experts += list(ignored)
                 units.append(fully_shard(layer, mesh=dense_mesh, mp_policy=policy,
-                                         ignored_params=ignored,
-                                         reshard_after_forward=config.reshard_after_forward))
+                                         ignored_params=ignored, reshard_after_forward=reshard))
             units.append(fully_shard(chunk, mesh=dense_mesh, mp_policy=policy,
                                      ignored_params=set(self.unsharded_experts) or None,
-                                     reshard_after_forward=config.reshard_after_forward))
+                                     reshard_after_forward=config.reshard_after_forward
+                                     and not self.seams))
             for name, values in attributes.items():
                 param = chunk.get_parameter(name)
                 for key, value in values.items():
                     setattr(param, key, value)
+        self.reduce_scatter = None                     # gloo's deferred reductions
         if device_type == "cpu":
-            reduce_scatter = _AllReduceScatter()
+            reduce_scatter = self.reduce_scatter = _AllReduceScatter()
             for unit in units:
                 unit.set_custom_reduce_scatter(reduce_scatter)
             for chunk in self.chunks:
@@ -236,6 +272,9 @@ class FullyShardedModel:
         for chunk in self.chunks:
             chunk.set_requires_gradient_sync(False)
             chunk.set_reshard_after_backward(not keep_gathered)
+            if self.seams:             # kept for the next forward (its experts' units too)
+                _layers_of(chunk)[0].set_reshard_after_backward(False)
+                chunk.set_reshard_after_backward(False, recurse=False)
 
     def _backward_counter(self, index: int):
         """A forward hook on chunk ``index`` whose gradient hook on the chunk's output counts the
@@ -265,13 +304,16 @@ class FullyShardedModel:
 
     def finish_grad_sync(self) -> None:
         """Reduce-scatter what no backward did (deferred weight gradients, a chunk without its
-        m backwards), then expert gradients to 1/dp_cp: the unsharded ones (edp = 1) from the
-        plain sum, the sharded ones from FSDP's 1/edp (``expert_rescale`` = edp / dp_cp)."""
+        m backwards), complete gloo's reductions, then expert gradients to 1/dp_cp: the
+        unsharded ones (edp = 1) from the plain sum, the sharded ones from FSDP's 1/edp
+        (``expert_rescale`` = edp / dp_cp)."""
         for chunk, synced in zip(self.chunks, self.synced):
             if not synced:
                 _reduce_accumulated_grads(chunk)
             if self.config.deferred_weight_grads:
                 _share_weight_grad_queues(chunk, clear=True)
+        if self.reduce_scatter is not None:
+            self.reduce_scatter.complete()
         if self.dp_cp == 1:
             return
         for params, factor in ((self.unsharded_experts, 1.0 / self.dp_cp),
@@ -306,7 +348,17 @@ class _AllReduceScatter:
     then copied out: the same sums (a rank's block is Σ_ranks of that block either way), and on
     gloo about twice as fast as its reduce-scatter (``training/data_parallel.py`` reads the
     distributed optimizer's shard from an all-reduce for the same reason). ``AVG`` is the sum
-    divided by the group size; any other op goes to the plain reduce-scatter."""
+    divided by the group size; any other op goes to the plain reduce-scatter.
+
+    The all-reduce starts asynchronously and ``complete()`` (in ``finish_grad_sync``, before
+    anything reads a gradient) waits and copies the blocks out. That is sound because FSDP only
+    views ``output_tensor`` as the unit's sharded gradient, reading nothing in it: the reduce
+    dtype is the parameters' (fp32 both, so no cast), ``AVG`` / ``SUM`` need no pre- or
+    post-division (fp32), and each unit reduces once per step onto a gradient that
+    ``zero_grad_buffer`` set to None (nothing to accumulate into)."""
+
+    def __init__(self):
+        self.pending = []          # (work, output, input, group size, rank in group, op)
 
     def allocate(self, size, *, dtype, device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
@@ -315,14 +367,21 @@ class _AllReduceScatter:
         if op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
             return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group,
                                               async_op=async_op)
-        size = dist.get_world_size(group)
-        dist.all_reduce(input_tensor, op=dist.ReduceOp.SUM, group=group)
-        block = input_tensor.view(size, -1)[dist.get_rank(group)]    # (n/size,)
-        if op == dist.ReduceOp.AVG:
-            torch.div(block, size, out=output_tensor)
-        else:
-            output_tensor.copy_(block)
+        work = dist.all_reduce(input_tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)
+        self.pending.append((work, output_tensor, input_tensor, dist.get_world_size(group),
+                             dist.get_rank(group), op))
         return None
+
+    def complete(self) -> None:
+        """Wait for every started all-reduce; copy (``AVG``: divide) this rank's block out."""
+        for work, output_tensor, input_tensor, size, rank, op in self.pending:
+            work.wait()
+            block = input_tensor.view(size, -1)[rank]    # (n/size,)
+            if op == dist.ReduceOp.AVG:
+                torch.div(block, size, out=output_tensor)
+            else:
+                output_tensor.copy_(block)
+        self.pending = []
 
 
 def _prefetch_asynchronously(chunk) -> None:

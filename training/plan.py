@@ -245,10 +245,15 @@ def buffer_plans(config, layout: RankLayout, rank: int, buffers: BufferSettings)
 # -------------------------------------------------------------------- FSDP
 @dataclass(frozen=True)
 class FsdpUnit:
-    """One ``fully_shard`` unit of a chunk: its parameters and the group they are sharded over
-    (``"dp-cp"``, ``"edp"``, or None: the unsharded experts of edp = 1)."""
+    """One ``fully_shard`` unit of a chunk: its parameters, the group they are sharded over
+    (``"dp-cp"``, ``"edp"``, or None: the unsharded experts of edp = 1) and its place in the
+    chunk (a unit of the first or last transformer layer, or the root: the seams ZeRO-3 may keep
+    gathered, ``fsdp.keeps_seams``)."""
     group: str | None
     shapes: tuple
+    first_layer: bool = False
+    last_layer: bool = False
+    root: bool = False
 
 
 def fsdp_units(config, layout: RankLayout, rank: int) -> list:
@@ -265,12 +270,13 @@ def fsdp_units(config, layout: RankLayout, rank: int) -> list:
                 layers.setdefault(shape.name.split(".")[1], []).append(shape)
             else:
                 root.append(shape)
-        for shapes in layers.values():
+        for index, shapes in enumerate(layers.values()):
+            place = dict(first_layer=index == 0, last_layer=index == len(layers) - 1)
             experts = tuple(s for s in shapes if s.expert)
             if experts:
-                units.append(FsdpUnit(expert_group, experts))
-            units.append(FsdpUnit("dp-cp", tuple(s for s in shapes if not s.expert)))
-        units.append(FsdpUnit("dp-cp", tuple(root)))
+                units.append(FsdpUnit(expert_group, experts, **place))
+            units.append(FsdpUnit("dp-cp", tuple(s for s in shapes if not s.expert), **place))
+        units.append(FsdpUnit("dp-cp", tuple(root), root=True))
     return units
 
 

@@ -53,8 +53,9 @@ gradient is all-reduced over the embedding group (first and last stage, pp > 1).
 reduce over the expert-data group (``edp``), dense ones over dp·cp (``dp``). With
 ``--use-torch-fsdp2`` the buffers' traffic is replaced by FSDP's, per unit (``fsdp_bytes``): the
 padded parameters all-gathered in the compute dtype once per step (ZeRO-2) or twice per
-micro-batch (ZeRO-3, forward and backward), the padded fp32 gradients reduced once per step
-(reduce-scattered on NCCL, all-reduced on gloo).
+micro-batch (ZeRO-3, forward and backward; without a pipeline the root once per step, the
+last layer once per micro-batch and the first once more), the padded fp32 gradients reduced
+once per step (reduce-scattered on NCCL, all-reduced on gloo).
 
 A forward re-run by recompute (full: the layer; selective ``mlp``: its MLP block, an MoE
 layer's dispatch included) repeats the forward's collectives.
@@ -76,7 +77,7 @@ from dataclasses import dataclass
 from tpfuse.models.layer_assignment import layers_for
 from tpfuse.models.moe_config import moe_layer_pattern
 
-from .fsdp import padded_shard_numel, shard_rows
+from .fsdp import gathers_per_step, keeps_seams, padded_shard_numel, shard_rows
 from .plan import buffer_plans, element_bytes, fsdp_units
 
 
@@ -392,11 +393,12 @@ def fsdp_bytes(config, layout, rank: int, strategy: str, num_microbatches: int,
     """FSDP per step (``training/fsdp.py``): every unit sharded over n > 1 ranks all-gathers its
     padded parameters (n · ⌈rows/n⌉ rows each, in the compute dtype) once per step with ZeRO-2
     (kept over the micro-batches), in every micro-batch's forward and backward with ZeRO-3
-    (``optim_grads_params``: resharded after each, the chunk's root unit included); the padded
-    fp32 gradients, accumulated over the micro-batches, are reduced once, in the last backward
-    (a reduce-scatter on NCCL, an all-reduce on gloo). The tied embedding's fp32 gradient shard
-    is all-reduced over the embedding group once per step (pp > 1)."""
-    gathers = 2 * num_microbatches if strategy == "optim_grads_params" else 1
+    (``optim_grads_params``: resharded after each), less what its seams keep without a pipeline
+    (``fsdp.gathers_per_step``: the root once, the last layer m times, the first m + 1); the
+    padded fp32 gradients, accumulated over the micro-batches, are reduced once, in the last
+    backward (a reduce-scatter on NCCL, an all-reduce on gloo). The tied embedding's fp32
+    gradient shard is all-reduced over the embedding group once per step (pp > 1)."""
+    seams = keeps_seams(strategy, config.pipeline_model_parallel_size)
     reduce_op = "reduce_scatter" if backend == "nccl" else "all_reduce"
     compute = element_bytes(config.params_dtype)
     volume = defaultdict(int)
@@ -406,6 +408,10 @@ def fsdp_bytes(config, layout, rank: int, strategy: str, num_microbatches: int,
             continue
         numel = sum(padded_shard_numel(s.fsdp_shape, size) * size for s in unit.shapes)
         kind = "dp" if unit.group == "dp-cp" else "edp"
+        gathers = gathers_per_step(
+            strategy, num_microbatches,
+            kept_after_forward=seams and (unit.last_layer or unit.root),
+            kept_after_backward=seams and (unit.first_layer or unit.root))
         volume[f"{kind}_param_all_gather"] += gathers * numel * compute
         volume[f"{kind}_{reduce_op}"] += numel * 4
     if _tied_across_stages(config, layout.rank_in("pp", rank)):

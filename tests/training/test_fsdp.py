@@ -11,7 +11,8 @@ import json
 
 import pytest
 
-from tpfuse.training.fsdp import fsdp_rank_bytes, padded_shard_numel, shard_rows
+from tpfuse.training.fsdp import (fsdp_rank_bytes, gathers_per_step, keeps_seams,
+                                  padded_shard_numel, shard_rows)
 
 TINY = [
     "--num-layers", "2", "--hidden-size", "16", "--num-attention-heads", "4",
@@ -35,6 +36,27 @@ def test_rank_bytes_are_sixteen_per_padded_shard_element():
     held = fsdp_rank_bytes([(5, 3), (16,)], 4)
     assert held == {"parameters": 40, "main_parameters": 0, "gradients": 40,
                     "optimizer_state": 80}
+
+
+@pytest.mark.parametrize("forward, backward, zero3", [
+    # counted pass by pass over F0 B0 F1 B1 F2 B2 (m = 3): a gather wherever the unit is sharded
+    # on entry; ZeRO-3 re-shards after each pass unless that seam keeps it, every unit after the
+    # step's last backward
+    (False, False, 6),      # a middle layer: F0 B0 F1 B1 F2 B2
+    (True, False, 3),       # the last layer: F0 (kept) B0, F1 B1, F2 B2
+    (False, True, 4),       # the first layer: F0 B0 (kept) F1, B1 (kept) F2, B2
+    (True, True, 1),        # the root: F0, kept to the step's end
+])
+def test_zero3_gathers_per_step_follow_its_seams(forward, backward, zero3):
+    kept = dict(kept_after_forward=forward, kept_after_backward=backward)
+    assert gathers_per_step("optim_grads_params", 3, **kept) == zero3
+    assert gathers_per_step("optim_grads", 3, **kept) == 1      # ZeRO-2 keeps all over the step
+
+
+def test_only_zero3_without_a_pipeline_keeps_its_seams():
+    assert keeps_seams("optim_grads_params", 1)
+    assert not keeps_seams("optim_grads_params", 2)    # 1F1B: other passes fall between
+    assert not keeps_seams("optim_grads", 1)
 
 
 # -------------------------------------------------------------------- refusals
