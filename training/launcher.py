@@ -4,7 +4,7 @@ The local job itself (torchrun's environment per rank, signal forwarding, one tr
 ranks that die with their launcher) is ``tpfuse.runtime.launcher.run_local``; this module is the
 command: its own flags, ``--help-trainer``, and the presets. Without any trainer flag it runs the
 ``stdlib-demo`` preset (the README's main job, ``training/presets.py``); a preset's corpus is
-prepared here once, before the ranks start. Multi-node runs are torchrun's job:
+prepared here once, and the trainer's flags are validated here once, before the ranks start. Multi-node runs are torchrun's job:
 ``torchrun --nproc-per-node N -m tpfuse.pretrain_gpt <flags>``.
 """
 from __future__ import annotations
@@ -34,6 +34,19 @@ def _launcher_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _trainer_flag_error(trainer_argv: list) -> str | None:
+    """The trainer's own validation of ``trainer_argv`` (``arguments.parse_args``; it depends on
+    no rank or world size), run once here so that a bad setting is one line before any rank
+    starts: its message, or None. An unknown flag exits through argparse (status 2)."""
+    from tpfuse.training.arguments import parse_args
+
+    try:
+        parse_args(trainer_argv)
+    except ValueError as error:
+        return str(error)
+    return None
+
+
 def main(argv=None) -> int:
     parser = _launcher_parser()
     args, trainer_argv = parser.parse_known_args(argv)
@@ -47,6 +60,10 @@ def main(argv=None) -> int:
     from tpfuse.training.presets import launcher_plan
 
     trainer_argv, nproc, preset = launcher_plan(trainer_argv, args.nproc_per_node)
+    error = _trainer_flag_error(trainer_argv)
+    if error is not None:
+        print(f"tpfuse-train: error: {error}", file=sys.stderr)
+        return 2
     if preset is not None:
         print(f"tpfuse-train: preset {preset.name} ({preset.description}) on {nproc} processes; "
               f"flags given override it", flush=True)

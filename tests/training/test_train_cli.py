@@ -56,7 +56,23 @@ def test_bad_flag_is_one_clear_line(tmp_path):
                   tmp_path)
     assert done.returncode == 2
     errors = [line for line in done.stderr.splitlines() if "error:" in line]
-    assert len(errors) == 1 and "--lr-warmup-iters (9)" in errors[0]
+    # said by the launcher, before any rank started (no rank's report, no launch line)
+    assert len(errors) == 1 and errors[0].startswith("tpfuse-train: error:")
+    assert "--lr-warmup-iters (9)" in errors[0] and "rank" not in done.stderr
+
+
+@pytest.mark.parametrize("rank, lines", [("0", 1), ("1", 0)])
+def test_a_rank_started_without_the_launcher_says_a_bad_flag_once(capsys, monkeypatch, rank,
+                                                                  lines):
+    """``torchrun -m tpfuse.pretrain_gpt`` with a bad flag: rank 0 says it, the others exit 2
+    silently (one line per job, not one per rank)."""
+    from tpfuse.pretrain_gpt import main
+
+    monkeypatch.setenv("RANK", rank)
+    assert main([*TINY, "--mock-data", "--lr-warmup-iters", "9"]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert len(errors) == lines
+    assert all("--lr-warmup-iters (9)" in line for line in errors)
 
 
 def test_preset_is_the_default_job_and_flags_override_it(tmp_path, monkeypatch):
