@@ -4,8 +4,8 @@ The local job itself (torchrun's environment per rank, signal forwarding, one tr
 ranks that die with their launcher) is ``tpfuse.runtime.launcher.run_local``; this module is the
 command: its own flags, ``--help-trainer``, and the presets. Without any trainer flag it runs the
 ``stdlib-demo`` preset (the README's main job, ``training/presets.py``); a preset's corpus is
-prepared here once, and the trainer's flags are validated here once, before the ranks start. Multi-node runs are torchrun's job:
-``torchrun --nproc-per-node N -m tpfuse.pretrain_gpt <flags>``.
+prepared and the trainer's flags are validated here, once, before the ranks start. Multi-node
+runs are torchrun's job: ``torchrun --nproc-per-node N -m tpfuse.pretrain_gpt <flags>``.
 """
 from __future__ import annotations
 
