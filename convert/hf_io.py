@@ -20,6 +20,8 @@ import os
 import shutil
 import tempfile
 
+from tpfuse.parallel.checks import is_int, is_real
+
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -63,18 +65,15 @@ def check_config_fields(hf: dict, path: str) -> None:
 
     for key in _INTEGER_FIELDS:
         value = hf.get(key)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                  or value <= 0):
+        if value is not None and (not is_int(value) or value <= 0):
             bad(key, "a positive integer")
     for key in _REAL_FIELDS:
         value = hf.get(key)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
-                                  or not math.isfinite(value) or value <= 0):
+        if value is not None and (not is_real(value) or not math.isfinite(value) or value <= 0):
             bad(key, "a positive finite number")
     for key in _PROBABILITY_FIELDS:
         value = hf.get(key)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
-                                  or not 0 <= value < 1):
+        if value is not None and (not is_real(value) or not 0 <= value < 1):
             bad(key, "a number in [0, 1)")
     for key in ("rope_scaling", "rope_parameters"):
         if hf.get(key) is not None and not isinstance(hf[key], dict):

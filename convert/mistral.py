@@ -8,6 +8,8 @@ decode masks by the same rule). A Mistral config without a window is a Llama and
 """
 from __future__ import annotations
 
+from tpfuse.parallel.checks import is_int
+
 from . import llama
 
 MODEL_TYPE = "mistral"
@@ -18,7 +20,7 @@ def window_from_hf(hf: dict):
     window = hf.get("sliding_window")
     if window is None:
         return None
-    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+    if not is_int(window) or window < 1:
         raise ValueError(f"sliding_window={window!r} must be a positive int (or null)")
     return (window - 1, 0)
 

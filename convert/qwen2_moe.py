@@ -33,6 +33,8 @@ from __future__ import annotations
 
 import torch
 
+from tpfuse.parallel.checks import is_int
+
 from . import llama, qwen2
 from .common import TensorSet, plain_topk_router_needs, unmet
 
@@ -43,7 +45,7 @@ PREFIX = llama.PREFIX
 
 def _positive(hf: dict, key: str) -> int:
     value = hf.get(key)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if not is_int(value) or value < 1:
         raise ValueError(f"Qwen2-MoE {key}={value!r} is not supported (needs a positive int)")
     return value
 

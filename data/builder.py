@@ -22,6 +22,7 @@ import math
 import numpy as np
 import torch
 
+from tpfuse.parallel.checks import is_int
 from tpfuse.parallel.devices import collective_device
 
 from . import indexed
@@ -41,7 +42,7 @@ class BlendedMegatronDatasetBuilder:
         if not isinstance(config, GPTDatasetConfig):
             raise ValueError(f"config must be a GPTDatasetConfig, got {type(config).__name__}")
         if not isinstance(sizes, (list, tuple)) or len(sizes) != 3 or any(
-                s is not None and (not isinstance(s, int) or isinstance(s, bool) or s < 0) for s in sizes):
+                s is not None and (not is_int(s) or s < 0) for s in sizes):
             raise ValueError(f"sizes must be [train, valid, test] sample counts (ints >= 0 or None), "
                              f"got {sizes!r}")
         self.cls = MockGPTDataset if config.mock else cls

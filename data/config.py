@@ -12,11 +12,9 @@ import math
 import re
 from dataclasses import dataclass, field
 
+from tpfuse.parallel.checks import is_int, is_real
+
 SPLIT_NAMES = ("train", "valid", "test")
-
-
-def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def parse_blend(blend) -> list[tuple[str, float]] | None:
@@ -39,7 +37,7 @@ def parse_blend(blend) -> list[tuple[str, float]] | None:
         pairs = list(zip(blend[1::2], weights))
     result = []
     for pair in pairs:
-        if len(pair) != 2 or not isinstance(pair[0], str) or not _is_number(pair[1]):
+        if len(pair) != 2 or not isinstance(pair[0], str) or not is_real(pair[1]):
             raise ValueError(f"blend: entry {pair!r} is not a (path_prefix, weight) pair")
         prefix, weight = pair
         if not math.isfinite(weight) or weight <= 0:
@@ -139,11 +137,9 @@ class GPTDatasetConfig:
         self.validate()
 
     def validate(self) -> None:
-        if not isinstance(self.random_seed, int) or isinstance(self.random_seed, bool) \
-                or not 0 <= self.random_seed < 2**32:
+        if not is_int(self.random_seed) or not 0 <= self.random_seed < 2**32:
             raise ValueError(f"random_seed must be an int in [0, 2**32), got {self.random_seed!r}")
-        if not isinstance(self.sequence_length, int) or isinstance(self.sequence_length, bool) \
-                or self.sequence_length < 1:
+        if not is_int(self.sequence_length) or self.sequence_length < 1:
             raise ValueError(f"sequence_length must be a positive int, got {self.sequence_length!r}")
         for name in ("reset_position_ids", "reset_attention_mask", "eod_mask_loss", "mock",
                      "add_extra_token_to_sequence", "create_attention_mask"):

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from tpfuse.parallel.checks import is_int
+
 
 class MegatronPretrainingSampler:
     """Yields, for this DP rank, the list of sample ids of each micro-batch."""
@@ -23,7 +25,7 @@ class MegatronPretrainingSampler:
         for name, value, low in (("total_samples", total_samples, 1), ("consumed_samples", consumed_samples, 0),
                                  ("micro_batch_size", micro_batch_size, 1),
                                  ("data_parallel_size", data_parallel_size, 1)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            if not is_int(value) or value < low:
                 raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
         if not isinstance(data_parallel_rank, int) or not 0 <= data_parallel_rank < data_parallel_size:
             raise ValueError(f"data_parallel_rank must lie in [0, {data_parallel_size}), got {data_parallel_rank!r}")

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tpfuse.parallel.checks import is_int
+
 _INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
 
 
@@ -80,7 +82,7 @@ class AttentionMask:
 
 
 def _check_int(name: str, value, minimum=None) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
+    if not is_int(value):
         raise ValueError(f"flash_attention: {name} must be an int, got {value!r}")
     if minimum is not None and value < minimum:
         raise ValueError(f"flash_attention: {name} must be >= {minimum}, got {value}")

@@ -29,6 +29,7 @@ import math
 import torch
 import torch.distributed as dist
 
+from tpfuse.parallel.checks import check_int_at_least
 from tpfuse.parallel.layout import ORDER_TOKENS, orthogonal_groups, parse_order
 
 
@@ -296,9 +297,7 @@ def check_extra_options(cp, hierarchical_cp_sizes, instances, world, tp, pp):
     if hierarchical_cp_sizes is not None and math.prod(hierarchical_cp_sizes) != cp:
         raise ValueError(f"hierarchical_context_parallel_sizes={hierarchical_cp_sizes} must "
                          f"multiply to context_parallel_size={cp}")
-    if isinstance(instances, bool) or not isinstance(instances, int) or instances < 1:
-        raise ValueError(f"num_distributed_optimizer_instances must be an integer >= 1, got "
-                         f"{instances!r}")
+    check_int_at_least("num_distributed_optimizer_instances", instances, 1)
     dp_cp = world // (tp * pp * cp) * cp if world % (tp * pp * cp) == 0 else None
     if dp_cp is not None and dp_cp % instances:
         raise ValueError(f"num_distributed_optimizer_instances={instances} must divide the "

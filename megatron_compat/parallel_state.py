@@ -48,6 +48,7 @@ import warnings
 import torch.distributed as dist
 
 from tpfuse.parallel import parallel_state as _native
+from tpfuse.parallel.checks import check_int_at_least_or_none, is_int
 from tpfuse.parallel.layout import DEFAULT_ORDER
 from tpfuse.parallel.parallel_state import (  # noqa: F401  (the same in Megatron and tpfuse)
     ModelParallelNotInitializedError, destroy_model_parallel, get_context_parallel_global_ranks,
@@ -94,8 +95,7 @@ class _Overrides:
         return self.values.get(name)
 
     def set(self, name: str, value) -> None:
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                  or value < 0):
+        if value is not None and (not is_int(value) or value < 0):
             raise ValueError(f"{name} must be a non-negative integer or None, got {value!r}")
         self.values[name] = value
 
@@ -245,9 +245,8 @@ def set_virtual_pipeline_model_parallel_rank(rank):
                   "vp_stage to is_pipeline_first_stage / is_pipeline_last_stage instead",
                   DeprecationWarning, stacklevel=2)
     size = get_virtual_pipeline_model_parallel_world_size()
-    if rank is not None and size is not None and (isinstance(rank, bool) or
-                                                  not isinstance(rank, int)
-                                                  or not 0 <= rank < size):
+    if rank is not None and size is not None and (not is_int(rank) or
+                                                  not 0 <= rank < size):
         raise ValueError(f"virtual pipeline rank must be in [0, {size}) (vpp_size={size}), "
                          f"got {rank!r}")
     if has_default_state():
@@ -257,10 +256,7 @@ def set_virtual_pipeline_model_parallel_rank(rank):
 
 
 def set_virtual_pipeline_model_parallel_world_size(world_size):
-    if world_size is not None and (isinstance(world_size, bool) or
-                                   not isinstance(world_size, int) or world_size < 1):
-        raise ValueError(f"virtual pipeline world size must be an integer >= 1 or None, "
-                         f"got {world_size!r}")
+    check_int_at_least_or_none("virtual pipeline world size", world_size, 1)
     if has_default_state():
         resolve_state().vpp_size = world_size
     else:

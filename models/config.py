@@ -26,8 +26,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tpfuse.parallel.checks import (parse_int_pair, require_choice, require_non_negative_or_none,
-                                    require_positive, require_positive_or_none)
+from tpfuse.parallel.checks import (is_int, is_real, parse_int_pair, require_choice,
+                                    require_non_negative_or_none, require_positive,
+                                    require_positive_or_none)
 from tpfuse.parallel.context_split import (CP_COMM_TYPE_ALIASES, CP_COMM_TYPES,
                                            check_context_parallel_heads, check_sequence_split)
 
@@ -244,10 +245,10 @@ class TransformerConfig:
             return
         if isinstance(window, str):
             window = parse_int_pair("window_size", window)
-        if isinstance(window, int) and not isinstance(window, bool):
+        if is_int(window):
             window = (window, 0)
         if (not isinstance(window, (tuple, list)) or len(window) != 2
-                or any(isinstance(v, bool) or not isinstance(v, int) for v in window)):
+                or not all(is_int(v) for v in window)):
             raise ValueError(f"window_size={self.window_size!r} must be two ints L,R")
         self.window_size = None if tuple(window) in ((-1, 0), (-1, -1)) else tuple(window)
 
@@ -293,8 +294,7 @@ class TransformerConfig:
                                   "virtual_pipeline_model_parallel_size", "recompute_num_layers")
         require_non_negative_or_none(self, "p2p_recv_ahead")
         base = self.rotary_base       # HF's rope_theta may be fractional
-        if isinstance(base, bool) or not isinstance(base, (int, float)) or \
-                not math.isfinite(base) or base <= 0:
+        if not is_real(base) or not math.isfinite(base) or base <= 0:
             raise ValueError(f"rotary_base={base!r} must be a positive finite number")
         require_choice(self, "normalization", NORMALIZATIONS)
         require_choice(self, "activation", ACTIVATIONS)

@@ -16,6 +16,8 @@ Every function raises ValueError naming the fields instead of dropping or duplic
 """
 from __future__ import annotations
 
+from tpfuse.parallel.checks import is_int
+
 
 def stage_layer_counts(num_layers, pp, vpp=1, first=None, last=None):
     """Layers held by each pipeline rank (all its chunks together), validated.
@@ -24,8 +26,7 @@ def stage_layer_counts(num_layers, pp, vpp=1, first=None, last=None):
     """
     for name, value in (("decoder_first_pipeline_num_layers", first),
                         ("decoder_last_pipeline_num_layers", last)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                  or value < 0):
+        if value is not None and (not is_int(value) or value < 0):
             raise ValueError(f"{name}={value!r} must be a non-negative integer")
     if first is None and last is None:
         if num_layers % (pp * vpp):

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import ast
 
-from tpfuse.parallel.checks import require_choice, require_positive
+from tpfuse.parallel.checks import is_int, require_choice, require_positive
 
 MOE_SCORE_FUNCTIONS = ("softmax", "sigmoid")
 MOE_LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "none")
@@ -154,7 +154,7 @@ def _validate_group_routing(config):
 
 def _validate_layer_freq(config):
     freq = config.moe_layer_freq
-    if isinstance(freq, bool) or not isinstance(freq, (int, list)):
+    if not (is_int(freq) or isinstance(freq, list)):
         raise ValueError(f"moe_layer_freq={freq!r} must be an int or a list of 0/1")
     if isinstance(freq, int):
         if freq < 1:

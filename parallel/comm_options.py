@@ -31,6 +31,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from tpfuse.parallel.checks import is_real
+
 REDUCE_SCATTER_STRATEGIES = ("native", "all_reduce")
 
 
@@ -47,8 +49,7 @@ class CommOptions:
                              f"{REDUCE_SCATTER_STRATEGIES}, got {self.reduce_scatter!r}")
         flops = self.fused_min_flops
         if flops is not None:
-            if isinstance(flops, bool) or not isinstance(flops, (int, float)) \
-                    or math.isnan(flops) or flops < 0:
+            if not is_real(flops) or math.isnan(flops) or flops < 0:
                 raise ValueError(f"fused_min_flops must be a number >= 0 or None, got {flops!r}")
             object.__setattr__(self, "fused_min_flops", float(flops))
         if not isinstance(self.symm_mem, bool):

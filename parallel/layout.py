@@ -26,6 +26,9 @@ Worked example, world 8, tp 2, pp 2 (so dp 2)::
 """
 from __future__ import annotations
 
+from tpfuse.parallel.checks import (check_int_at_least, check_int_at_least_or_none,
+                                    check_int_in_range)
+
 DEFAULT_ORDER = "tp-cp-ep-dp-pp"
 ORDER_TOKENS = ("tp", "cp", "ep", "dp", "pp")
 
@@ -51,9 +54,7 @@ GROUP_NAMES = tuple(_GROUP_TOKENS) + ("embedding", "position-embedding")
 
 
 def _check_size(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-    return value
+    return check_int_at_least(name, value, 1)
 
 
 def parse_order(order: str, sizes: dict[str, int], side: str) -> tuple[str, ...]:
@@ -84,9 +85,7 @@ def check_vpp(vpp, pp: int):
     """Validate a virtual pipeline size (None = no interleaving); returns it."""
     if vpp is None:
         return None
-    if isinstance(vpp, bool) or not isinstance(vpp, int) or vpp < 1:
-        raise ValueError(f"vpp (virtual pipeline size) must be an integer >= 1 or None, "
-                         f"got {vpp!r}")
+    check_int_at_least_or_none("vpp (virtual pipeline size)", vpp, 1)
     if pp == 1:
         raise ValueError(f"vpp={vpp} needs pipeline parallelism, but pp=1 "
                          f"(an interleaved schedule needs pp > 1)")
@@ -200,9 +199,7 @@ class RankLayout:
         return orthogonal_groups(self._expert_tokens, self._expert_sizes, members)
 
     def _check_rank(self, rank: int) -> int:
-        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.world_size:
-            raise ValueError(f"rank must be in [0, {self.world_size}), got {rank!r}")
-        return rank
+        return check_int_in_range("rank", rank, 0, self.world_size)
 
     def group_view(self, name: str, rank: int) -> list[int] | None:
         """Like ``group_of`` but the layout's own list (read only; no copy): O(1) per call after

@@ -19,6 +19,8 @@ down to zero micro-batches is a ValueError before training starts.
 """
 from __future__ import annotations
 
+from tpfuse.parallel.checks import check_int_at_least
+
 
 def _integral(value):
     """Megatron's ``int(...)`` of a ramp-up entry (a CLI string, a numpy int), refusing a
@@ -33,9 +35,7 @@ def _integral(value):
 
 
 def _positive_int(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-    return value
+    return check_int_at_least(name, value, 1)
 
 
 class MicrobatchCalculator:
@@ -76,9 +76,7 @@ class MicrobatchCalculator:
                              f"{rampup!r}") from None
         _positive_int("rampup_batch_size start", start)
         _positive_int("rampup_batch_size increment", increment)
-        if isinstance(samples, bool) or not isinstance(samples, int) or samples < 0:
-            raise ValueError(f"rampup_batch_size samples must be an integer >= 0, "
-                             f"got {samples!r}")
+        check_int_at_least("rampup_batch_size samples", samples, 0)
         diff = self.global_batch_size - start
         if diff < 0:
             raise ValueError(f"rampup_batch_size start={start} exceeds "
@@ -131,9 +129,7 @@ class MicrobatchCalculator:
         ``consistency_check`` is kept for Megatron compatibility: every reachable batch was
         validated at construction, so the check cannot fail here.
         """
-        if isinstance(consumed_samples, bool) or not isinstance(consumed_samples, int) \
-                or consumed_samples < 0:
-            raise ValueError(f"consumed_samples must be an integer >= 0, got {consumed_samples!r}")
+        check_int_at_least("consumed_samples", consumed_samples, 0)
         self.current_global_batch_size = self._scheduled_batch(consumed_samples)
         self.current_running_global_batch_size = self._running(self.current_global_batch_size)
         self.num_microbatches = (self.current_running_global_batch_size

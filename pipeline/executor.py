@@ -41,6 +41,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from tpfuse.parallel.checks import is_int
 from tpfuse.parallel.state import resolve_state
 
 from .p2p import PipelineP2P, recv_ahead_for
@@ -132,8 +133,7 @@ def _recv_tensor_spec(chunks, seq_length, micro_batch_size, state, tensor_shape)
 
 
 def _check_counts(num_microbatches) -> None:
-    if isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int) \
-            or num_microbatches < 1:
+    if not is_int(num_microbatches) or num_microbatches < 1:
         raise ValueError(f"num_microbatches must be a positive integer, got {num_microbatches!r}")
 
 

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tpfuse.parallel.checks import is_int
+
 ACTION_KINDS = ("F", "B", "I", "W")
 
 
@@ -42,7 +44,7 @@ class Action:
 
 
 def _check_positive_int(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if not is_int(value) or value < 1:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 

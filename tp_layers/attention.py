@@ -57,6 +57,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tpfuse.parallel.checks import is_int
 from tpfuse.parallel.context_split import local_token_index
 
 from . import _deps
@@ -94,8 +95,7 @@ def check_context_parallel_layer(cp_size: int, comm_type: str, heads_local: int,
                                  groups_local: int, attention_dropout: float,
                                  window_size: int | None) -> None:
     """ValueError naming the values for settings context-parallel attention cannot take."""
-    if window_size is not None and (isinstance(window_size, bool)
-                                    or not isinstance(window_size, int) or window_size < 1):
+    if window_size is not None and (not is_int(window_size) or window_size < 1):
         raise ValueError(f"window_size={window_size!r} must be a positive int (positions a query "
                          "sees, its own included) or None")
     if cp_size == 1:
