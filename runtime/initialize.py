@@ -105,3 +105,23 @@ def check_layout(config) -> None:
             f"expert_model_parallel_size ({ep}) × pipeline_model_parallel_size ({pp})")
     if pp > 1:   # the pipeline group gets the world's backend: receiving ahead needs gloo
         recv_ahead_for(config.p2p_recv_ahead, dist.get_backend())
+
+
+def shutdown_distributed(finished: bool) -> None:
+    """End this rank's torch.distributed world before the interpreter exits.
+
+    Left to interpreter exit, a gloo process group is torn down by static destructors in no set
+    order, while a peer may still be inside its last send or collective: a worker thread still
+    joinable when its ``std::thread`` is destroyed aborts the process (``terminate called
+    without an active exception``, SIGABRT) after a run that had finished. So a finished run
+    meets every rank at a barrier (no peer has a pending operation any more), destroys the
+    model-parallel groups, then the world. After an error no barrier is held (a failed peer would
+    never reach it); the groups are destroyed as they stand and the launcher ends the job."""
+    if not dist.is_initialized():
+        return
+    from tpfuse.parallel import parallel_state
+
+    if finished:
+        dist.barrier()
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()

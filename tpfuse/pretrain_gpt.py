@@ -120,6 +120,8 @@ def main(argv=None) -> int:
         if os.environ.get("RANK", "0") == "0":
             print(f"tpfuse.pretrain_gpt: error: {error}", file=sys.stderr)
         return 2
+    from tpfuse.runtime.initialize import shutdown_distributed
+
     try:
         pretrain(train_valid_test_datasets_provider, model_provider, forward_step, argv=argv,
                  sample_func=sample_func)
@@ -127,7 +129,9 @@ def main(argv=None) -> int:
         from tpfuse.runtime.launcher import report_failure
 
         report_failure(error)
+        shutdown_distributed(finished=False)
         return 1
+    shutdown_distributed(finished=True)
     return 0
 
 
