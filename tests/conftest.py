@@ -4,20 +4,11 @@
 gloo world and returns the per-rank results. Pools are started once per world size and kept for
 the whole session (process start-up amortised across tests); a pool whose job failed is replaced.
 """
-import os
-import sys
 
 import pytest
 import torch
 
 from tpfuse.parallel.launch import WorkerPool
-
-# `python3 -m pytest` puts the working directory (the repository root) first on sys.path, where
-# the folders kernels/, data/, models/ ... would shadow installed distributions of those names
-# (transformers imports the `kernels` distribution). tpfuse reaches them as tpfuse.* through its
-# install, so the root leaves the path before any test imports a third-party library.
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _ROOT]
 
 _POOLS: dict[int, WorkerPool] = {}
 

@@ -38,7 +38,7 @@ from collections import defaultdict
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 RANKS = {
-    "tpfuse": 0, "tpfuse._lazy": 0,
+    "tpfuse": 0, "tpfuse._lazy": 0, "tpfuse._shadow": 0,
     "parallel": 1,
     "kernels": 2, "data": 2,
     "tp_layers": 3,
@@ -48,7 +48,7 @@ RANKS = {
     "training": 7, "inference": 7, "convert": 7,
     "megatron_compat": 8, "tpfuse.pretrain_gpt": 8,
 }
-ROOT_MODULES = ("_lazy", "pretrain_gpt")     # tpfuse/<name>.py: each its own unit
+ROOT_MODULES = ("_lazy", "_shadow", "pretrain_gpt")     # tpfuse/<name>.py: each its own unit
 
 
 def subpackages(root: str) -> list[str]:
