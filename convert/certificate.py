@@ -4,7 +4,8 @@
     HF side:      AutoModelForCausalLM.from_pretrained(dir) (fp32)
     prompt:       PROMPT_LENGTH ids  (7·j + 3) mod V,  j = 0 ..
     certificate:  {"max_abs_logit_diff", "tolerance", "max_abs_logit", "prompt", "tpfuse",
-                   "huggingface"} as ``certificate.json`` in the written folder
+                   "huggingface"} as ``certificate.json`` in the written folder, the two
+                   folders' paths relative to it (the pair can move together)
 
 Both models run in fp32 whatever the weights' dtype (bf16 / fp16 values are exact in fp32), so the
 two sides compute the same function of the same numbers and differ only by the order of fp32
@@ -32,6 +33,7 @@ import torch
 CERTIFICATE = "certificate.json"
 PROMPT_LENGTH = 16
 UNIT_ROUNDOFF = 2.0 ** -24
+SIDES = ("tpfuse", "huggingface")          # the certificate's two folder paths
 
 
 def fixed_prompt(vocab_size: int) -> list[int]:
@@ -113,8 +115,12 @@ def check(certificate: dict) -> None:
 
 
 def write(folder: str, certificate: dict) -> None:
+    """Store ``certificate`` in ``folder``, its "tpfuse" / "huggingface" paths relative to it."""
+    stored = dict(certificate)
+    for side in SIDES:
+        stored[side] = os.path.relpath(certificate[side], start=folder)
     with open(os.path.join(folder, CERTIFICATE), "w") as handle:
-        json.dump(certificate, handle, indent=1)
+        json.dump(stored, handle, indent=1)
 
 
 def certify(written: str, tpfuse_dir: str, hf_dir: str) -> dict:
@@ -139,6 +145,8 @@ def verify(folder: str) -> dict:
         raise FileNotFoundError(f"{folder} holds no {CERTIFICATE} (not written by tpfuse-convert)")
     with open(path) as handle:
         stored = json.load(handle)
-    certificate = compute(stored["tpfuse"], stored["huggingface"])
+    # relative to the folder (an absolute path, as older certificates hold, joins as itself)
+    tpfuse_dir, hf_dir = (os.path.join(folder, stored[side]) for side in SIDES)
+    certificate = compute(tpfuse_dir, hf_dir)
     check(certificate)
     return certificate

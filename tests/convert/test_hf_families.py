@@ -118,6 +118,13 @@ def test_conversions_write_a_certificate_that_verify_recomputes(tmp_path, capsys
     assert "above the tolerance" in capsys.readouterr().err
     with pytest.raises(ValueError, match="above the tolerance"):
         certificate.check({"computed": True, "max_abs_logit_diff": 1.0, "tolerance": 1e-5})
+    # the stored paths are relative to the certificate's folder: moved together, a pair verifies
+    stored = json.loads((tmp_path / "ckpt" / "certificate.json").read_text())
+    assert [stored[side] for side in certificate.SIDES] == [".", os.path.join("..", "hf")]
+    (tmp_path / "moved").mkdir()
+    for folder in ("hf", "ckpt"):
+        os.replace(tmp_path / folder, tmp_path / "moved" / folder)
+    assert main(["--verify", str(tmp_path / "moved" / "ckpt")]) == 0
 
 
 def test_use_checkpoint_args_takes_the_shape_and_lets_rotary_run_longer(tmp_path):
