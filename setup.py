@@ -68,18 +68,19 @@ setup(
         # tokenizers: HuggingFace BPE tokenizers and Megatron's GPT2BPETokenizer (optional; the
         # byte tokenizer is built in); transformers: HuggingFaceTokenizer folders, and checking
         # tpfuse-convert's output against HuggingFace's own models. The test extra carries every
-        # tokenizer library so each tokenizer type is tested.
+        # tokenizer library and both observability back-ends (wandb runs offline in the tests) so
+        # each tokenizer type and each logger is tested.
         "hf": ["tokenizers", "transformers"],
         # Megatron's SentencePieceTokenizer / GPTSentencePieceTokenizer / Llama2Tokenizer
         "sentencepiece": ["sentencepiece"],
         # Megatron's TikTokenizer
         "tiktoken": ["tiktoken"],
-        "tokenizers": ["tokenizers", "transformers", "sentencepiece", "tiktoken"],
+        "tokenizers": ["tokenizers", "transformers", "sentencepiece", "tiktoken", "tensorboard", "wandb"],
         # training observability, imported only when --tensorboard-dir / --wandb-project is given
         "tensorboard": ["tensorboard"],
         "wandb": ["wandb"],
         "test": ["pytest", "pytest-benchmark", "pytest-timeout", "tokenizers", "transformers",
-                 "sentencepiece", "tiktoken"],
+                 "sentencepiece", "tiktoken", "tensorboard", "wandb"],
     },
     entry_points={"console_scripts": CONSOLE_SCRIPTS},
 )

@@ -29,8 +29,10 @@
 #
 # Runs from a source checkout: when `import tpfuse` fails it tries an editable install without
 # build isolation, and failing that (no network, no build tools) maps the repository's folders
-# onto the tpfuse namespace in a throw-away PYTHONPATH, as setup.py's package_dir does.
+# onto the tpfuse namespace in a throw-away PYTHONPATH, as setup.py's package_dir does. Every
+# check runs the interpreter $PYTHON (default python3, the first on PATH; the tests pass their own).
 set -u
+PYTHON=${PYTHON:-python3}
 dry=0 keep=0 out= only=
 while [ $# -gt 0 ]; do
     case $1 in
@@ -55,10 +57,10 @@ export PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/tpfuse_trito
 work=$(mktemp -d)          # commands run here: the checkout's tpfuse/ folder must not shadow
 cd "$work"
 
-if ! python3 -c "import tpfuse.kernels" 2>/dev/null; then
-    pip install -q --no-deps --no-build-isolation -e "$repo" >/dev/null 2>&1 || true
+if ! "$PYTHON" -c "import tpfuse.kernels" 2>/dev/null; then
+    "$PYTHON" -m pip install -q --no-deps --no-build-isolation -e "$repo" >/dev/null 2>&1 || true
 fi
-if ! python3 -c "import tpfuse.kernels" 2>/dev/null; then
+if ! "$PYTHON" -c "import tpfuse.kernels" 2>/dev/null; then
     mkdir -p "$work/path/tpfuse"
     for file in "$repo"/tpfuse/*; do ln -sf "$file" "$work/path/tpfuse/"; done
     for folder in "$repo"/*/; do
@@ -72,12 +74,12 @@ fi
 gpus=0
 if [ "$dry" = 0 ]; then
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-    gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
+    gpus=$("$PYTHON" -c "import torch; print(torch.cuda.device_count())")
 fi
 {
     date -u '+%Y-%m-%d %H:%M UTC,' | tr '\n' ' '
     printf 'commit %s, ' "$(git -C "$repo" rev-parse --short HEAD 2>/dev/null || echo unknown)"
-    python3 -c "import torch, triton; print(torch.cuda.get_device_name() if torch.cuda.is_available()
+    "$PYTHON" -c "import torch, triton; print(torch.cuda.get_device_name() if torch.cuda.is_available()
                 else 'CPU', '| torch', torch.__version__, 'cuda', torch.version.cuda,
                 'triton', triton.__version__)"
 } | tee "$out/versions.txt"
@@ -127,13 +129,13 @@ job=("${model[@]}" "${batch[@]}" "${precision[@]}" --swiglu --normalization RMSN
 train() {   # train NAME LIMIT_S NPROC EXTRA_FLAGS...: the trainer on the job, metrics to logs/
     local name=$1 limit=$2 nproc=$3
     shift 3
-    check "$name" "$limit" python3 -m tpfuse.training.launcher --nproc-per-node "$nproc" \
+    check "$name" "$limit" "$PYTHON" -m tpfuse.training.launcher --nproc-per-node "$nproc" \
         "${job[@]}" --distributed-backend "$backend" --metrics-file "$logs/$name.jsonl" "$@"
 }
 
 # 1. training (300 s)
 train train_tpfuse 120 1
-check train_peer 120 python3 "$bench/plain_gpt_peer.py" "${peer_flags[@]}" "${job[@]}" \
+check train_peer 120 "$PYTHON" "$bench/plain_gpt_peer.py" "${peer_flags[@]}" "${job[@]}" \
     --metrics-file "$logs/train_peer.jsonl"
 # two ranks sharing the one GPU: NCCL refuses that, so gloo with the model on CUDA (--device cuda:
 # each collective staged through host memory); the first iterations of the same job, same
@@ -143,16 +145,16 @@ short=(--train-iters "$pair_iters" --lr-decay-iters "$train_iters" --distributed
 train train_tp2 30 2 "${short[@]}" --tensor-model-parallel-size 2
 train train_pp2 30 2 "${short[@]}" --pipeline-model-parallel-size 2
 # 2. kernels (185 s)
-check gpu_check 80 python3 "$bench/gpu_check.py" ${kernel_flag:---quick} --budget-s "$((65 * scale))" \
+check gpu_check 80 "$PYTHON" "$bench/gpu_check.py" ${kernel_flag:---quick} --budget-s "$((65 * scale))" \
     --json "$logs/gpu_check.json"
-check attention_masks 75 python3 "$bench/gpu_attention_check.py" $kernel_flag
-check moe 30 python3 "$bench/gpu_moe_check.py" $kernel_flag
+check attention_masks 75 "$PYTHON" "$bench/gpu_attention_check.py" $kernel_flag
+check moe 30 "$PYTHON" "$bench/gpu_moe_check.py" $kernel_flag
 # 3. what remains (55 s)
-check generation 35 python3 "$bench/gpu_generation_check.py" $kernel_flag
-check context_parallel 20 python3 "$bench/gpu_context_parallel_check.py" $kernel_flag \
+check generation 35 "$PYTHON" "$bench/gpu_generation_check.py" $kernel_flag
+check context_parallel 20 "$PYTHON" "$bench/gpu_context_parallel_check.py" $kernel_flag \
     --budget-s "$((14 * scale))"
 
-python3 "$bench/gpu_session_summary.py" "$out" --dry-run "$dry"
+"$PYTHON" "$bench/gpu_session_summary.py" "$out" --dry-run "$dry"
 tar -czf "$out/logs.tar.gz" -C "$out" logs
 [ "$keep" = 1 ] || rm -rf "$logs"
 cat "$out/summary.md"

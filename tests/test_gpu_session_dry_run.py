@@ -7,6 +7,7 @@ and order, the device limits' total, every check ok with its key figures, the pe
 import json
 import os
 import subprocess
+import sys
 
 import pytest
 
@@ -30,8 +31,9 @@ VERDICTS = {"attention_masks": 9, "moe": 9, "context_parallel": 12}
 @pytest.fixture(scope="module")
 def summary(tmp_path_factory):
     out = tmp_path_factory.mktemp("gpu_session")
-    done = subprocess.run(["bash", SCRIPT, "--dry-run", str(out)],
-                          capture_output=True, text=True, timeout=900)
+    # the interpreter running the tests, not whichever python3 is first on PATH
+    done = subprocess.run(["bash", SCRIPT, "--dry-run", str(out)], capture_output=True, text=True,
+                          timeout=900, env={**os.environ, "PYTHON": sys.executable})
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     with open(out / "summary.json") as handle:
         return json.load(handle), (out / "summary.md").read_text(), sorted(os.listdir(out))

@@ -84,7 +84,6 @@ def test_missing_optional_extras_are_named(monkeypatch):
 
 
 def test_tensorboard_scalars(tmp_path):
-    pytest.importorskip("tensorboard")      # optional extra; the fallback is tested above
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     writer = observability.TensorBoardWriter(str(tmp_path), interval=1)
@@ -98,7 +97,6 @@ def test_tensorboard_scalars(tmp_path):
 
 
 def test_wandb_offline(tmp_path, monkeypatch):
-    pytest.importorskip("wandb")            # optional extra; the fallback is tested above
     monkeypatch.setenv("WANDB_MODE", "offline")
     writer = observability.WandbWriter("tpfuse-test", "run", str(tmp_path), {"lr": 0.1})
     writer.log(1, {"loss": 2.5})
