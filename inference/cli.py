@@ -158,22 +158,25 @@ def _print(result: dict, args) -> None:
 
 def _run_as_rank(args) -> None:
     from tpfuse.parallel import parallel_state
-    from tpfuse.runtime.initialize import initialize_distributed
+    from tpfuse.runtime.initialize import initialize_distributed, shutdown_distributed
 
     initialize_distributed(args.distributed_backend, args.distributed_timeout_minutes)
     import torch.distributed as dist
 
-    if dist.get_world_size() != args.nproc_per_node:
-        raise ValueError(f"world size {dist.get_world_size()} != tensor × pipeline parallel size "
-                         f"{args.nproc_per_node}")
-    state = parallel_state.initialize_model_parallel(
-        args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-        expert_model_parallel_size=args.expert_model_parallel_size)
-    result = run(args, state)
-    if dist.get_rank() == 0:
-        _print(result, args)
-    parallel_state.destroy_model_parallel()
-    dist.destroy_process_group()
+    finished = False
+    try:
+        if dist.get_world_size() != args.nproc_per_node:
+            raise ValueError(f"world size {dist.get_world_size()} != tensor × pipeline parallel "
+                             f"size {args.nproc_per_node}")
+        state = parallel_state.initialize_model_parallel(
+            args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+            expert_model_parallel_size=args.expert_model_parallel_size)
+        result = run(args, state)
+        if dist.get_rank() == 0:
+            _print(result, args)
+        finished = True
+    finally:
+        shutdown_distributed(finished)
 
 
 def main(argv=None) -> int:

@@ -122,16 +122,18 @@ def main(argv=None) -> int:
         return 2
     from tpfuse.runtime.initialize import shutdown_distributed
 
-    try:
+    finished = False
+    try:  # every way out ends the process groups: finished, early exit, error, KeyboardInterrupt
         pretrain(train_valid_test_datasets_provider, model_provider, forward_step, argv=argv,
                  sample_func=sample_func)
+        finished = True
     except Exception as error:  # noqa: BLE001 — reported once per job by tpfuse-train
         from tpfuse.runtime.launcher import report_failure
 
         report_failure(error)
-        shutdown_distributed(finished=False)
         return 1
-    shutdown_distributed(finished=True)
+    finally:
+        shutdown_distributed(finished)
     return 0
 
 
