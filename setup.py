@@ -38,7 +38,7 @@ CONSOLE_SCRIPTS = [
     "tpfuse-config=tpfuse.models.cli:main",
     "tpfuse-preprocess=tpfuse.data.preprocess:main",
     "tpfuse-train=tpfuse.training.launcher:main",
-    "tpfuse-plan=tpfuse.training.plan_cli:main",
+    "tpfuse-plan=tpfuse.training.plan.cli:main",
     "tpfuse-generate=tpfuse.inference.cli:main",
     "tpfuse-convert=tpfuse.convert.cli:main",
 ]

@@ -188,3 +188,15 @@ def test_the_scan_sees_imports_inside_functions_and_relative_ones():
                      ("tpfuse.training.pretrain", 4)]
     assert [unit_of(m) for m, _ in found] == ["tpfuse._lazy", "checkpoint", "inference",
                                               "models", "training"]
+
+
+def test_nested_packages_rank_with_their_top_folder():
+    # training/plan/ (tpfuse.training.plan, the planner) is scanned file by file as training's
+    scanned = {module: unit for unit, module, _ in source_files(ROOT)}
+    planner = {module: unit for module, unit in scanned.items()
+               if module.startswith("tpfuse.training.plan.")}
+    expected = {f"tpfuse.training.plan.{name}" for name in
+                ("__init__", "memory", "activations", "comm", "report", "search", "cli")}
+    assert expected <= set(planner), sorted(expected - set(planner))
+    assert set(planner.values()) == {"training"}
+    assert unit_of("tpfuse.training.plan.memory") == "training"

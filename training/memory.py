@@ -87,7 +87,7 @@ def memory_record(optimizer, iteration: int, rank: int = 0) -> dict:
 def memory_plan_report(optimizer, config, settings, world_size: int, rank: int) -> str:
     """``--log-memory-plan``: tpfuse-plan's four static kinds for this rank beside what it holds
     (MiB; ``=`` where they agree to the byte), and the planned activation peak."""
-    from .plan_report import plan_layout
+    from .plan.report import plan_layout
 
     (planned,) = plan_layout(config, settings, world_size, ranks=[rank])["ranks"]
     held = optimizer.memory_bytes()

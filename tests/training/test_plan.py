@@ -196,7 +196,7 @@ def _as_counted(planned: dict, layout, rank: int) -> dict:
 
 @pytest.mark.parametrize("world,flags", COMM_GRID, ids=[" ".join(f) for _, f in COMM_GRID])
 def test_comm_bytes_equal_the_collectives_of_a_real_step(run_distributed, world, flags):
-    from tpfuse.training.plan_comm import step_comm_bytes
+    from tpfuse.training.plan.comm import step_comm_bytes
 
     counted = dict(run_distributed(world, counted_step_body, flags))
     config, settings = parse_args(BASE + STEP + flags)
@@ -222,7 +222,7 @@ def test_dropless_alltoall_volume_is_exact_over_the_ep_group_and_bounded_per_ran
     exact value under uniform routing); so do the etp gathers of the received rows under TP
     (each etp rank's block padded to the largest: bounded, counted with the tp group's);
     every other kind, the counts' all-gather included, is exact per rank."""
-    from tpfuse.training.plan_comm import step_comm_bounds, step_comm_bytes
+    from tpfuse.training.plan.comm import step_comm_bounds, step_comm_bytes
 
     counted = dict(run_distributed(4, counted_step_body, flags))
     config, settings = parse_args(BASE + STEP + flags)
@@ -318,7 +318,7 @@ def saved_chunk_bytes_body(flag_sets):
 
 
 def _predicted_chunk_bytes(flags) -> float:
-    from tpfuse.training.plan_activations import chunk_activation_bytes
+    from tpfuse.training.plan.activations import chunk_activation_bytes
 
     config, _ = parse_args(ACTIVATION_SHAPE + flags)
     kept, _transient = chunk_activation_bytes(config, 2, 0, 0)
@@ -342,7 +342,7 @@ def test_predicted_activations_under_tensor_and_sequence_parallelism(run_distrib
 def test_in_flight_micro_batches_follow_the_schedules():
     """1F1B holds pp − r micro-batches on rank r; interleaving holds more on the first rank
     (Megatron's warm-up of (pp − r − 1)·2 + (vpp − 1)·pp + 1 forwards, split over the chunks)."""
-    from tpfuse.training.plan_activations import activation_peaks
+    from tpfuse.training.plan.activations import activation_peaks
 
     config, _ = parse_args(BASE + ["--pipeline-model-parallel-size", "4"])
     peaks = activation_peaks(config, 1, 8)
@@ -371,8 +371,8 @@ def test_search_on_a_70b_config_over_512_ranks_returns_a_valid_layout_that_fits(
 
     from tpfuse.models.config import TransformerConfig
     from tpfuse.parallel.layout import RankLayout
-    from tpfuse.training.plan_report import plan_layout
-    from tpfuse.training.plan_search import Cluster, search
+    from tpfuse.training.plan.report import plan_layout
+    from tpfuse.training.plan.search import Cluster, search
 
     config, settings = parse_args(LLAMA_70B)
     started = time.process_time()
@@ -407,7 +407,7 @@ def test_search_compute_term_is_the_trainers_model_flops(flags):
     """The roofline's compute is ``models.flops.flops_per_iteration`` (what --log-throughput
     gives MFU with) at the cluster's MFU of every rank's peak."""
     from tpfuse.models.flops import flops_per_iteration
-    from tpfuse.training.plan_search import Cluster, evaluate
+    from tpfuse.training.plan.search import Cluster, evaluate
 
     config, settings = parse_args(BASE + flags)
     cluster = Cluster(gpu_memory_gib=80, peak_tflops=100.0, mfu=0.25)
@@ -420,7 +420,7 @@ def test_search_compute_term_is_the_trainers_model_flops(flags):
 def test_cli_json_has_every_rank(capsys):
     import json
 
-    from tpfuse.training.plan_cli import main
+    from tpfuse.training.plan.cli import main
 
     assert main(BASE + ["--world-size", "4", "--tensor-model-parallel-size", "2", "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
@@ -431,7 +431,7 @@ def test_cli_json_has_every_rank(capsys):
 
 
 def test_cli_rejects_a_layout_that_does_not_divide_the_world():
-    from tpfuse.training.plan_cli import main
+    from tpfuse.training.plan.cli import main
 
     with pytest.raises(SystemExit, match="world_size=6 is not divisible"):
         main(BASE + ["--world-size", "6", "--tensor-model-parallel-size", "4"])

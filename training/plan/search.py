@@ -34,10 +34,10 @@ import dataclasses
 
 from tpfuse.models.flops import H200_BF16_DENSE_TFLOPS, flops_per_iteration
 
-from .plan import MEMORY_KINDS, buffer_settings, layout_of
-from .plan_activations import activation_peaks, bubble_fraction
-from .plan_comm import step_comm_bytes
-from .plan_report import (GIB, data_parallel_size, num_microbatches, planned_backend,
+from .memory import MEMORY_KINDS, buffer_settings, layout_of
+from .activations import activation_peaks, bubble_fraction
+from .comm import step_comm_bytes
+from .report import (GIB, data_parallel_size, num_microbatches, planned_backend,
                           rank_memory, representative_ranks)
 
 

@@ -21,7 +21,7 @@ lays it out:
   where "elements this rank updates" is every parameter element, or with the distributed
   optimizer the parameters' intersection with this rank's shard of every bucket.
 - **activations** at the schedule's peak: ``activations.py``.
-- **communication** per optimizer step, by group kind: ``comm_volume.py``.
+- **communication** per optimizer step, by group kind: ``comm.py``.
 
 With ``--use-torch-fsdp2`` (``training/fsdp.py``) there are no buffers: FSDP units (one per
 transformer layer, the layer's expert parameters one over the expert-data group when edp > 1 and
@@ -42,8 +42,8 @@ from tpfuse.models.layer_assignment import layers_for
 from tpfuse.models.moe_config import moe_layer_pattern
 from tpfuse.parallel.layout import RankLayout
 
-from .fsdp import fsdp_rank_bytes, shard_rows
-from .grad_buffers import plan_buffer
+from ..fsdp import fsdp_rank_bytes, shard_rows
+from ..grad_buffers import plan_buffer
 
 MEMORY_KINDS = ("parameters", "main_parameters", "gradients", "optimizer_state")
 DTYPE_BYTES = {"torch.float32": 4, "torch.bfloat16": 2, "torch.float16": 2}
@@ -201,7 +201,7 @@ class BufferSettings:
 
 
 def buffer_settings(config, settings, dp_cp: int) -> BufferSettings:
-    from .precision_args import ddp_config_from_settings
+    from ..precision_args import ddp_config_from_settings
 
     if settings.data_parallel.use_torch_fsdp2:      # fp32 shards and an fp32 reduce
         return BufferSettings(True, False, None, settings.data_parallel.fsdp_strategy)

@@ -9,17 +9,17 @@
                 "in_flight_microbatches": [per chunk], "comm_bytes_per_step": {...},
                 "comm_bounds_per_step": {kind: [low, high]}}, ...]}
 
-``memory_bytes``' first four kinds are the trainer's record (``training/plan.py``), activations
-the schedule's peak (``plan_activations.py``); ``comm_bytes_per_step``: ``plan_comm.py``, exact
+``memory_bytes``' first four kinds are the trainer's record (``memory.py``), activations the
+schedule's peak (``activations.py``); ``comm_bytes_per_step``: ``comm.py``, exact
 for every kind except those ``comm_bounds_per_step`` names (the alltoall dispatcher's
 all-to-all without capacity padding: its value under uniform routing, and the range the routing
 can take it to).
 """
 from __future__ import annotations
 
-from .plan import MEMORY_KINDS, buffer_settings, layout_of, static_memory
-from .plan_activations import activation_peaks, bubble_fraction
-from .plan_comm import step_comm_bounds, step_comm_bytes
+from .memory import MEMORY_KINDS, buffer_settings, layout_of, static_memory
+from .activations import activation_peaks, bubble_fraction
+from .comm import step_comm_bounds, step_comm_bytes
 
 
 def data_parallel_size(config, world_size: int) -> int:

@@ -47,7 +47,7 @@ from tpfuse.pipeline.schedules import (build_interleaved_schedule, build_no_pipe
                                        build_schedule)
 from tpfuse.pipeline.simulate import simulate
 
-from .plan import element_bytes
+from .memory import element_bytes
 
 
 def _sizes(config, micro_batch_size: int):

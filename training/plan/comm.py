@@ -77,8 +77,8 @@ from dataclasses import dataclass
 from tpfuse.models.layer_assignment import layers_for
 from tpfuse.models.moe_config import moe_layer_pattern
 
-from .fsdp import gathers_per_step, keeps_seams, padded_shard_numel, shard_rows
-from .plan import buffer_plans, element_bytes, fsdp_units
+from ..fsdp import gathers_per_step, keeps_seams, padded_shard_numel, shard_rows
+from .memory import buffer_plans, element_bytes, fsdp_units
 
 
 @dataclass(frozen=True)

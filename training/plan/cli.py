@@ -42,7 +42,7 @@ def build_plan_parser() -> argparse.ArgumentParser:
 def _cluster(plan_args, settings):
     from tpfuse.models.flops import H200_BF16_DENSE_TFLOPS
 
-    from .plan_search import Cluster
+    from .search import Cluster
 
     if plan_args.gpu_memory_gib is None or not plan_args.gpu_memory_gib > 0:
         raise ValueError("--search needs --gpu-memory-gib M (> 0, the memory of one device)")
@@ -64,12 +64,12 @@ def _without_config(result: dict) -> dict:
 
 
 def main(argv=None) -> int:
-    from .arguments import parse_args
-    from .plan_report import format_plan, plan_layout
+    from ..arguments import parse_args
+    from .report import format_plan, plan_layout
 
     argv = sys.argv[1:] if argv is None else list(argv)
     if "-h" in argv or "--help" in argv:
-        from .arguments import build_parser
+        from ..arguments import build_parser
 
         # the plan's flags and every tpfuse-train flag, in one help
         argparse.ArgumentParser(prog="tpfuse-plan", add_help=False, conflict_handler="resolve",
@@ -81,7 +81,7 @@ def main(argv=None) -> int:
     try:
         config, settings = parse_args(train_argv)
         if plan_args.search:
-            from .plan_search import format_search, save_png, search
+            from .search import format_search, save_png, search
 
             cluster = _cluster(plan_args, settings)
             results = search(config, settings, plan_args.world_size, cluster)
