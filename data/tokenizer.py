@@ -25,25 +25,17 @@ multiple of 128 × tp; that padding is the model's business, not the tokenizer's
 """
 from __future__ import annotations
 
-import importlib
 import os
 
 import numpy as np
+
+from tpfuse._optional import import_optional
 
 BYTE_VOCAB = 256
 BYTE_EOD = 256
 
 # tokens a tokenizer.json commonly uses to end a document, tried in this order
 _EOD_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>", "[SEP]")
-
-
-def import_optional(module: str, kind: str, extra: str):
-    """``module`` imported, or an ImportError saying which tokenizer needs which package."""
-    try:
-        return importlib.import_module(module)
-    except ImportError as err:
-        raise ImportError(f"{kind} needs the optional {module.split('.')[0]!r} package "
-                          f"(pip install 'tpfuse[{extra}]')") from err
 
 
 class ByteTokenizer:
@@ -100,12 +92,8 @@ class HFTokenizer:
     """
 
     def __init__(self, path: str, eod_token: str | None = None):
-        try:
-            import tokenizers
-        except ImportError as err:
-            raise ImportError(
-                f"tokenizer {path!r} needs the optional 'tokenizers' package "
-                "(pip install tokenizers), or use --tokenizer byte") from err
+        tokenizers = import_optional("tokenizers", extra="hf", feature=f"tokenizer {path!r}",
+                                     instead="use --tokenizer byte")
         if not os.path.isfile(path):
             raise ValueError(f"tokenizer: file {path!r} does not exist")
         self._tok = tokenizers.Tokenizer.from_file(path)

@@ -9,9 +9,10 @@ two.
 Ranks (bottom up); a package may import only packages of a LOWER rank, so packages of one rank
 ("beside each other") do not import each other::
 
-    0  tpfuse          the root package's own modules: ``tpfuse/__init__.py`` (version) and
-                       ``tpfuse._lazy`` (the lazy-export helper every package's __init__ uses);
-                       they import no tpfuse package
+    0  tpfuse          the root package's own modules: ``tpfuse/__init__.py`` (version),
+                       ``tpfuse._lazy`` (the lazy-export helper every package's __init__ uses)
+                       and ``tpfuse._optional`` (optional dependencies: import or fail naming
+                       the pip extra); they import no tpfuse package
     1  parallel        ParallelState, rank arithmetic, groups, validators
     2  kernels data
     3  tp_layers
@@ -39,6 +40,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 RANKS = {
     "tpfuse": 0, "tpfuse._lazy": 0,
+    "tpfuse._optional": 0,
     "parallel": 1,
     "kernels": 2, "data": 2,
     "tp_layers": 3,
@@ -48,7 +50,7 @@ RANKS = {
     "training": 7, "inference": 7, "convert": 7,
     "megatron_compat": 8, "tpfuse.pretrain_gpt": 8,
 }
-ROOT_MODULES = ("_lazy", "pretrain_gpt")     # tpfuse/<name>.py: each its own unit
+ROOT_MODULES = ("_lazy", "_optional", "pretrain_gpt")     # tpfuse/<name>.py: each its own unit
 
 
 def subpackages(root: str) -> list[str]:
