@@ -10,7 +10,7 @@ no eos, as Megatron sets it); ``vocab_size`` is ``len(tokenizer)`` (added tokens
 ``--tokenizer-special-tokens`` are added as additional special tokens, growing it.
 
 A folder holding only a ``tokenizer.json`` (no ``tokenizer_config.json``) is read by the
-``tokenizers`` library instead (``data.tokenizer.HFTokenizer``, its EOD guessed).
+``tokenizers`` library instead (``data.tokenizer_builtin.HFTokenizer``, its EOD guessed).
 """
 from __future__ import annotations
 
