@@ -6,8 +6,8 @@ Names are imported lazily (PEP 562), so ``import tpfuse.data`` stays cheap.
 from tpfuse._lazy import lazy_exports
 
 _EXPORTS = {
-    "ByteTokenizer": "tokenizer", "NullTokenizer": "tokenizer", "HFTokenizer": "tokenizer",
-    "build_tokenizer": "tokenizer",
+    "ByteTokenizer": "tokenizer_builtin", "NullTokenizer": "tokenizer_builtin",
+    "HFTokenizer": "tokenizer_builtin", "build_tokenizer": "tokenizer",
     "TokenizerOptions": "tokenizer_options", "build_megatron_tokenizer": "tokenizer_options",
     "GPT2BPETokenizer": "tokenizer_gpt2", "SentencePieceTokenizer": "tokenizer_sentencepiece",
     "TikTokenizer": "tokenizer_tiktoken", "HuggingFaceAutoTokenizer": "tokenizer_hf",

@@ -41,7 +41,8 @@ import numpy as np
 from tqdm import tqdm
 
 from .indexed import IndexedDatasetWriter, bin_path, idx_path
-from .tokenizer import ByteTokenizer, build_tokenizer
+from .tokenizer import build_tokenizer
+from .tokenizer_builtin import ByteTokenizer
 from .tokenizer_options import TokenizerOptions, add_tokenizer_arguments, build_megatron_tokenizer
 
 DEFAULT_PATTERN = "*.py,*.txt,*.md,*.rst"

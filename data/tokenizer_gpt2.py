@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 
-from .tokenizer import import_optional
+from tpfuse._optional import import_optional
 
 GPT2_EOD_TOKEN = "<|endoftext|>"
 
@@ -36,7 +36,8 @@ class GPT2BPETokenizer:
     """GPT-2 BPE over ``vocab_file`` + ``merge_file``; EOD ``<|endoftext|>``."""
 
     def __init__(self, vocab_file: str, merge_file: str, spec: str):
-        tokenizers = import_optional("tokenizers", "--tokenizer-type GPT2BPETokenizer", "hf")
+        tokenizers = import_optional("tokenizers", extra="hf",
+                                     feature="--tokenizer-type GPT2BPETokenizer")
         vocab = _read_vocab(vocab_file)
         if GPT2_EOD_TOKEN not in vocab:
             raise ValueError(f"--vocab-file {vocab_file}: GPT2BPETokenizer's end of document "

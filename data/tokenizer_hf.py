@@ -10,13 +10,13 @@ no eos, as Megatron sets it); ``vocab_size`` is ``len(tokenizer)`` (added tokens
 ``--tokenizer-special-tokens`` are added as additional special tokens, growing it.
 
 A folder holding only a ``tokenizer.json`` (no ``tokenizer_config.json``) is read by the
-``tokenizers`` library instead (``data.tokenizer.HFTokenizer``, its EOD guessed).
+``tokenizers`` library instead (``data.tokenizer_builtin.HFTokenizer``, its EOD guessed).
 """
 from __future__ import annotations
 
 import os
 
-from .tokenizer import import_optional
+from tpfuse._optional import import_optional
 
 CONFIG_FILE = "tokenizer_config.json"
 
@@ -30,8 +30,9 @@ class HuggingFaceAutoTokenizer:
 
     def __init__(self, folder: str, use_fast: bool, include_special_tokens: bool,
                  special_tokens, spec: str):
-        transformers = import_optional("transformers", "--tokenizer-type HuggingFaceTokenizer "
-                                       "with a tokenizer folder", "hf")
+        transformers = import_optional("transformers", extra="hf",
+                                       feature="--tokenizer-type HuggingFaceTokenizer with a "
+                                               "tokenizer folder")
         try:
             self._tok = transformers.AutoTokenizer.from_pretrained(
                 folder, use_fast=use_fast, local_files_only=True, trust_remote_code=False)

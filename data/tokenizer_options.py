@@ -174,7 +174,7 @@ def _need(options: TokenizerOptions, **needed: str) -> list[str]:
 
 
 def _null_or_byte(options: TokenizerOptions):
-    from .tokenizer import ByteTokenizer, NullTokenizer
+    from .tokenizer_builtin import ByteTokenizer, NullTokenizer
 
     if options.tokenizer_type == "ByteTokenizer":
         return ByteTokenizer()
@@ -214,7 +214,7 @@ def _tiktoken(options: TokenizerOptions):
 
 
 def _huggingface(options: TokenizerOptions):
-    from .tokenizer import HFTokenizer
+    from .tokenizer_builtin import HFTokenizer
     from .tokenizer_hf import HuggingFaceAutoTokenizer, is_transformers_folder
 
     if not options.tokenizer_model:

@@ -9,15 +9,15 @@ and put a BOS before Llama2Tokenizer's ids; tpfuse follows the default system.)
 """
 from __future__ import annotations
 
-from .tokenizer import import_optional
+from tpfuse._optional import import_optional
 
 
 class SentencePieceTokenizer:
     """A SentencePiece model: ids ``encode_as_ids(text)``, EOD its eos id."""
 
     def __init__(self, model_file: str, spec: str):
-        sentencepiece = import_optional("sentencepiece", "a SentencePiece --tokenizer-type",
-                                        "sentencepiece")
+        sentencepiece = import_optional("sentencepiece", extra="sentencepiece",
+                                        feature="a SentencePiece --tokenizer-type")
         self._sp = sentencepiece.SentencePieceProcessor()
         try:
             self._sp.Load(model_file)

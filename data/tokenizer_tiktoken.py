@@ -23,7 +23,7 @@ import binascii
 import json
 import os
 
-from .tokenizer import import_optional
+from tpfuse._optional import import_optional
 
 DEFAULT_VOCAB_SIZE = 2**17
 REQUIRED_SPECIAL_TOKENS = ("<unk>", "<s>", "</s>", "<mask>", "<pad>", "<cls>", "<sep>")
@@ -108,7 +108,8 @@ class TikTokenizer:
 
     def __init__(self, path: str, pattern: str, vocab_size: int | None, num_special_tokens: int,
                  special_tokens, spec: str):
-        tiktoken = import_optional("tiktoken", "--tokenizer-type TikTokenizer", "tiktoken")
+        tiktoken = import_optional("tiktoken", extra="tiktoken",
+                                   feature="--tokenizer-type TikTokenizer")
         vocab_size = DEFAULT_VOCAB_SIZE if vocab_size is None else vocab_size
         specials = special_token_list(special_tokens, num_special_tokens, vocab_size)
         tokens = read_rank_file(path)

@@ -9,8 +9,8 @@ memory, and whether the kernel uses TMA (``cp.async.bulk.tensor``) and warp-grou
 Which kernels: every ``@triton.jit`` / ``@triton.autotune`` kernel defined in a ``tpfuse.kernels``
 module. Which configurations: an autotuned kernel's configs (after its ``early_config_prune``, if it
 has one); for kernels launched with pinned configs or launcher-chosen blocks, the set the launcher
-can choose (``SPECS`` below). A kernel found in ``tpfuse.kernels`` with no spec here and whose
-arguments cannot be inferred is listed with an error: give it an entry in ``SPECS``.
+can choose (``sm90_specs.py``). A kernel found in ``tpfuse.kernels`` with no spec there and whose
+arguments cannot be inferred is listed with an error: give it an entry in ``sm90_specs.py``.
 
 Arguments are specialised as Triton's JIT does for the training shapes on a GPU: bf16 data (fp32
 statistics), 16-byte aligned pointers, integers that are multiples of 16 marked so, unit column
@@ -22,10 +22,8 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import importlib
 import json
 import os
-import pkgutil
 import re
 import subprocess
 import sys
@@ -35,58 +33,18 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from . import sm90_specs
+
 SM90 = GPUTarget("cuda", 90, 32)
 SHARED_LIMIT = 232448          # bytes of shared memory one block may use on sm_90 (227 KB)
-FP32_POINTERS = ("lse", "delta", "mean", "rstd", "row_max", "sum_exp", "target_logit", "global_max",
-                 "global_sum", "loss", "dw_part", "db_part", "c1_", "c2_", "main_grad", "acc_")
-INT_POINTERS = {"target_ptr": "*i64", "flags_ptr": "*i32", "bad_target_ptr": "*i32", "a_ptrs": "*i64", "flag_ptrs": "*i64"}
-FLOAT_SCALARS = ("eps", "scale", "p", "softmax_scale", "qk_scale", "sm_scale")
-RAGGED_INTS = ("seed", "epoch", "rank", "tp", "vocab_start", "ignore_index", "rows_per_program", "p",
-               "first_key", "last_key")
 
 
 # ----------------------------------------------------------------------------- compiling
 
-def _jit(kernel):
-    while not isinstance(kernel, triton.runtime.JITFunction):
-        kernel = kernel.fn
-    return kernel
-
-
-def _arg_type(name, dtype="bf16"):
-    if name in INT_POINTERS:
-        return INT_POINTERS[name]
-    if name.endswith(("_ptr", "_ptrs")):
-        return "*fp32" if any(token in name for token in FP32_POINTERS) else f"*{dtype}"
-    if name in FLOAT_SCALARS or name.endswith("_scale"):
-        return "fp32"
-    return "i32"
-
-
-def infer_signature(kernel, constexprs, dtype="bf16", types=None):
-    """Triton signature for ``kernel``: pointer / scalar types from argument names (overridden by
-    ``types``), constexpr values from ``constexprs``; raises KeyError for an unknown constexpr."""
-    jit = _jit(kernel)
-    types = types or {}
-    signature, attrs = {}, {}
-    for index, param in enumerate(jit.params):
-        name = param.name
-        if param.is_constexpr or name in constexprs:  # constexpr, or specialised (e.g. stride 1)
-            if name not in constexprs:
-                raise KeyError(f"{jit.__name__}: no value for constexpr {name}")
-            signature[name] = "constexpr"
-            continue
-        kind = types.get(name) or _arg_type(name, dtype)
-        signature[name] = kind
-        if kind.startswith("*") or (kind == "i32" and name not in RAGGED_INTS):
-            attrs[(index,)] = [["tt.divisibility", 16]]
-    return signature, attrs
-
-
 def compile_sm90(kernel, constexprs, num_warps, num_stages, dtype="bf16", types=None):
     """(PTX, Triton metadata) of one kernel specialisation for sm_90a."""
-    jit = _jit(kernel)
-    signature, attrs = infer_signature(jit, constexprs, dtype, types)
+    jit = sm90_specs.jit_function(kernel)
+    signature, attrs = sm90_specs.infer_signature(jit, constexprs, dtype, types)
     consts = {(jit.arg_names.index(n),): v for n, v in constexprs.items() if n in jit.arg_names}
     source = ASTSource(fn=jit, signature=signature, constexprs=consts, attrs=attrs)
     compiled = triton.compile(source, target=SM90,
@@ -137,41 +95,9 @@ def report_row(name, config_text, kernel, constexprs, num_warps, num_stages, dty
             "tma": "cp.async.bulk.tensor" in ptx, "wgmma": "wgmma.mma_async" in ptx}
 
 
-def config_text(meta, num_warps, num_stages):
-    shown = ", ".join(f"{k}={v}" for k, v in meta.items())
-    return f"{shown}, warps={num_warps}, stages={num_stages}"
-
-
-# ----------------------------------------------------------------------------- what to compile
-
-def autotuned_configs(kernel, example_args=None):
-    """The configs an autotuned kernel can run (after its early_config_prune when given args)."""
-    configs = list(kernel.configs)
-    prune = getattr(kernel, "early_config_prune", None)
-    if prune is not None and example_args is not None:
-        configs = list(prune(configs, example_args))
-    return configs
-
-
-def discover_kernels():
-    """{qualified name: kernel object} for every Triton kernel defined in tpfuse.kernels."""
-    import tpfuse.kernels as package
-
-    found = {}
-    for info in pkgutil.iter_modules(package.__path__):
-        module = importlib.import_module(f"tpfuse.kernels.{info.name}")
-        for attr, value in vars(module).items():
-            if isinstance(value, triton.runtime.KernelInterface) and \
-                    _jit(value).__name__.endswith("_kernel") and \
-                    getattr(_jit(value).fn, "__module__", None) == module.__name__:
-                found.setdefault(f"{info.name}.{_jit(value).__name__}", value)
-    return found
-
-
 def cases():
     """(report name, config text, kernel, constexprs, warps, stages, dtype, types) per compile."""
-    from .sm90_specs import all_cases  # the per-kernel specs, next to this file
-    return all_cases()
+    return sm90_specs.all_cases()
 
 
 def _compile_case(index):
@@ -183,7 +109,7 @@ def collect(only=None, jobs=1):
     """Report rows of every case (``jobs`` compiler processes), then an error row for every
     discovered kernel that no case covers."""
     all_cases = cases()
-    covered = {f"{_jit(c[2]).fn.__module__.rsplit('.', 1)[-1]}.{_jit(c[2]).__name__}" for c in all_cases}
+    covered = {sm90_specs.qualified_name(c[2]) for c in all_cases}
     chosen = [i for i, c in enumerate(all_cases) if not only or only in c[0]]
     if jobs > 1:
         import multiprocessing
@@ -191,7 +117,7 @@ def collect(only=None, jobs=1):
             rows = pool.map(_compile_case, chosen, chunksize=1)
     else:
         rows = [_compile_case(i) for i in chosen]
-    for qualified in sorted(set(discover_kernels()) - covered):
+    for qualified in sorted(set(sm90_specs.discover_kernels()) - covered):
         if not only or only in qualified:
             rows.append({"kernel": qualified, "config": "-", "registers": None, "spill_bytes": None,
                          "shared_bytes": None, "tma": None, "wgmma": None,

@@ -2,16 +2,109 @@
 run on an H100/H200, at the specialisation of the training shapes (bf16, aligned, ragged edges).
 
 Kernels launched with an autotuner and no spec here are compiled generically: every config, the
-argument types inferred from names (``sm90_report.infer_signature``) and the constexprs that are
-not tile sizes taken from ``GENERIC_CONSTEXPRS``. Launched kernels are the ``@triton.jit``
-functions whose name ends in ``_kernel`` (helpers do not).
+argument types inferred from names (``infer_signature``) and the constexprs that are not tile
+sizes taken from ``GENERIC_CONSTEXPRS``. Launched kernels are the ``@triton.jit`` functions whose
+name ends in ``_kernel`` (helpers do not): ``discover_kernels`` finds them in every
+``tpfuse.kernels`` module.
+
+A case is ``(report name, config text, kernel, constexprs, warps, stages, dtype, types)``:
+``sm90_report.py`` compiles each one and reports what ptxas says.
 """
 from __future__ import annotations
 
 import importlib
+import pkgutil
 
+import triton
+
+FP32_POINTERS = ("lse", "delta", "mean", "rstd", "row_max", "sum_exp", "target_logit", "global_max",
+                 "global_sum", "loss", "dw_part", "db_part", "c1_", "c2_", "main_grad", "acc_")
+INT_POINTERS = {"target_ptr": "*i64", "flags_ptr": "*i32", "bad_target_ptr": "*i32", "a_ptrs": "*i64", "flag_ptrs": "*i64"}
+FLOAT_SCALARS = ("eps", "scale", "p", "softmax_scale", "qk_scale", "sm_scale")
+RAGGED_INTS = ("seed", "epoch", "rank", "tp", "vocab_start", "ignore_index", "rows_per_program", "p",
+               "first_key", "last_key")
 GENERIC_CONSTEXPRS = {"DOT_IN_FP32": False, "INPUT_PRECISION": "tf32", "HAS_BIAS": True, "ACTIVATION": 1}
 NUM_SMS = 132  # H100 SXM / H200
+
+
+# ----------------------------------------------------------------------------- the kernels
+
+def jit_function(kernel):
+    """The ``triton.runtime.JITFunction`` under an autotuner / heuristics wrapper (or itself)."""
+    while not isinstance(kernel, triton.runtime.JITFunction):
+        kernel = kernel.fn
+    return kernel
+
+
+def qualified_name(kernel):
+    """``<module>.<function>`` of a kernel, as the report names an uncovered one."""
+    jit = jit_function(kernel)
+    return f"{jit.fn.__module__.rsplit('.', 1)[-1]}.{jit.__name__}"
+
+
+def discover_kernels():
+    """{qualified name: kernel object} for every Triton kernel defined in tpfuse.kernels."""
+    import tpfuse.kernels as package
+
+    found = {}
+    for info in pkgutil.iter_modules(package.__path__):
+        module = importlib.import_module(f"tpfuse.kernels.{info.name}")
+        for attr, value in vars(module).items():
+            if isinstance(value, triton.runtime.KernelInterface) and \
+                    jit_function(value).__name__.endswith("_kernel") and \
+                    getattr(jit_function(value).fn, "__module__", None) == module.__name__:
+                found.setdefault(f"{info.name}.{jit_function(value).__name__}", value)
+    return found
+
+
+def autotuned_configs(kernel, example_args=None):
+    """The configs an autotuned kernel can run (after its early_config_prune when given args)."""
+    configs = list(kernel.configs)
+    prune = getattr(kernel, "early_config_prune", None)
+    if prune is not None and example_args is not None:
+        configs = list(prune(configs, example_args))
+    return configs
+
+
+# ----------------------------------------------------------------------------- the specialisation
+
+def argument_type(name, dtype="bf16"):
+    """The Triton type of a non-constexpr argument, from its name."""
+    if name in INT_POINTERS:
+        return INT_POINTERS[name]
+    if name.endswith(("_ptr", "_ptrs")):
+        return "*fp32" if any(token in name for token in FP32_POINTERS) else f"*{dtype}"
+    if name in FLOAT_SCALARS or name.endswith("_scale"):
+        return "fp32"
+    return "i32"
+
+
+def infer_signature(kernel, constexprs, dtype="bf16", types=None):
+    """Triton signature for ``kernel``: pointer / scalar types from argument names (overridden by
+    ``types``), constexpr values from ``constexprs``; raises KeyError for an unknown constexpr."""
+    jit = jit_function(kernel)
+    types = types or {}
+    signature, attrs = {}, {}
+    for index, param in enumerate(jit.params):
+        name = param.name
+        if param.is_constexpr or name in constexprs:  # constexpr, or specialised (e.g. stride 1)
+            if name not in constexprs:
+                raise KeyError(f"{jit.__name__}: no value for constexpr {name}")
+            signature[name] = "constexpr"
+            continue
+        kind = types.get(name) or argument_type(name, dtype)
+        signature[name] = kind
+        if kind.startswith("*") or (kind == "i32" and name not in RAGGED_INTS):
+            attrs[(index,)] = [["tt.divisibility", 16]]
+    return signature, attrs
+
+
+# ----------------------------------------------------------------------------- the cases
+
+def config_text(meta, num_warps, num_stages):
+    """A case's config column: the tile sizes, then warps and stages."""
+    shown = ", ".join(f"{k}={v}" for k, v in meta.items())
+    return f"{shown}, warps={num_warps}, stages={num_stages}"
 
 
 def _module(name):
@@ -19,7 +112,6 @@ def _module(name):
 
 
 def _case(name, kernel, meta, warps, stages, extra=None, dtype="bf16", types=None, label=None):
-    from .sm90_report import config_text
     constexprs = dict(meta, **(extra or {}))
     text = label or config_text(meta, warps, stages)
     return (name, text, kernel, constexprs, warps, stages, dtype, types)
@@ -130,11 +222,10 @@ def _example_args(kernel, constexprs):
     """Named arguments an ``early_config_prune`` may read: bf16 / fp32 one-element tensors for
     pointers (dtype only), training-size integers, the constexprs."""
     import torch
-    from .sm90_report import _arg_type
 
     args = {}
     for name in kernel.fn.arg_names:
-        kind = _arg_type(name)
+        kind = argument_type(name)
         if kind.startswith("*"):
             dtype = {"*fp32": torch.float32, "*i64": torch.int64, "*i32": torch.int32}.get(kind, torch.bfloat16)
             args[name] = torch.empty(1, dtype=dtype)
@@ -146,9 +237,6 @@ def _example_args(kernel, constexprs):
 def generic_cases(covered):
     """Autotuned kernels without a spec above: every config that survives the kernel's own
     ``early_config_prune`` (if any), GENERIC_CONSTEXPRS for the rest."""
-    from .sm90_report import autotuned_configs, discover_kernels
-    import triton
-
     out = []
     for name, kernel in sorted(discover_kernels().items()):
         if name in covered or not isinstance(kernel, triton.runtime.Autotuner):
@@ -257,7 +345,6 @@ def wgrad_cases():
 
 
 def config_text_of(config):
-    from .sm90_report import config_text
     return config_text(config.kwargs, config.num_warps, config.num_stages)
 
 
@@ -306,8 +393,6 @@ def symm_mem_cases():
 
 
 def all_cases():
-    from .sm90_report import _jit
-
     specific = matmul_cases() + norm_cases() + elementwise_cases() + special_cases()
-    covered = {f"{_jit(c[2]).fn.__module__.rsplit('.', 1)[-1]}.{_jit(c[2]).__name__}" for c in specific}
+    covered = {qualified_name(c[2]) for c in specific}
     return specific + generic_cases(covered)

@@ -9,9 +9,12 @@ two.
 Ranks (bottom up); a package may import only packages of a LOWER rank, so packages of one rank
 ("beside each other") do not import each other::
 
-    0  tpfuse          the root package's own modules: ``tpfuse/__init__.py`` (version) and
-                       ``tpfuse._lazy`` (the lazy-export helper every package's __init__ uses);
-                       they import no tpfuse package
+    0  tpfuse          the root package's own modules: ``tpfuse/__init__.py`` (version),
+                       ``tpfuse._lazy`` (the lazy-export helper every package's __init__ uses)
+                       ``tpfuse._optional`` (optional dependencies: import or fail naming
+                       the pip extra) and ``tpfuse._shadow`` (a root folder imported under its
+                       bare name hands it to the installed distribution); they import no tpfuse
+                       package
     1  parallel        ParallelState, rank arithmetic, groups, validators
     2  kernels data
     3  tp_layers
@@ -38,7 +41,7 @@ from collections import defaultdict
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 RANKS = {
-    "tpfuse": 0, "tpfuse._lazy": 0, "tpfuse._shadow": 0,
+    "tpfuse": 0, "tpfuse._lazy": 0, "tpfuse._shadow": 0, "tpfuse._optional": 0,
     "parallel": 1,
     "kernels": 2, "data": 2,
     "tp_layers": 3,
@@ -48,7 +51,7 @@ RANKS = {
     "training": 7, "inference": 7, "convert": 7,
     "megatron_compat": 8, "tpfuse.pretrain_gpt": 8,
 }
-ROOT_MODULES = ("_lazy", "_shadow", "pretrain_gpt")     # tpfuse/<name>.py: each its own unit
+ROOT_MODULES = ("_lazy", "_shadow", "_optional", "pretrain_gpt")   # tpfuse/<name>.py: own units
 
 
 def subpackages(root: str) -> list[str]:
@@ -200,3 +203,157 @@ def test_nested_packages_rank_with_their_top_folder():
     assert expected <= set(planner), sorted(expected - set(planner))
     assert set(planner.values()) == {"training"}
     assert unit_of("tpfuse.training.plan.memory") == "training"
+
+
+# ----------------------------------------------------------------------------- module circles
+# No two modules import each other, directly or through others: the graph of module imports (every
+# import anywhere in a file, function bodies included) has no cycle. A target ``a.b.c`` is the
+# longest dotted prefix that is a tpfuse module, so ``from pkg import name`` is an edge to the
+# submodule ``pkg.name`` when there is one and to ``pkg/__init__.py`` otherwise (a package that
+# re-exports ``a`` while ``a`` imports from the package is a circle: import from the defining
+# module). Nothing is left out. Only the packages an import initialises on its way (``import
+# a.b.c`` runs ``a`` and ``a.b`` first) are not edges of their own: with them, a package whose
+# __init__ imports its submodule ``a`` would be in a circle with ``a`` as soon as ``a`` imports any
+# sibling, although ``a`` only ever runs while that package is already initialising.
+
+def module_import_graph(root: str) -> dict[str, dict[str, str]]:
+    """{module: {imported tpfuse module: "file:line" of its first import}}, self-imports left out."""
+    paths = {module.removesuffix(".__init__"): path for _, module, path in source_files(root)}
+
+    def defining_module(target):
+        parts = target.split(".")
+        while parts and ".".join(parts) not in paths:
+            parts.pop()
+        return ".".join(parts) or None
+
+    graph = {}
+    for module, path in paths.items():
+        tree = ast.parse(open(path).read(), path)
+        is_package = os.path.basename(path) == "__init__.py"
+        graph[module] = {}
+        for target, line in imported_modules(tree, module, is_package):
+            imported = defining_module(target)
+            if imported is not None and imported != module:
+                graph[module].setdefault(imported, f"{os.path.relpath(path, root)}:{line}")
+    return graph
+
+
+def strongly_connected(graph: dict) -> list[list[str]]:
+    """Tarjan's strongly connected components of more than one module, each sorted."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(node):
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for successor in sorted(graph.get(node, ())):
+            if successor not in index:
+                visit(successor)
+                low[node] = min(low[node], low[successor])
+            elif successor in on_stack:
+                low[node] = min(low[node], index[successor])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return sorted(found)
+
+
+def shortest_cycle(graph: dict, component: list[str]) -> list[str]:
+    """The shortest cycle through the component's first module (breadth first, inside it), as
+    its modules with the first repeated at the end."""
+    start, members = component[0], set(component)
+    came_from, frontier = {start: None}, [start]
+    while frontier:
+        following = []
+        for node in frontier:
+            for successor in sorted(graph[node]):
+                if successor == start:
+                    path = [node]
+                    while came_from[path[-1]] is not None:
+                        path.append(came_from[path[-1]])
+                    return path[::-1] + [start]
+                if successor in members and successor not in came_from:
+                    came_from[successor] = node
+                    following.append(successor)
+        frontier = following
+    raise AssertionError(f"{component} is not strongly connected")
+
+
+def module_cycles(root: str) -> list[str]:
+    """One line per circle of module imports (a cycle through each strongly connected group),
+    then each edge of it with the file and line of the import."""
+    graph = module_import_graph(root)
+    lines = []
+    for component in strongly_connected(graph):
+        cycle = shortest_cycle(graph, component)
+        lines.append(" -> ".join(cycle) + (f"  (a group of {len(component)} modules: "
+                                           f"{', '.join(component)})"
+                                           if len(component) > len(cycle) - 1 else ""))
+        lines += [f"    {a} -> {b}: {graph[a][b]}" for a, b in zip(cycle, cycle[1:])]
+    return lines
+
+
+def test_no_module_imports_itself_through_others():
+    lines = module_cycles(ROOT)
+    assert not lines, "module import circles:\n" + "\n".join(lines)
+
+
+def _write_tree(root, files: dict) -> None:
+    for name, text in files.items():
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+
+
+def test_the_circle_check_finds_circles_in_a_small_tree(tmp_path):
+    # a tiny installed tree: a -> b (in a function) -> c -> a is a circle, d only imports a; the
+    # package __init__ re-exports e, which imports a name from the package: a circle too
+    _write_tree(tmp_path, {
+        "setup.py": 'SUBPACKAGES = ["pkg"]\n',
+        "tpfuse/__init__.py": "",
+        "pkg/__init__.py": "from .e import thing\n",
+        "pkg/a.py": "from . import b\n",
+        "pkg/b.py": "def f():\n    import tpfuse.pkg.c\n",
+        "pkg/c.py": "import os\nfrom tpfuse.pkg.a import name\n",
+        "pkg/d.py": "import tpfuse.pkg.a\n",
+        "pkg/e.py": "from tpfuse.pkg import other\nthing = 1\n",
+    })
+    assert strongly_connected(module_import_graph(str(tmp_path))) == [
+        ["tpfuse.pkg", "tpfuse.pkg.e"], ["tpfuse.pkg.a", "tpfuse.pkg.b", "tpfuse.pkg.c"]]
+    assert module_cycles(str(tmp_path)) == [
+        "tpfuse.pkg -> tpfuse.pkg.e -> tpfuse.pkg",
+        f"    tpfuse.pkg -> tpfuse.pkg.e: {os.path.join('pkg', '__init__.py')}:1",
+        f"    tpfuse.pkg.e -> tpfuse.pkg: {os.path.join('pkg', 'e.py')}:1",
+        "tpfuse.pkg.a -> tpfuse.pkg.b -> tpfuse.pkg.c -> tpfuse.pkg.a",
+        f"    tpfuse.pkg.a -> tpfuse.pkg.b: {os.path.join('pkg', 'a.py')}:1",
+        f"    tpfuse.pkg.b -> tpfuse.pkg.c: {os.path.join('pkg', 'b.py')}:2",
+        f"    tpfuse.pkg.c -> tpfuse.pkg.a: {os.path.join('pkg', 'c.py')}:2",
+    ]
+
+
+def test_the_circle_check_passes_a_tree_without_circles(tmp_path):
+    # the same tree with the circles cut: c no longer imports a, e imports from d, not the package
+    _write_tree(tmp_path, {
+        "setup.py": 'SUBPACKAGES = ["pkg"]\n',
+        "tpfuse/__init__.py": "",
+        "pkg/__init__.py": "from .e import thing\n",
+        "pkg/a.py": "from . import b\n",
+        "pkg/b.py": "def f():\n    import tpfuse.pkg.c\n",
+        "pkg/c.py": "import os\n",
+        "pkg/d.py": "import tpfuse.pkg.a\nother = 2\n",
+        "pkg/e.py": "from tpfuse.pkg.d import other\nthing = 1\n",
+    })
+    graph = module_import_graph(str(tmp_path))
+    assert graph["tpfuse.pkg.e"] == {"tpfuse.pkg.d": f"{os.path.join('pkg', 'e.py')}:1"}
+    assert module_cycles(str(tmp_path)) == []

@@ -13,7 +13,8 @@ trace, and a loss-curve PNG beside the metrics file.
   ``<metrics file without .jsonl>.png``, at the end of a run.
 
 Optional packages are imported only when their flag is given; a missing one is a clear
-ImportError naming the flag and the package, raised at start-up.
+ImportError naming the flag, the package and its pip extra (``tpfuse._optional``), raised at
+start-up.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ import os
 
 import torch
 
+from tpfuse._optional import import_optional
 from tpfuse.checkpoint.file_io import atomic_write_bytes
 from tpfuse.training.throughput import throughput
 
@@ -32,19 +34,9 @@ SCALARS = {"loss": "lm loss", "lr": "learning-rate", "grad_norm": "grad-norm",
            "load_balancing_loss": "load_balancing_loss", "z_loss": "z_loss"}
 
 
-def _require(module: str, flag: str, extra: str):
-    import importlib
-
-    try:
-        return importlib.import_module(module)
-    except ImportError as error:
-        raise ImportError(f"{flag} needs the optional package {extra!r} "
-                          f"(pip install {extra}): {error}") from error
-
-
 class TensorBoardWriter:
     def __init__(self, log_dir: str, interval: int = 1):
-        _require("tensorboard", "--tensorboard-dir", "tensorboard")
+        import_optional("tensorboard", extra="tensorboard", feature="--tensorboard-dir")
         from torch.utils.tensorboard import SummaryWriter
 
         self.writer = SummaryWriter(log_dir=log_dir)
@@ -64,7 +56,7 @@ class TensorBoardWriter:
 
 class WandbWriter:
     def __init__(self, project: str, name: str, save_dir: str, config: dict):
-        self.wandb = _require("wandb", "--wandb-project", "wandb")
+        self.wandb = import_optional("wandb", extra="wandb", feature="--wandb-project")
         self.run = self.wandb.init(project=project, name=name or None, dir=save_dir or None,
                                    config=config)
 

@@ -15,6 +15,9 @@ from . import sharded_state
 
 
 class MegatronOptimizer:
+    # how sharded_state_dict nests the state (Megatron's per-class layouts: sharded_state.py)
+    sharded_nesting = sharded_state.MAIN_COPY_NESTING
+
     def __init__(self, native, config, model_chunks):
         self.native, self.config, self.model_chunks = native, config, model_chunks
         decay_group, no_decay_group = native.param_groups
@@ -77,6 +80,8 @@ class MegatronOptimizer:
 class FP32Optimizer(MegatronOptimizer):
     """fp32 parameters, no separate main copy."""
 
+    sharded_nesting = sharded_state.TORCH_NESTING
+
 
 class Float16OptimizerWithFloat16Params(MegatronOptimizer):
     """bf16 / fp16 parameters with fp32 main copies (fp16: loss scaling)."""
@@ -84,3 +89,5 @@ class Float16OptimizerWithFloat16Params(MegatronOptimizer):
 
 class DistributedOptimizer(MegatronOptimizer):
     """Main parameters and Adam moments for this rank's 1/dp shard of every bucket."""
+
+    sharded_nesting = sharded_state.DISTRIBUTED_NESTING

@@ -16,7 +16,9 @@ The nesting follows Megatron's classes: ``FP32Optimizer`` ``{"state": {i: {"exp_
 ``{"optimizer": that, "fp32_from_fp16_params": [[fp32_param per parameter of the group]],
 "grad_scaler"}``; ``DistributedOptimizer`` its ``fully_reshardable`` format ``{"optimizer":
 {"param_groups", "state": {"common_step"}}, "param_state": {i: {"fp32_param", "exp_avg",
-"exp_avg_sq"}}, "param_state_sharding_type": "fully_reshardable", "grad_scaler"}``: each
+"exp_avg_sq"}}, "param_state_sharding_type": "fully_reshardable", "grad_scaler"}``. Each class
+names its nesting in its ``sharded_nesting`` attribute (``TORCH_NESTING``, ``MAIN_COPY_NESTING``,
+``DISTRIBUTED_NESTING``), so this module needs no optimizer class. In the distributed one each
 parameter's state is gathered over its data-parallel group at save (the optimizer holds 1/dp of
 it) and sliced back to this rank's pieces at load. Megatron's default distributed format
 (``fully_sharded_model_space``: flattened pieces) is written in this form too; the other
@@ -34,6 +36,9 @@ from ..dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory, is
 
 PREFIX = "optimizer.state"
 FORMAT_KEY = "param_state_sharding_type"
+TORCH_NESTING = "torch"                        # FP32Optimizer: the torch optimizer's own
+MAIN_COPY_NESTING = "fp32_from_fp16_params"    # Float16OptimizerWithFloat16Params
+DISTRIBUTED_NESTING = "fully_reshardable"      # DistributedOptimizer
 _REFUSED_DISTRIBUTED_FORMATS = ("dp_reshardable", "dp_zero_gather_scatter",
                                 "fully_sharded_bucket_space", "fsdp_dtensor")
 
@@ -135,11 +140,10 @@ def _param_groups(native) -> list:
 # --------------------------------------------------------------------------- save
 def optimizer_sharded_state_dict(optimizer, model_sharded_state_dict, is_loading: bool = False,
                                  metadata: dict | None = None, sharding_type=None) -> dict:
-    """The sharded state dict of a compat optimizer (layout: module docstring)."""
-    from .optimizer import DistributedOptimizer, FP32Optimizer
-
+    """The sharded state dict of a compat optimizer, nested as its ``sharded_nesting`` says
+    (layout: module docstring)."""
     native = optimizer.native
-    distributed = isinstance(optimizer, DistributedOptimizer)
+    distributed = optimizer.sharded_nesting == DISTRIBUTED_NESTING
     if distributed:
         requested = sharding_type or (metadata or {}).get("distrib_optim_sharding_type")
         if requested in _REFUSED_DISTRIBUTED_FORMATS:
@@ -165,7 +169,7 @@ def optimizer_sharded_state_dict(optimizer, model_sharded_state_dict, is_loading
                for position, s in states.items()}
     torch_state = {"state": dict(moments, common_step=step),
                    "param_groups": _param_groups(native)}
-    if isinstance(optimizer, FP32Optimizer):
+    if optimizer.sharded_nesting == TORCH_NESTING:
         return torch_state
     groups = [[states[position]["fp32_param"] for position in group_positions]
               for group_positions in _group_positions(native)]

@@ -5,6 +5,24 @@ default group (the default ParallelState's tensor-parallel group when ``group`` 
 ``output_split_sizes`` / ``input_split_sizes`` (uneven sequence splits, used by MoE token
 dispatch) are supported; ``use_global_buffer`` is accepted and only changes where Megatron
 allocates the result, never its value.
+
+Megatron's private autograd Functions of this module are here under Megatron's names too, for
+code (and Megatron's unit tests) that calls them directly: ``forward(ctx, input_, group, ...)``,
+``backward(ctx, grad_output)`` reading ``ctx.group`` (and the saved options), and
+``symbolic(graph, input_, group, ...)`` computing the forward. Each is a pair of conjugate
+collectives; the collectives themselves are the region functions above them (tpfuse's Functions
+underneath), called outside autograd::
+
+    _CopyToModelParallelRegion            identity          | all-reduce
+    _ReduceFromModelParallelRegion        all-reduce        | identity
+    _ScatterToModelParallelRegion         split last dim    | all-gather last dim
+    _GatherFromModelParallelRegion        all-gather last   | split last dim
+    _ScatterToSequenceParallelRegion      split first dim   | all-gather first dim
+    _GatherFromSequenceParallelRegion     all-gather first  | reduce-scatter first (or split)
+    _ReduceScatterToSequenceParallelRegion reduce-scatter 1st | all-gather first dim
+    _AllGatherFromTensorParallelRegion    all-gather last   | reduce-scatter last dim
+    _ReduceScatterToTensorParallelRegion  reduce-scatter last | all-gather last dim
+    _AllToAll                             all-to-all        | all-to-all, splits swapped
 """
 from __future__ import annotations
 
@@ -109,9 +127,139 @@ def all_to_all_hp2sp(input_, group=None):
     return torch.cat(exchanged.chunk(size, dim=0), dim=-1)           # (n/tp, h)
 
 
-from .mapping_functions import (  # noqa: E402,F401  (Megatron's private Function names)
-    _AllGatherFromTensorParallelRegion, _AllToAll, _CopyToModelParallelRegion,
-    _GatherFromModelParallelRegion, _GatherFromSequenceParallelRegion,
-    _ReduceFromModelParallelRegion, _ReduceScatterToSequenceParallelRegion,
-    _ReduceScatterToTensorParallelRegion, _ScatterToModelParallelRegion,
-    _ScatterToSequenceParallelRegion)
+# --------------------------------------------------------------------------- Megatron's Functions
+
+def _plain(fn, *args, **kwargs):
+    with torch.no_grad():
+        return fn(*args, **kwargs)
+
+
+def _conjugate_pair(name: str, forward_fn, backward_fn, *backward_args):
+    """A Function named ``name`` whose forward (and symbolic) is ``forward_fn(input_, group)`` and
+    whose backward is ``backward_fn(grad_output, *backward_args, ctx.group)`` (region functions of
+    this module): the shape every plain conjugate pair of the module docstring's table shares."""
+    def symbolic(graph, input_, group):
+        return _plain(forward_fn, input_, group)
+
+    def forward(ctx, input_, group):
+        ctx.group = group
+        return _plain(forward_fn, input_, group)
+
+    def backward(ctx, grad_output):
+        return _plain(backward_fn, grad_output, *backward_args, ctx.group), None
+
+    return type(name, (torch.autograd.Function,),
+                {"symbolic": staticmethod(symbolic), "forward": staticmethod(forward),
+                 "backward": staticmethod(backward), "__module__": __name__,
+                 "__qualname__": name})
+
+
+class _CopyToModelParallelRegion(torch.autograd.Function):
+    @staticmethod
+    def symbolic(graph, input_, group):
+        return input_
+
+    @staticmethod
+    def forward(ctx, input_, group):
+        ctx.group = group
+        return input_
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return _plain(reduce_from_tensor_model_parallel_region, grad_output,
+                      ctx.group), None
+
+
+class _ReduceFromModelParallelRegion(torch.autograd.Function):
+    @staticmethod
+    def symbolic(graph, input_, group):
+        return _plain(reduce_from_tensor_model_parallel_region, input_, group)
+
+    @staticmethod
+    def forward(ctx, input_, group):
+        return _plain(reduce_from_tensor_model_parallel_region, input_, group)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return grad_output, None
+
+
+_ScatterToModelParallelRegion = _conjugate_pair(
+    "_ScatterToModelParallelRegion", scatter_to_tensor_model_parallel_region,
+    gather_from_tensor_model_parallel_region)
+
+
+_GatherFromModelParallelRegion = _conjugate_pair(
+    "_GatherFromModelParallelRegion", gather_from_tensor_model_parallel_region,
+    scatter_to_tensor_model_parallel_region)
+
+
+_ScatterToSequenceParallelRegion = _conjugate_pair(
+    "_ScatterToSequenceParallelRegion", scatter_to_sequence_parallel_region,
+    gather_from_sequence_parallel_region, False)
+
+
+class _GatherFromSequenceParallelRegion(torch.autograd.Function):
+    @staticmethod
+    def symbolic(graph, input_, tensor_parallel_output_grad=True, group=None,
+                 output_split_sizes=None, use_global_buffer=False):
+        return _plain(gather_from_sequence_parallel_region, input_,
+                      tensor_parallel_output_grad, group, output_split_sizes)
+
+    @staticmethod
+    def forward(ctx, input_, tensor_parallel_output_grad=True, group=None,
+                output_split_sizes=None, use_global_buffer=False):
+        ctx.tensor_parallel_output_grad, ctx.group = tensor_parallel_output_grad, group
+        ctx.output_split_sizes = output_split_sizes
+        return _plain(gather_from_sequence_parallel_region, input_,
+                      tensor_parallel_output_grad, group, output_split_sizes)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        if ctx.tensor_parallel_output_grad:
+            grad = _plain(reduce_scatter_to_sequence_parallel_region, grad_output,
+                          ctx.group, ctx.output_split_sizes)
+        else:
+            grad = _plain(scatter_to_sequence_parallel_region, grad_output, ctx.group)
+        return grad, None, None, None, None
+
+
+class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
+    @staticmethod
+    def symbolic(graph, input_, group, input_split_sizes=None, use_global_buffer=False):
+        return _plain(reduce_scatter_to_sequence_parallel_region, input_, group,
+                      input_split_sizes)
+
+    @staticmethod
+    def forward(ctx, input_, group, input_split_sizes=None, use_global_buffer=False):
+        ctx.group, ctx.input_split_sizes = group, input_split_sizes
+        return _plain(reduce_scatter_to_sequence_parallel_region, input_, group,
+                      input_split_sizes)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return _plain(gather_from_sequence_parallel_region, grad_output, False,
+                      ctx.group, ctx.input_split_sizes), None, None, None
+
+
+_AllGatherFromTensorParallelRegion = _conjugate_pair(
+    "_AllGatherFromTensorParallelRegion", all_gather_last_dim_from_tensor_parallel_region,
+    reduce_scatter_last_dim_to_tensor_parallel_region)
+
+
+_ReduceScatterToTensorParallelRegion = _conjugate_pair(
+    "_ReduceScatterToTensorParallelRegion", reduce_scatter_last_dim_to_tensor_parallel_region,
+    all_gather_last_dim_from_tensor_parallel_region)
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, group, input, output_split_sizes, input_split_sizes):
+        ctx.group = group
+        ctx.output_split_sizes, ctx.input_split_sizes = output_split_sizes, input_split_sizes
+        return _plain(all_to_all, group, input, output_split_sizes, input_split_sizes)
+
+    @staticmethod
+    def backward(ctx, *grad_output):
+        return (None, _plain(all_to_all, ctx.group, grad_output[0],
+                             ctx.input_split_sizes, ctx.output_split_sizes), None, None)
