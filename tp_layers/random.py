@@ -22,8 +22,9 @@ generator once CUDA is initialised), so anything that draws from the default gen
 block — ``torch.nn.functional.dropout``, or the seed ``kernels.bias_dropout_add`` takes from the
 CPU generator — uses the tracked stream; on exit the stream's state is saved and the previous
 state restored. A fork inside a fork first saves the outer stream's progress and, on leaving, puts
-the outer stream back as saved (``CudaRNGStatesTracker``). A stream's state in ``get_states()`` is its CUDA generator state when it has one
-(Megatron's format) plus its CPU state under ``"<name>/cpu"``, else its CPU generator state.
+the outer stream back as saved (``CudaRNGStatesTracker``). A stream's state in ``get_states()``
+is its CUDA generator state when it has one (Megatron's format) plus its CPU state under
+``"<name>/cpu"``, else its CPU generator state.
 
 GPT models do not draw their dropout masks from these streams: each mask is a function of the
 seed, the layer and the element's global coordinates (``DropoutCoordinates`` below, Philox in
