@@ -21,8 +21,10 @@ same elements.
 generator once CUDA is initialised), so anything that draws from the default generator inside the
 block — ``torch.nn.functional.dropout``, or the seed ``kernels.bias_dropout_add`` takes from the
 CPU generator — uses the tracked stream; on exit the stream's state is saved and the previous
-state restored. A stream's state in ``get_states()`` is its CUDA generator state when it has one
-(Megatron's format) plus its CPU state under ``"<name>/cpu"``, else its CPU generator state.
+state restored. A fork inside a fork first saves the outer stream's progress and, on leaving, puts
+the outer stream back as saved (``CudaRNGStatesTracker``). A stream's state in ``get_states()``
+is its CUDA generator state when it has one (Megatron's format) plus its CPU state under
+``"<name>/cpu"``, else its CPU generator state.
 
 GPT models do not draw their dropout masks from these streams: each mask is a function of the
 seed, the layer and the element's global coordinates (``DropoutCoordinates`` below, Philox in
@@ -56,7 +58,16 @@ def _cuda_in_use() -> bool:
 
 
 class CudaRNGStatesTracker:
-    """Named generator streams (CPU, and CUDA once in use) that ``fork`` swaps in and out."""
+    """Named generator streams (CPU, and CUDA once in use) that ``fork`` swaps in and out.
+
+    ``fork`` nests: entering a stream while another is forked first saves the outer stream's
+    progress (the default generators' state of that moment), and leaving puts the outer stream
+    back from its saved — possibly since advanced — state, so ``fork(a)`` inside ``fork(b)``
+    inside ``fork(a)`` draws a's numbers in sequence. Leaving the outermost fork restores the
+    default generators as they were on entering it. The steps a subclass may change: how a
+    stream is added (``_add_stream``), found (``_has_stream``), checked before forking
+    (``_check_forkable``), saved from and loaded into the default generators
+    (``_save_stream`` / ``_load_stream``), and the errors' texts."""
 
     def __init__(self):
         self.reset()
@@ -66,26 +77,44 @@ class CudaRNGStatesTracker:
         self.seeds_: dict[str, int] = {}
         self.cpu_states_: dict[str, torch.Tensor] = {}
         self.cuda_states_: dict[str, torch.Tensor] = {}
+        self._current_fork: tuple[str, bool] | None = None   # (stream, its fork uses CUDA)
+
+    @property
+    def current_stream_(self) -> str | None:
+        """The stream of the innermost fork in progress, None outside every fork."""
+        return None if self._current_fork is None else self._current_fork[0]
 
     def is_initialized(self, name: str | None = None) -> bool:
         """Megatron's form (no name): were streams added or set; with a name: does it exist."""
         return self._is_initialized if name is None else name in self.cpu_states_
 
     def add(self, name: str, seed: int) -> None:
-        if name in self.cpu_states_:
+        if self._has_stream(name):
             raise ValueError(f"RNG state {name!r} already exists; reset() the tracker first")
         if seed in self.seeds_.values():
             raise ValueError(f"seed {seed} already exists (each stream needs its own seed)")
         self._is_initialized = True
         self.seeds_[name] = seed
+        self._add_stream(name, seed)
+
+    def _add_stream(self, name: str, seed: int) -> None:
+        """Stream ``name`` at the start of generator seeded with ``seed``."""
         self.cpu_states_[name] = torch.Generator().manual_seed(seed).get_state()
         if _cuda_in_use():
             self.cuda_states_[name] = self._fresh_cuda_state(seed)
+
+    def _has_stream(self, name: str) -> bool:
+        return name in self.cpu_states_
 
     @staticmethod
     def _fresh_cuda_state(seed: int) -> torch.Tensor:
         gen = torch.Generator(device=f"cuda:{torch.cuda.current_device()}")
         return gen.manual_seed(seed).get_state()
+
+    @staticmethod
+    def _is_generator_state(value) -> bool:
+        """A generator's state: a uint8 tensor (what ``torch.Generator.get_state`` returns)."""
+        return isinstance(value, torch.Tensor) and value.dtype == torch.uint8
 
     def get_states(self) -> dict:
         """A copy of every stream in Megatron's format (see the module docstring)."""
@@ -102,7 +131,7 @@ class CudaRNGStatesTracker:
         """Restore streams from ``get_states()`` — tpfuse's or a Megatron checkpoint's."""
         cpu, cuda = {}, {}
         for name, value in states.items():
-            if not isinstance(value, torch.Tensor) or value.dtype != torch.uint8:
+            if not self._is_generator_state(value):
                 raise ValueError(f"RNG state {name!r} must be a uint8 generator state tensor, "
                                  f"got {type(value).__name__}")
             if name.endswith(CPU_SUFFIX):
@@ -123,32 +152,66 @@ class CudaRNGStatesTracker:
         self.cpu_states_, self.cuda_states_ = cpu, cuda
         self._is_initialized = True
 
+    # ------------------------------------------------------------------ forking
     @contextlib.contextmanager
     def fork(self, name: str = MODEL_PARALLEL_RNG):
-        """Draw from the tracked stream ``name`` inside the block."""
-        if name not in self.cpu_states_:
-            raise RuntimeError(
-                f"RNG state {name!r} is not set: call tpfuse.tp_layers.random.model_parallel_seed"
-                "(seed) before running dropout inside tensor- or sequence-parallel regions")
+        """Draw from the tracked stream ``name`` inside the block (nesting: class docstring)."""
+        self._check_forkable(name)
         use_cuda = _cuda_in_use()
-        if use_cuda and name not in self.cuda_states_:   # CUDA initialised after seeding
-            if name not in self.seeds_:
-                raise RuntimeError(f"RNG state {name!r} was restored without a CUDA state and "
-                                   "its seed is unknown; call model_parallel_seed first")
-            self.cuda_states_[name] = self._fresh_cuda_state(self.seeds_[name])
-        saved_cpu = torch.get_rng_state()
-        saved_cuda = torch.cuda.get_rng_state() if use_cuda else None
-        torch.set_rng_state(self.cpu_states_[name])
-        if use_cuda:
-            torch.cuda.set_rng_state(self.cuda_states_[name])
+        outer, entered = self._current_fork, _default_generator_states(use_cuda)
+        if outer is not None:
+            self._save_stream(*outer)
+        self._load_stream(name, use_cuda)
+        self._current_fork = (name, use_cuda)
         try:
             yield
         finally:
-            self.cpu_states_[name] = torch.get_rng_state()
-            torch.set_rng_state(saved_cpu)
-            if use_cuda:
-                self.cuda_states_[name] = torch.cuda.get_rng_state()
-                torch.cuda.set_rng_state(saved_cuda)
+            self._save_stream(name, use_cuda)
+            self._current_fork = outer
+            _set_default_generator_states(*entered)
+            if outer is not None and self._has_stream(outer[0]):
+                self._load_stream(*outer)
+
+    def _check_forkable(self, name) -> None:
+        if not self._has_stream(name):
+            raise self._missing_stream_error(name)
+
+    def _missing_stream_error(self, name) -> Exception:
+        return RuntimeError(
+            f"RNG state {name!r} is not set: call tpfuse.tp_layers.random.model_parallel_seed"
+            "(seed) before running dropout inside tensor- or sequence-parallel regions")
+
+    def _unknown_seed_error(self, name) -> Exception:
+        return RuntimeError(f"RNG state {name!r} was restored without a CUDA state and "
+                            "its seed is unknown; call model_parallel_seed first")
+
+    def _save_stream(self, name, use_cuda: bool) -> None:
+        """The default generators' state of now is stream ``name``'s progress."""
+        self.cpu_states_[name] = torch.get_rng_state()
+        if use_cuda:
+            self.cuda_states_[name] = torch.cuda.get_rng_state()
+
+    def _load_stream(self, name, use_cuda: bool) -> None:
+        """Put stream ``name`` into the default generators (its CUDA state seeded now when
+        CUDA was initialised after the stream was added)."""
+        if use_cuda and name not in self.cuda_states_:
+            if name not in self.seeds_:
+                raise self._unknown_seed_error(name)
+            self.cuda_states_[name] = self._fresh_cuda_state(self.seeds_[name])
+        torch.set_rng_state(self.cpu_states_[name])
+        if use_cuda:
+            torch.cuda.set_rng_state(self.cuda_states_[name])
+
+
+def _default_generator_states(use_cuda: bool) -> tuple:
+    """(CPU default generator state, current CUDA generator state or None)."""
+    return torch.get_rng_state(), torch.cuda.get_rng_state() if use_cuda else None
+
+
+def _set_default_generator_states(cpu: torch.Tensor, cuda: torch.Tensor | None) -> None:
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state(cuda)
 
 
 RNGStatesTracker = CudaRNGStatesTracker   # tpfuse's earlier name

@@ -11,8 +11,6 @@ tracker, the inference tracker and CUDA-graph-safe generators are Megatron-only 
 """
 from __future__ import annotations
 
-import contextlib
-
 import torch
 from torch.utils.checkpoint import checkpoint as _torch_checkpoint
 
@@ -35,15 +33,11 @@ class _TrackerType(type):
 
 
 class CudaRNGStatesTracker(_random.CudaRNGStatesTracker, metaclass=_TrackerType):
-    """Megatron's tracker: tpfuse's streams, and ``set_states`` stores whatever it is given as
-    Megatron's does (``set_states({"state1": 1234})`` then ``get_states()["state1"] == 1234``).
-    Generator-state tensors (uint8) become streams; any other value is kept as given, returned
-    by ``get_states`` and refused by ``fork`` (RuntimeError, naming it).
-
-    ``fork`` nests as Megatron's: entering a stream while another is forked first saves the
-    outer stream's progress, and leaving restores the outer stream from its saved (possibly
-    since advanced) state, so ``fork(a)`` inside ``fork(b)`` inside ``fork(a)`` draws a's
-    numbers in sequence. ``states_`` is Megatron's name → state mapping.
+    """Megatron's tracker: tpfuse's streams and nesting ``fork``, and ``set_states`` stores
+    whatever it is given as Megatron's does (``set_states({"state1": 1234})`` then
+    ``get_states()["state1"] == 1234``). Generator-state tensors (uint8) become streams; any
+    other value is kept as given, returned by ``get_states`` and refused by ``fork``
+    (RuntimeError, naming it). ``states_`` is Megatron's name → state mapping.
 
     ``use_cudagraphable_rng=True`` (Megatron: CUDA-graph-safe generators) is emulated where
     there is no CUDA device: each stream is a ``torch.Generator`` object, returned as such by
@@ -60,94 +54,61 @@ class CudaRNGStatesTracker(_random.CudaRNGStatesTracker, metaclass=_TrackerType)
         super().reset()
         self.opaque_states_: dict = {}
         self.generators_: dict = {}
-        self.current_stream_ = None
 
     @property
     def states_(self) -> dict:
         return self.get_states()
 
-    def add(self, name: str, seed: int) -> None:
+    def _add_stream(self, name: str, seed: int) -> None:
         if not self.use_cudagraphable_rng:
-            return super().add(name, seed)
-        if name in self.generators_:
-            raise ValueError(f"RNG state {name!r} already exists; reset() the tracker first")
-        if seed in self.seeds_.values():
-            raise ValueError(f"seed {seed} already exists (each stream needs its own seed)")
-        self._is_initialized = True
-        self.seeds_[name] = seed
+            return super()._add_stream(name, seed)
         self.generators_[name] = torch.Generator().manual_seed(seed)
 
-    def get_states(self) -> dict:
-        if self.use_cudagraphable_rng:
-            return {**self.generators_, **self.opaque_states_}
-        return {**super().get_states(), **getattr(self, "opaque_states_", {})}
-
-    def set_states(self, states: dict) -> None:
-        if self.use_cudagraphable_rng:
-            self.generators_ = {n: v for n, v in states.items()
-                                if isinstance(v, torch.Generator)}
-        else:
-            super().set_states({n: v for n, v in states.items()
-                                if isinstance(v, torch.Tensor) and v.dtype == torch.uint8})
-        streams = self.generators_ if self.use_cudagraphable_rng else self.cpu_states_
-        self.opaque_states_ = {n: v for n, v in states.items() if n not in streams}
-        self._is_initialized = True
-
-    # ------------------------------------------------------------------ forking
     def _has_stream(self, name) -> bool:
         return name in (self.generators_ if self.use_cudagraphable_rng else self.cpu_states_)
 
-    def _save_live(self, name) -> None:
-        """The default generators' state of now is stream ``name``'s progress."""
+    def _is_stream_state(self, value) -> bool:
         if self.use_cudagraphable_rng:
-            self.generators_[name].set_state(torch.get_rng_state())
-            return
-        self.cpu_states_[name] = torch.get_rng_state()
-        if _random._cuda_in_use():
-            self.cuda_states_[name] = torch.cuda.get_rng_state()
+            return isinstance(value, torch.Generator)
+        return self._is_generator_state(value)
 
-    def _load_live(self, name) -> None:
-        """Put stream ``name`` into the default generators."""
+    def get_states(self) -> dict:
+        streams = self.generators_ if self.use_cudagraphable_rng else super().get_states()
+        return {**streams, **self.opaque_states_}
+
+    def set_states(self, states: dict) -> None:
+        streams = {n: v for n, v in states.items() if self._is_stream_state(v)}
         if self.use_cudagraphable_rng:
-            torch.set_rng_state(self.generators_[name].get_state())
-            return
-        if _random._cuda_in_use():
-            if name not in self.cuda_states_:        # CUDA initialised after seeding
-                if name not in self.seeds_:
-                    raise RuntimeError(f"RNG state {name!r} was restored without a CUDA state "
-                                       "and its seed is unknown; seed the tracker first")
-                self.cuda_states_[name] = self._fresh_cuda_state(self.seeds_[name])
-            torch.cuda.set_rng_state(self.cuda_states_[name])
-        torch.set_rng_state(self.cpu_states_[name])
+            self.generators_ = streams
+        else:
+            super().set_states(streams)
+        self.opaque_states_ = {n: v for n, v in states.items() if not self._is_stream_state(v)}
+        self._is_initialized = True
 
-    def _live(self):
-        cuda = torch.cuda.get_rng_state() if _random._cuda_in_use() else None
-        return torch.get_rng_state(), cuda
-
-    @contextlib.contextmanager
-    def fork(self, name: str = _random.MODEL_PARALLEL_RNG):
-        if name in getattr(self, "opaque_states_", {}):
+    # ------------------------------------------------------------------ forking
+    def _check_forkable(self, name) -> None:
+        if name in self.opaque_states_:
             raise RuntimeError(f"RNG state {name!r} holds {type(self.opaque_states_[name]).__name__}"
                                ", not a generator state: it cannot be forked")
-        if not self._has_stream(name):
-            raise RuntimeError(f"RNG state {name!r} is not added: call "
-                               "model_parallel_cuda_manual_seed(seed) or add(name, seed) first")
-        outer, (cpu, cuda) = self.current_stream_, self._live()
-        if outer is not None:
-            self._save_live(outer)
-        self._load_live(name)
-        self.current_stream_ = name
-        try:
-            yield
-        finally:
-            self._save_live(name)
-            self.current_stream_ = outer
-            if outer is not None:
-                self._load_live(outer)
-            else:
-                torch.set_rng_state(cpu)
-                if cuda is not None:
-                    torch.cuda.set_rng_state(cuda)
+        super()._check_forkable(name)
+
+    def _missing_stream_error(self, name) -> Exception:
+        return RuntimeError(f"RNG state {name!r} is not added: call "
+                            "model_parallel_cuda_manual_seed(seed) or add(name, seed) first")
+
+    def _unknown_seed_error(self, name) -> Exception:
+        return RuntimeError(f"RNG state {name!r} was restored without a CUDA state "
+                            "and its seed is unknown; seed the tracker first")
+
+    def _save_stream(self, name, use_cuda: bool) -> None:
+        if not self.use_cudagraphable_rng:
+            return super()._save_stream(name, use_cuda)
+        self.generators_[name].set_state(torch.get_rng_state())
+
+    def _load_stream(self, name, use_cuda: bool) -> None:
+        if not self.use_cudagraphable_rng:
+            return super()._load_stream(name, use_cuda)
+        torch.set_rng_state(self.generators_[name].get_state())
 
 
 def _check_plain_tracker(use_te_rng_tracker, inference_rng_tracker, use_cudagraphable_rng):

@@ -165,3 +165,25 @@ def test_megatron_streams_and_state_format():
             tracker.set_states({**tracker.get_states(), "model-parallel-rng": philox})
     with pytest.raises(ValueError, match="seed 100 already exists"):
         tracker.add("another-rng", 100)
+
+
+def test_nested_forks_continue_each_stream():
+    """a inside b inside a: each stream continues where it stopped (the inner fork of a draws
+    after the outer's first draw, the outer resumes after the inner's), b's draws are its own,
+    and the default generator comes back unchanged."""
+    tracker = RNGStatesTracker()
+    tracker.add("a", 1234)
+    tracker.add("b", 5678)
+    before = torch.get_rng_state()
+    with tracker.fork("a"):
+        a_draws = [torch.rand(3)]
+        with tracker.fork("b"):
+            b_draws = [torch.rand(3)]
+            with tracker.fork("a"):
+                a_draws.append(torch.rand(3))
+            b_draws.append(torch.rand(3))
+        a_draws.append(torch.rand(3))
+    assert torch.equal(torch.get_rng_state(), before)
+    assert torch.equal(torch.cat(a_draws), torch.cat(_stream(1234, 3, size=3)))
+    assert torch.equal(torch.cat(b_draws), torch.cat(_stream(5678, 2, size=3)))
+    assert tracker.current_stream_ is None
