@@ -423,7 +423,7 @@ def fsdp_bytes(config, layout, rank: int, strategy: str, num_microbatches: int,
     group once per step (pp > 1)."""
     seams = keeps_seams(strategy, config.pipeline_model_parallel_size)
     host = "native" if backend == "nccl" else resolve_reduce_scatter(reduce_scatter, backend)
-    reduce_op = as_run("reduce_scatter", host)
+    reduce_op = "reduce_scatter" if host == "native" else "all_reduce"
     compute = element_bytes(config.params_dtype)
     volume = defaultdict(int)
     for unit in fsdp_units(config, layout, rank):
@@ -460,8 +460,8 @@ def data_parallel_bytes(config, layout, rank: int, buffers, backend: str,
     all-gather."""
     param_bytes = element_bytes(config.params_dtype)
     grad_bytes = 4 if buffers.grad_reduce_in_fp32 else param_bytes
-    reduce_op = as_run("reduce_scatter", resolve_reduce_scatter(reduce_scatter, backend)) \
-        if buffers.use_distributed_optimizer else "all_reduce"
+    native = resolve_reduce_scatter(reduce_scatter, backend) == "native"
+    reduce_op = "reduce_scatter" if buffers.use_distributed_optimizer and native else "all_reduce"
     volume = defaultdict(int)
     for kind, plan, size, _ in buffer_plans(config, layout, rank, buffers):
         if size == 1:

@@ -64,13 +64,16 @@ def counting(state):
     output = lambda *a, **k: _nbytes(a[0] if a else k["output_tensor"])       # noqa: E731
     second = lambda *a, **k: _nbytes(a[1] if len(a) > 1 else k["input"])      # noqa: E731
     wrap(dist, "all_reduce", "all_reduce", first)
-    for module in (dist, mappings, reduce_scatter, data_parallel):
+    # torch's own names in torch.distributed, the private aliases in the library's modules (the
+    # public reduce_scatter_tensor of parallel/reduce_scatter.py, imported into mappings, calls
+    # one of these: wrapping it too would count its collective twice)
+    for module, prefix in ((dist, ""), (mappings, "_"), (reduce_scatter, "_"),
+                           (data_parallel, "_")):
         for name, op, size in (("all_gather_into_tensor", "all_gather", output),
                                ("reduce_scatter_tensor", "reduce_scatter", second),
                                ("all_gather_single", "all_gather", output),
-                               ("reduce_scatter_single", "reduce_scatter", second),
-                               ("_all_gather_single", "all_gather", output),
-                               ("_reduce_scatter_single", "reduce_scatter", second)):
+                               ("reduce_scatter_single", "reduce_scatter", second)):
+            name = prefix + name
             if hasattr(module, name) and (module, name) not in originals:
                 wrap(module, name, op, size)
     wrap(dist, "all_to_all_single", "all_to_all", second)
