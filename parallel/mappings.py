@@ -21,8 +21,9 @@ transposed operation, so that ``y = f(x)`` and ``dx = fᵀ(dy)``:
 Every one takes its process group explicitly (``None`` is torch's world group); those that
 reduce-scatter also take ``options`` (a ``parallel.comm_options.CommOptions``: native
 reduce-scatter or all-reduce + own slice, by default by the group's backend; None = the
-defaults). Each is the identity at group size 1 (or when ``torch.distributed`` is not initialised). A dim that does not
-divide by the group size raises ``ValueError`` before any collective is entered. Megatron's names,
+defaults). Each is the identity at group size 1 (or when ``torch.distributed`` is not
+initialised). A dim that does not divide by the group size raises ``ValueError`` before any
+collective is entered. Megatron's names,
 argument order and default group (the default ParallelState's TP group) are in
 ``tpfuse.megatron_compat.tensor_parallel.mappings``; ``default_tensor_parallel_group(group)``
 resolves that default.

@@ -46,8 +46,9 @@ On the host (gloo) the reduce-scatter runs as the state's ``comm_options.reduce_
 (``parallel.reduce_scatter``; by default a ring all-reduce with this rank's block copied out,
 ``_DeferredReduceScatter``), started asynchronously and completed in ``finish_grad_sync``, so it
 overlaps the backward of the layers before it, as the bucketed buffers' ``overlap_grad_reduce``
-does; on CUDA (NCCL) FSDP2 runs its own reduce-scatter. Mixed precision (``MixedPrecisionPolicy``): bf16/fp16 compute, fp32 reduce, fp32 sharded
-parameters, which are the optimizer's main parameters (``training/fsdp_optimizer.py``).
+does; on CUDA (NCCL) FSDP2 runs its own reduce-scatter. Mixed precision
+(``MixedPrecisionPolicy``): bf16/fp16 compute, fp32 reduce, fp32 sharded parameters, which are
+the optimizer's main parameters (``training/fsdp_optimizer.py``).
 
 Zero-bubble (``--pipeline-schedule zb-h1``): a W action computes weight gradients after the I
 pass (the autograd backward) that deferred them, so no backward may reduce-scatter: every I pass

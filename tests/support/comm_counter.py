@@ -3,9 +3,10 @@
 ``count_collectives(state, fn)`` runs ``fn()`` with the collectives the library calls wrapped
 (``torch.distributed``'s functions, FSDP's ``all_gather_single`` / ``reduce_scatter_single``
 included, and the module-level aliases of ``parallel/mappings.py``,
-``parallel/reduce_scatter.py`` and ``training/data_parallel.py``) and returns ``{"<kind>_<op>": bytes}``: kind the first of
-``KINDS`` whose group (of size > 1) is the call's group (groups of the same ranks are one
-group: the etp group is the tp group when etp = tp), op the collective. The byte count of a
+``parallel/reduce_scatter.py`` and ``training/data_parallel.py``) and returns
+``{"<kind>_<op>": bytes}``: kind the first of ``KINDS`` whose group (of size > 1) is the call's
+group (groups of the same ranks are one group: the etp group is the tp group when etp = tp), op
+the collective. The byte count of a
 call is its message: the input of an all-reduce, reduce-scatter or all-to-all, the gathered output
 of an all-gather, the tensor of a send (receives are not counted: the sender's side counts).
 Messages of at most ``SCALAR_BYTES`` (grad-norm and loss-log scalars) are left out.
