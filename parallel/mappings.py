@@ -20,8 +20,10 @@ transposed operation, so that ``y = f(x)`` and ``dx = fᵀ(dy)``:
 
 Every one takes its process group explicitly (``None`` is torch's world group); those that
 reduce-scatter also take ``options`` (a ``parallel.comm_options.CommOptions``: native
-reduce-scatter or all-reduce + own slice; None = the defaults). Each is the identity at group size 1 (or when ``torch.distributed`` is not initialised). A dim that does not
-divide by the group size raises ``ValueError`` before any collective is entered. Megatron's names,
+reduce-scatter or all-reduce + own slice, by default by the group's backend; None = the
+defaults). Each is the identity at group size 1 (or when ``torch.distributed`` is not
+initialised). A dim that does not divide by the group size raises ``ValueError`` before any
+collective is entered. Megatron's names,
 argument order and default group (the default ParallelState's TP group) are in
 ``tpfuse.megatron_compat.tensor_parallel.mappings``; ``default_tensor_parallel_group(group)``
 resolves that default.
@@ -35,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from .comm_options import REDUCE_SCATTER_STRATEGIES, CommOptions, options_or_default  # noqa: F401
+from .reduce_scatter import reduce_scatter_tensor
 
 
 # ----------------------------------------------------------------------------- group arithmetic
@@ -66,7 +69,6 @@ def check_divisible(x: torch.Tensor, dim: int, size: int, what: str) -> None:
 # ----------------------------------------------------------------------------- plain collectives
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def all_gather_first_dim(x: torch.Tensor, group, async_op: bool = False):
@@ -85,21 +87,17 @@ def all_gather_first_dim(x: torch.Tensor, group, async_op: bool = False):
 
 def reduce_scatter_first_dim(x: torch.Tensor, group, options: CommOptions | None = None):
     """Sum ``x`` over the ranks and keep this rank's dim-0 slice: ``(s, ...) -> (s/tp, ...)``,
-    by ``options.reduce_scatter`` ("native" reduce_scatter_tensor, or "all_reduce" then the own
-    slice). Not differentiable (the autograd Functions below are)."""
+    by ``options.reduce_scatter`` (``parallel.reduce_scatter.reduce_scatter_tensor``: native,
+    or an all-reduce of a copy of ``x`` and the own slice). Not differentiable (the autograd
+    Functions below are)."""
     size = group_size(group)
     if size == 1:
         return x
     check_divisible(x, 0, size, "reduce_scatter_first_dim")
     x = x.detach().contiguous()
     rows = x.shape[0] // size
-    if options_or_default(options).reduce_scatter == "all_reduce":
-        total = x.clone()
-        dist.all_reduce(total, group=group)
-        rank = group_rank(group)
-        return total[rank * rows:(rank + 1) * rows].clone()
     out = torch.empty((rows,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-    _reduce_scatter_single(out, x, group=group)
+    reduce_scatter_tensor(out, x, group, options=options)
     return out
 
 

@@ -5,8 +5,11 @@ model chunks a ``param.main_grad`` (a view into a contiguous buffer, ``training/
 and reduces those buffers bucket by bucket over the data-parallel group::
 
     g_p  ←  Σ_{ranks of the group}  g_p / dp_cp              (all-reduce, or reduce-scatter into
-                                                              this rank's shard: distributed opt.
-                                                              on NCCL; gloo all-reduces, faster)
+                                                              this rank's shard: distributed opt.)
+
+The distributed optimizer's reduce-scatter runs as the state's ``comm_options.reduce_scatter``
+says (``parallel.reduce_scatter``; by default NCCL reduce-scatters, gloo all-reduces the bucket
+and keeps its shard, the faster there: the same numbers, the buffer is full-size anyway).
 
 Groups: a parameter with ``param.allreduce = False`` (an expert parameter) is reduced over the
 expert-data-parallel group ``state.group("edp")``, every other one over the data-parallel group
@@ -39,12 +42,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from tpfuse.parallel.host_staging import backend_family
+from tpfuse.parallel.reduce_scatter import reduce_scatter_tensor
 
 from .grad_buffers import ParamAndGradBuffer
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 @dataclass
@@ -65,14 +67,6 @@ class DistributedDataParallelConfig:
         if self.overlap_param_gather and not self.use_distributed_optimizer:
             raise ValueError("overlap_param_gather=True needs use_distributed_optimizer=True "
                              "(--overlap-param-gather needs --use-distributed-optimizer)")
-
-
-def _all_reduce_is_faster(group) -> bool:
-    """gloo's reduce-scatter is about twice as slow as its ring all-reduce (1.6 M fp32 over 2
-    ranks: 8.8 ms vs 4.1 ms, this CPU), so there the distributed optimizer all-reduces a bucket
-    and reads its shard from it: the same numbers, and the gradient buffer is full-size anyway.
-    NCCL reduce-scatters (half an all-reduce's traffic)."""
-    return backend_family(dist.get_backend(group)) == "gloo"
 
 
 def is_expert(param) -> bool:
@@ -196,10 +190,10 @@ class DataParallelBuffers:
             bucket.grad_data.mul_(buffer.gradient_scaling_factor)
         if buffer.dp_size == 1:
             return
-        if buffer.distributed and not _all_reduce_is_faster(buffer.group):
-            bucket.grad_work = _reduce_scatter_single(
-                bucket.shard(bucket.grad_data, buffer.dp_rank), bucket.grad_data,
-                group=buffer.group, async_op=async_op)
+        if buffer.distributed:      # the shard is a view into the bucket: reduce in place
+            bucket.grad_work = reduce_scatter_tensor(
+                bucket.shard(bucket.grad_data, buffer.dp_rank), bucket.grad_data, buffer.group,
+                options=self.state.comm_options, async_op=async_op, preserve_input=False)
         else:
             bucket.grad_work = dist.all_reduce(bucket.grad_data, group=buffer.group,
                                                async_op=async_op)

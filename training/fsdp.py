@@ -42,11 +42,13 @@ either way, so the peak is ZeRO-3's; per step the root is gathered once, the las
 times, the first m + 1, every other layer 2m (``gathers_per_step``). With a pipeline other
 micro-batches' passes fall between (1F1B's warm-up, interleaved chunks): every unit re-shards.
 
-On gloo the reduce-scatter runs as a ring all-reduce with this rank's block copied out
-(``_AllReduceScatter``), started asynchronously and completed in ``finish_grad_sync``, so it
+On the host (gloo) the reduce-scatter runs as the state's ``comm_options.reduce_scatter`` says
+(``parallel.reduce_scatter``; by default a ring all-reduce with this rank's block copied out,
+``_DeferredReduceScatter``), started asynchronously and completed in ``finish_grad_sync``, so it
 overlaps the backward of the layers before it, as the bucketed buffers' ``overlap_grad_reduce``
-does. Mixed precision (``MixedPrecisionPolicy``): bf16/fp16 compute, fp32 reduce, fp32 sharded
-parameters, which are the optimizer's main parameters (``training/fsdp_optimizer.py``).
+does; on CUDA (NCCL) FSDP2 runs its own reduce-scatter. Mixed precision
+(``MixedPrecisionPolicy``): bf16/fp16 compute, fp32 reduce, fp32 sharded parameters, which are
+the optimizer's main parameters (``training/fsdp_optimizer.py``).
 
 Zero-bubble (``--pipeline-schedule zb-h1``): a W action computes weight gradients after the I
 pass (the autograd backward) that deferred them, so no backward may reduce-scatter: every I pass
@@ -78,6 +80,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from tpfuse.parallel.reduce_scatter import reduce_scatter_tensor
 
 from .data_parallel import is_expert, trainable_parameters
 
@@ -228,7 +232,7 @@ class FullyShardedModel:
                     setattr(param, key, value)
         self.reduce_scatter = None                     # gloo's deferred reductions
         if device_type == "cpu":
-            reduce_scatter = self.reduce_scatter = _AllReduceScatter()
+            reduce_scatter = self.reduce_scatter = _DeferredReduceScatter(state)
             for unit in units:
                 unit.set_custom_reduce_scatter(reduce_scatter)
             for chunk in self.chunks:
@@ -343,44 +347,38 @@ class FullyShardedModel:
         return param.fsdp_rank, param.fsdp_size
 
 
-class _AllReduceScatter:
-    """FSDP's reduce-scatter done as gloo's ring all-reduce of the whole input, this rank's block
-    then copied out: the same sums (a rank's block is Σ_ranks of that block either way), and on
-    gloo about twice as fast as its reduce-scatter (``training/data_parallel.py`` reads the
-    distributed optimizer's shard from an all-reduce for the same reason). ``AVG`` is the sum
-    divided by the group size; any other op goes to the plain reduce-scatter.
+class _DeferredReduceScatter:
+    """FSDP's reduce-scatter on the host: ``parallel.reduce_scatter.reduce_scatter_tensor`` as
+    the state's ``comm_options.reduce_scatter`` says (read at each call; by default on gloo the
+    ring all-reduce of the whole input with this rank's block copied out: the same sums, about
+    twice as fast as gloo's reduce-scatter, the bucketed buffers' reason too). ``AVG`` under the
+    all-reduce is the sum divided by the group size; any other op runs the plain reduce-scatter.
 
-    The all-reduce starts asynchronously and ``complete()`` (in ``finish_grad_sync``, before
-    anything reads a gradient) waits and copies the blocks out. That is sound because FSDP only
-    views ``output_tensor`` as the unit's sharded gradient, reading nothing in it: the reduce
-    dtype is the parameters' (fp32 both, so no cast), ``AVG`` / ``SUM`` need no pre- or
-    post-division (fp32), and each unit reduces once per step onto a gradient that
-    ``zero_grad_buffer`` set to None (nothing to accumulate into)."""
+    Each reduction starts asynchronously and ``complete()`` (in ``finish_grad_sync``, before
+    anything reads a gradient) waits for it (the all-reduce's handle then copies the block out).
+    That is sound because FSDP only views ``output_tensor`` as the unit's sharded gradient,
+    reading nothing in it: the reduce dtype is the parameters' (fp32 both, so no cast), ``AVG`` /
+    ``SUM`` need no pre- or post-division (fp32), and each unit reduces once per step onto a
+    gradient that ``zero_grad_buffer`` set to None (nothing to accumulate into)."""
 
-    def __init__(self):
-        self.pending = []          # (work, output, input, group size, rank in group, op)
+    def __init__(self, state):
+        self.state = state
+        self.pending = []          # the handles of the started reductions
 
     def allocate(self, size, *, dtype, device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
-        if op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
-            return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group,
-                                              async_op=async_op)
-        work = dist.all_reduce(input_tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)
-        self.pending.append((work, output_tensor, input_tensor, dist.get_world_size(group),
-                             dist.get_rank(group), op))
+        self.pending.append(reduce_scatter_tensor(
+            output_tensor, input_tensor, group, options=self.state.comm_options, op=op,
+            async_op=True, preserve_input=False))
         return None
 
     def complete(self) -> None:
-        """Wait for every started all-reduce; copy (``AVG``: divide) this rank's block out."""
-        for work, output_tensor, input_tensor, size, rank, op in self.pending:
+        """Wait for every started reduction (the all-reduce's handle copies, ``AVG``: divides,
+        this rank's block out)."""
+        for work in self.pending:
             work.wait()
-            block = input_tensor.view(size, -1)[rank]    # (n/size,)
-            if op == dist.ReduceOp.AVG:
-                torch.div(block, size, out=output_tensor)
-            else:
-                output_tensor.copy_(block)
         self.pending = []
 
 

@@ -316,7 +316,7 @@ class ObservabilitySettings(SettingsGroup):
 
 @dataclass(frozen=True, kw_only=True)
 class DistributedSettings(SettingsGroup):
-    """The process group's backend, how long a collective may wait, and how tensor-parallel
+    """The process group's backend, how long a collective may wait, and how the model's
     communication runs (``comm_options()``: the ParallelState's CommOptions)."""
     TITLE = "distributed"
 
@@ -331,8 +331,10 @@ class DistributedSettings(SettingsGroup):
         10.0, "a collective waiting longer than this fails the job",
         bounds=(0.0, False, None, False))
     reduce_scatter_strategy: str = setting(
-        "native", "how tensor-parallel reduce-scatters run: native reduce_scatter_tensor, or "
-                  "all_reduce then keep this rank's slice (for backends without it)",
+        "auto", "how reduce-scatters run (tensor/sequence parallel, MoE, the distributed "
+                "optimizer's buckets, FSDP on gloo): native reduce_scatter_tensor, or "
+                "all_reduce then keep this rank's block; auto: all_reduce on gloo (about twice "
+                "as fast as its reduce-scatter), native on nccl",
         choices=REDUCE_SCATTER_STRATEGIES)
     fused_comm_min_flops: float | None = setting(
         None, "per-rank GEMM FLOPs from which sequence-parallel linears run the ring-overlapped "

@@ -130,6 +130,7 @@ def mapping_worker(strategy):
 def test_mappings_match_hand_expectations(run_distributed, world_size):
     results = run_distributed(world_size, mapping_worker, "native")
     results += run_distributed(world_size, mapping_worker, "all_reduce")
+    results += run_distributed(world_size, mapping_worker, "auto")
     assert all(results)
 
 

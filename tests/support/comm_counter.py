@@ -2,10 +2,11 @@
 
 ``count_collectives(state, fn)`` runs ``fn()`` with the collectives the library calls wrapped
 (``torch.distributed``'s functions, FSDP's ``all_gather_single`` / ``reduce_scatter_single``
-included, and the module-level aliases of ``parallel/mappings.py`` and
-``training/data_parallel.py``) and returns ``{"<kind>_<op>": bytes}``: kind the first of
-``KINDS`` whose group (of size > 1) is the call's group (groups of the same ranks are one
-group: the etp group is the tp group when etp = tp), op the collective. The byte count of a
+included, and the module-level aliases of ``parallel/mappings.py``,
+``parallel/reduce_scatter.py`` and ``training/data_parallel.py``) and returns
+``{"<kind>_<op>": bytes}``: kind the first of ``KINDS`` whose group (of size > 1) is the call's
+group (groups of the same ranks are one group: the etp group is the tp group when etp = tp), op
+the collective. The byte count of a
 call is its message: the input of an all-reduce, reduce-scatter or all-to-all, the gathered output
 of an all-gather, the tensor of a send (receives are not counted: the sender's side counts).
 Messages of at most ``SCALAR_BYTES`` (grad-norm and loss-log scalars) are left out.
@@ -38,7 +39,7 @@ def _kind_of(state, group, op) -> str:
 @contextlib.contextmanager
 def counting(state):
     """Yields the ``{"<kind>_<op>": bytes}`` dict filled while the block runs."""
-    from tpfuse.parallel import mappings
+    from tpfuse.parallel import mappings, reduce_scatter
     from tpfuse.training import data_parallel
 
     counts = defaultdict(int)
@@ -64,13 +65,16 @@ def counting(state):
     output = lambda *a, **k: _nbytes(a[0] if a else k["output_tensor"])       # noqa: E731
     second = lambda *a, **k: _nbytes(a[1] if len(a) > 1 else k["input"])      # noqa: E731
     wrap(dist, "all_reduce", "all_reduce", first)
-    for module in (dist, mappings, data_parallel):
+    # torch's own names in torch.distributed, the private aliases in the library's modules (the
+    # public reduce_scatter_tensor of parallel/reduce_scatter.py, imported into mappings, calls
+    # one of these: wrapping it too would count its collective twice)
+    for module, prefix in ((dist, ""), (mappings, "_"), (reduce_scatter, "_"),
+                           (data_parallel, "_")):
         for name, op, size in (("all_gather_into_tensor", "all_gather", output),
                                ("reduce_scatter_tensor", "reduce_scatter", second),
                                ("all_gather_single", "all_gather", output),
-                               ("reduce_scatter_single", "reduce_scatter", second),
-                               ("_all_gather_single", "all_gather", output),
-                               ("_reduce_scatter_single", "reduce_scatter", second)):
+                               ("reduce_scatter_single", "reduce_scatter", second)):
+            name = prefix + name
             if hasattr(module, name) and (module, name) not in originals:
                 wrap(module, name, op, size)
     wrap(dist, "all_to_all_single", "all_to_all", second)

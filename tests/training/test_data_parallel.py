@@ -49,21 +49,15 @@ def _model():
 
 
 def reduce_body(distributed: bool, overlap: bool, native_reduce_scatter: bool):
-    from tpfuse.training import data_parallel
-
-    chooser = data_parallel._all_reduce_is_faster
-    if native_reduce_scatter:   # the NCCL path (reduce_scatter_tensor) on gloo
-        data_parallel._all_reduce_is_faster = lambda group: False
-    try:
-        return _reduce(distributed, overlap)
-    finally:
-        data_parallel._all_reduce_is_faster = chooser
-
-
-def _reduce(distributed: bool, overlap: bool):
+    from tpfuse.parallel.comm_options import CommOptions
     from tpfuse.parallel.state import ParallelState
 
-    state = ParallelState.initialize()
+    # native: the NCCL path (reduce_scatter_tensor) on gloo; else gloo's default (all-reduce)
+    options = CommOptions(reduce_scatter="native" if native_reduce_scatter else "auto")
+    return _reduce(distributed, overlap, ParallelState.initialize(comm_options=options))
+
+
+def _reduce(distributed: bool, overlap: bool, state):
     model = _model()
     config = DistributedDataParallelConfig(overlap_grad_reduce=overlap, bucket_size=20,
                                            use_distributed_optimizer=distributed)

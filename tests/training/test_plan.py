@@ -234,7 +234,7 @@ def test_dropless_alltoall_volume_is_exact_over_the_ep_group_and_bounded_per_ran
         planned_sum = counted_sum = 0
         for rank in group:
             planned = step_comm_bytes(config, layout, rank, buffers, 2, m, backend="gloo")
-            bounds = step_comm_bounds(config, layout, rank, 2, m)
+            bounds = step_comm_bounds(config, layout, rank, 2, m, backend="gloo")
             assert "ep_all_to_all" in bounds
             low, high = ({key: bounds.get(key, (value, value))[side]
                           for key, value in planned.items()} for side in (0, 1))

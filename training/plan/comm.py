@@ -60,6 +60,12 @@ once per step (reduce-scattered on NCCL, all-reduced on gloo).
 A forward re-run by recompute (full: the layer; selective ``mlp``: its MLP block, an MoE
 layer's dispatch included) repeats the forward's collectives.
 
+Every reduce-scatter above runs as ``--reduce-scatter-strategy`` says, resolved for the backend
+by ``parallel.comm_options.resolve_reduce_scatter`` (the function the step's collectives use):
+by default all-reduce + this rank's block on gloo, native on NCCL. Run as an all-reduce, a
+reduce-scatter passes the same message (its whole input), so its bytes count as that kind's
+all-reduce (``as_run``); FSDP on NCCL keeps FSDP2's own reduce-scatter.
+
 Checked byte for byte against the collectives of a real step for TP (with and without SP, full
 recompute), DP (plain, distributed optimizer, FSDP ZeRO-2 and ZeRO-3), PP and the tied
 embedding, CP (cp = 2), EP with the allgather dispatcher and with the alltoall one padded to
@@ -76,6 +82,7 @@ from dataclasses import dataclass
 
 from tpfuse.models.layer_assignment import layers_for
 from tpfuse.models.moe_config import moe_layer_pattern
+from tpfuse.parallel.comm_options import resolve_reduce_scatter
 
 from ..fsdp import gathers_per_step, keeps_seams, padded_shard_numel, shard_rows
 from .memory import buffer_plans, element_bytes, fsdp_units
@@ -255,13 +262,25 @@ def alltoall_rows(config, micro_batch_size: int) -> dict:
             "sent_exact": False, "padded": False}
 
 
-class _Volume:
-    """Bytes by kind, each a value with its ``[low, high]`` (equal where exact)."""
+def as_run(key: str, reduce_scatter: str) -> str:
+    """The kind ``key`` ("<group>_<op>") is counted under when reduce-scatters run as
+    ``reduce_scatter`` ("native" or "all_reduce"): "<group>_all_reduce" for a reduce-scatter
+    run as an all-reduce (the same message), else ``key``."""
+    if reduce_scatter == "all_reduce" and key.endswith("_reduce_scatter"):
+        return key[:-len("_reduce_scatter")] + "_all_reduce"
+    return key
 
-    def __init__(self):
+
+class _Volume:
+    """Bytes by kind, each a value with its ``[low, high]`` (equal where exact); the kinds as
+    reduce-scatters run (``as_run``)."""
+
+    def __init__(self, reduce_scatter: str = "native"):
         self.value, self.low, self.high = defaultdict(int), defaultdict(int), defaultdict(int)
+        self.reduce_scatter = reduce_scatter
 
     def add(self, key: str, value, low=None, high=None) -> None:
+        key = as_run(key, self.reduce_scatter)
         self.value[key] += value
         self.low[key] += value if low is None else low
         self.high[key] += value if high is None else high
@@ -318,12 +337,13 @@ def _alltoall_dispatcher(config, micro_batch_size: int, layers: _Layers, volume)
                    forwards * etp * ep * config.num_moe_experts * 8)
 
 
-def _expert_parallel(config, micro_batch_size: int, pp_rank: int) -> tuple[dict, dict]:
+def _expert_parallel(config, micro_batch_size: int, pp_rank: int,
+                     reduce_scatter: str = "native") -> tuple[dict, dict]:
     layers = _layer_counts(config, pp_rank)
     etp = _expert_tensor_size(config)
     if layers.moe == 0 or etp * config.expert_model_parallel_size == 1:
         return {}, {}
-    volume = _Volume()
+    volume = _Volume(reduce_scatter)
     if config.moe_token_dispatcher_type == "alltoall":
         _alltoall_dispatcher(config, micro_batch_size, layers, volume)
     else:
@@ -365,10 +385,12 @@ def expert_parallel_bytes(config, micro_batch_size: int, pp_rank: int) -> dict:
     return _expert_parallel(config, micro_batch_size, pp_rank)[0]
 
 
-def expert_parallel_bounds(config, micro_batch_size: int, pp_rank: int) -> dict:
+def expert_parallel_bounds(config, micro_batch_size: int, pp_rank: int,
+                           reduce_scatter: str = "native") -> dict:
     """``{kind: (low, high)}`` of one micro-batch on ``pp_rank`` for the EP kinds that depend
-    on the routing (the alltoall dispatcher without capacity padding); empty otherwise."""
-    return _expert_parallel(config, micro_batch_size, pp_rank)[1]
+    on the routing (the alltoall dispatcher without capacity padding); empty otherwise. The
+    kinds as reduce-scatters run (``reduce_scatter``: "native" or "all_reduce", ``as_run``)."""
+    return _expert_parallel(config, micro_batch_size, pp_rank, reduce_scatter)[1]
 
 
 def pipeline_bytes(config, micro_batch_size: int, pp_rank: int) -> dict:
@@ -389,17 +411,19 @@ def pipeline_bytes(config, micro_batch_size: int, pp_rank: int) -> dict:
 
 
 def fsdp_bytes(config, layout, rank: int, strategy: str, num_microbatches: int,
-               backend: str = "nccl") -> dict:
+               backend: str = "nccl", reduce_scatter: str = "auto") -> dict:
     """FSDP per step (``training/fsdp.py``): every unit sharded over n > 1 ranks all-gathers its
     padded parameters (n · ⌈rows/n⌉ rows each, in the compute dtype) once per step with ZeRO-2
     (kept over the micro-batches), in every micro-batch's forward and backward with ZeRO-3
     (``optim_grads_params``: resharded after each), less what its seams keep without a pipeline
     (``fsdp.gathers_per_step``: the root once, the last layer m times, the first m + 1); the
     padded fp32 gradients, accumulated over the micro-batches, are reduced once, in the last
-    backward (a reduce-scatter on NCCL, an all-reduce on gloo). The tied embedding's fp32
-    gradient shard is all-reduced over the embedding group once per step (pp > 1)."""
+    backward (a reduce-scatter on NCCL; on gloo as ``reduce_scatter`` resolves, by default an
+    all-reduce). The tied embedding's fp32 gradient shard is all-reduced over the embedding
+    group once per step (pp > 1)."""
     seams = keeps_seams(strategy, config.pipeline_model_parallel_size)
-    reduce_op = "reduce_scatter" if backend == "nccl" else "all_reduce"
+    host = "native" if backend == "nccl" else resolve_reduce_scatter(reduce_scatter, backend)
+    reduce_op = "reduce_scatter" if host == "native" else "all_reduce"
     compute = element_bytes(config.params_dtype)
     volume = defaultdict(int)
     for unit in fsdp_units(config, layout, rank):
@@ -429,12 +453,15 @@ def _tied_across_stages(config, pp_rank: int) -> bool:
             and pp_rank in (0, pp - 1))
 
 
-def data_parallel_bytes(config, layout, rank: int, buffers, backend: str) -> dict:
-    """Per step: gradient reduction and (distributed optimizer) parameter all-gather."""
+def data_parallel_bytes(config, layout, rank: int, buffers, backend: str,
+                        reduce_scatter: str = "auto") -> dict:
+    """Per step: gradient reduction (the distributed optimizer's reduce-scatter as
+    ``reduce_scatter`` resolves for ``backend``) and (distributed optimizer) parameter
+    all-gather."""
     param_bytes = element_bytes(config.params_dtype)
     grad_bytes = 4 if buffers.grad_reduce_in_fp32 else param_bytes
-    reduce_op = ("reduce_scatter" if buffers.use_distributed_optimizer and backend == "nccl"
-                 else "all_reduce")
+    native = resolve_reduce_scatter(reduce_scatter, backend) == "native"
+    reduce_op = "reduce_scatter" if buffers.use_distributed_optimizer and native else "all_reduce"
     volume = defaultdict(int)
     for kind, plan, size, _ in buffer_plans(config, layout, rank, buffers):
         if size == 1:
@@ -450,30 +477,34 @@ def data_parallel_bytes(config, layout, rank: int, buffers, backend: str) -> dic
 
 
 def step_comm_bounds(config, layout, rank: int, micro_batch_size: int,
-                     num_microbatches: int) -> dict:
+                     num_microbatches: int, backend: str = "nccl",
+                     reduce_scatter: str = "auto") -> dict:
     """``{"<group kind>_<op>": [low, high]}`` of one step on ``rank`` for the kinds whose bytes
     depend on where the router sends the tokens (``step_comm_bytes`` gives their value under
     uniform routing, the mean over the ep group); empty when every kind is exact."""
-    bounds = expert_parallel_bounds(config, micro_batch_size, layout.rank_in("pp", rank))
+    bounds = expert_parallel_bounds(config, micro_batch_size, layout.rank_in("pp", rank),
+                                    resolve_reduce_scatter(reduce_scatter, backend))
     return {key: [int(low * num_microbatches), int(high * num_microbatches)]
             for key, (low, high) in bounds.items()}
 
 
 def step_comm_bytes(config, layout, rank: int, buffers, micro_batch_size: int,
-                    num_microbatches: int, backend: str = "nccl") -> dict:
+                    num_microbatches: int, backend: str = "nccl",
+                    reduce_scatter: str = "auto") -> dict:
     """``{"<group kind>_<op>": bytes}`` of one optimizer step on ``rank`` (zero kinds left
-    out)."""
+    out); ``reduce_scatter``: the ``--reduce-scatter-strategy``."""
     pp_rank = layout.rank_in("pp", rank)
+    run_as = resolve_reduce_scatter(reduce_scatter, backend)
     volume = defaultdict(int)
     for part in (tensor_parallel_bytes, context_parallel_bytes, expert_parallel_bytes,
                  router_loss_bytes, pipeline_bytes):
         for key, value in part(config, micro_batch_size, pp_rank).items():
-            volume[key] += value * num_microbatches
+            volume[as_run(key, run_as)] += value * num_microbatches
     if buffers.fsdp_strategy is not None:
         data = fsdp_bytes(config, layout, rank, buffers.fsdp_strategy, num_microbatches,
-                          backend)
+                          backend, reduce_scatter)
     else:
-        data = data_parallel_bytes(config, layout, rank, buffers, backend)
+        data = data_parallel_bytes(config, layout, rank, buffers, backend, reduce_scatter)
     for key, value in data.items():
         volume[key] += value
     return {key: int(value) for key, value in sorted(volume.items()) if value}

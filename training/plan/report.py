@@ -61,6 +61,7 @@ def plan_layout(config, settings, world_size: int, ranks=None) -> dict:
     buffers = buffer_settings(config, settings, dp * config.context_parallel_size)
     peaks = activation_peaks(config, b, m)
     backend = planned_backend(settings)
+    reduce_scatter = settings.distributed.reduce_scatter_strategy
     rows = []
     for rank in (range(world_size) if ranks is None else ranks):
         peak = peaks[layout.rank_in("pp", rank)]
@@ -68,8 +69,9 @@ def plan_layout(config, settings, world_size: int, ranks=None) -> dict:
                      "memory_bytes": rank_memory(config, layout, rank, buffers, peak),
                      "in_flight_microbatches": peak["in_flight"],
                      "comm_bytes_per_step": step_comm_bytes(config, layout, rank, buffers, b, m,
-                                                            backend),
-                     "comm_bounds_per_step": step_comm_bounds(config, layout, rank, b, m)})
+                                                            backend, reduce_scatter),
+                     "comm_bounds_per_step": step_comm_bounds(config, layout, rank, b, m,
+                                                              backend, reduce_scatter)})
     return {"world_size": world_size,
             "layout": {"tp": config.tensor_model_parallel_size,
                        "pp": config.pipeline_model_parallel_size,

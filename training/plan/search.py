@@ -138,7 +138,8 @@ def evaluate(config, settings, world_size: int, cluster: Cluster, cache=None) ->
     for rank in representative_ranks(layout):
         held = rank_memory(config, layout, rank, buffers, peaks[layout.rank_in("pp", rank)])
         stages.append(held)
-        comm = step_comm_bytes(config, layout, rank, buffers, b, m, backend)
+        comm = step_comm_bytes(config, layout, rank, buffers, b, m, backend,
+                               settings.distributed.reduce_scatter_strategy)
         comm_time = max(comm_time, comm_seconds(comm, layout, rank, cluster))
     compute = compute_seconds(config, m * b * dp, world_size, cluster)
     bubble = bubble_fraction(config, m, cache)
