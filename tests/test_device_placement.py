@@ -24,6 +24,7 @@ from types import SimpleNamespace
 import torch
 
 from support.device_audit import REPO, DefaultDeviceRecorder, PretendNccl, built_on_cpu
+from support.pretrain_run import run_pretrain
 
 TINY = ["--num-layers", "4", "--hidden-size", "16", "--num-attention-heads", "2",
         "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "8",
@@ -52,18 +53,14 @@ RUNS = [
 
 
 def _train_and_generate(root):
-    from tpfuse import pretrain_gpt
     from tpfuse.inference import generate, load_model
     from tpfuse.parallel import parallel_state
-    from tpfuse.training.pretrain import pretrain
 
     recorder = DefaultDeviceRecorder()
     with recorder:
         for run in RUNS:
-            pretrain(pretrain_gpt.train_valid_test_datasets_provider,
-                     built_on_cpu(pretrain_gpt.model_provider), pretrain_gpt.forward_step,
-                     argv=TINY + [flag.format(root=root) for flag in run],
-                     sample_func=pretrain_gpt.sample_func)
+            run_pretrain(TINY + [flag.format(root=root) for flag in run],
+                         model_provider_wrapper=built_on_cpu, with_sampling=True)
             parallel_state.destroy_model_parallel()
         state = parallel_state.initialize_model_parallel(1, 2)
         chunks = load_model(f"{root}/dense", state)

@@ -14,6 +14,8 @@ import os
 
 import pytest
 
+from support.pretrain_run import train_losses
+
 TINY_MODEL = [
     "--num-layers", "8", "--hidden-size", "16", "--num-attention-heads", "4",
     "--ffn-hidden-size", "32", "--seq-length", "8", "--max-position-embeddings", "8",
@@ -29,21 +31,9 @@ TINY_MODEL = [
 ]
 
 
-def _train(argv, model=None):
-    from tpfuse.pretrain_gpt import (forward_step, model_provider,
-                                     train_valid_test_datasets_provider)
-    from tpfuse.training.pretrain import pretrain
-
-    result = pretrain(train_valid_test_datasets_provider, model_provider, forward_step,
-                      argv=(TINY_MODEL if model is None else model) + list(argv))
-    return result.train_losses if result.is_logger else None
-
-
 def _losses(run_distributed, world_size, argv, model=None):
-    per_rank = run_distributed(world_size, _train, argv, model)
-    logged = [losses for losses in per_rank if losses is not None]
-    assert len(logged) == 1, "exactly one rank logs the loss"
-    return logged[0]
+    return train_losses(run_distributed, world_size,
+                        (TINY_MODEL if model is None else model) + list(argv))
 
 
 @pytest.fixture(scope="module")

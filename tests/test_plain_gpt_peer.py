@@ -1,9 +1,9 @@
 """benchmarks/plain_gpt_peer.py is really tpfuse's GPT written plainly: given tpfuse's weights it
 has the same parameter count, its own FLOP count (read off its Linear modules) equals
 ``tpfuse.models.flops``, and its per-token loss equals the GPTModel's (fp32, CPU)."""
+import importlib.util
 import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -26,12 +26,24 @@ VARIANTS = {
 TOLERANCE = 1e-5
 
 
+@pytest.fixture(scope="module")
+def peer_script():
+    """The script loaded as a module (its ``main`` is what ``python SCRIPT`` runs): one import in
+    this process instead of an interpreter start-up per variant."""
+    spec = importlib.util.spec_from_file_location("plain_gpt_peer", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module          # its dataclasses resolve their module by name
+    try:
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        del sys.modules[spec.name]
+
+
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
-def test_peer_is_the_same_model(variant):
-    done = subprocess.run([sys.executable, SCRIPT, "--compare-with-tpfuse", *COMMON,
-                           *VARIANTS[variant]], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+def test_peer_is_the_same_model(variant, peer_script, capsys):
+    assert peer_script.main(["--compare-with-tpfuse", *COMMON, *VARIANTS[variant]]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result["peer_parameters"] == result["tpfuse_parameters"]
     assert result["peer_flops_per_token"] == result["tpfuse_flops_per_token"]
     assert result["max_abs_loss_difference"] <= TOLERANCE * result["max_abs_loss"]

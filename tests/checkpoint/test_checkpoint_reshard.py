@@ -12,6 +12,7 @@ import types
 import pytest
 import torch
 
+from support.pretrain_run import pretrain_error
 from test_invariance import DISTRIBUTED_OPTIMIZER, TINY_MODEL, _losses, _parallel
 from tpfuse.checkpoint.format import _read_payload, iteration_dir
 from tpfuse.checkpoint.reshard import (VOCAB_PARAMETERS, assemble_global_state, full_from_shards,
@@ -121,19 +122,6 @@ def test_bf16_distributed_optimizer_state_reshards_bit_exact(run_distributed, tm
                               ["exp_avg", "exp_avg_sq", "main_param", "param", "step"])
 
 
-def _load_error(argv):
-    from tpfuse.pretrain_gpt import (forward_step, model_provider,
-                                     train_valid_test_datasets_provider)
-    from tpfuse.training.pretrain import pretrain
-
-    try:
-        pretrain(train_valid_test_datasets_provider, model_provider, forward_step,
-                 argv=TINY_MODEL + list(argv))
-    except ValueError as error:
-        return str(error)
-    return None
-
-
 def test_other_model_shape_is_refused_on_every_rank(run_distributed, saved):
     """Same parameter shapes (8 or 2 heads instead of 4) or not (RMSNorm has no norm bias):
     refused before any weight is touched, on the resharding path (tp=4) and the same-layout
@@ -143,7 +131,8 @@ def test_other_model_shape_is_refused_on_every_rank(run_distributed, saved):
     for world_size, argv in ((4, SWIGLU + _parallel(tp=4) + ["--num-attention-heads", "8"]),
                              (4, same_layout + ["--num-attention-heads", "2"]),
                              (2, SWIGLU + _parallel(tp=2) + ["--normalization", "RMSNorm"])):
-        messages = run_distributed(world_size, _load_error, argv + ["--load", root])
+        messages = run_distributed(world_size, pretrain_error,
+                                   TINY_MODEL + argv + ["--load", root])
         for message in messages:
             assert message is not None, "every rank must fail, none may train on"
             assert "another model" in message and "num_attention_heads" in message \

@@ -9,6 +9,7 @@ import time
 import pytest
 import torch
 
+from support.pretrain_run import run_pretrain
 from tpfuse.checkpoint import file_io as checkpoint_io
 from tpfuse.checkpoint import format as ckpt
 
@@ -19,22 +20,14 @@ TINY = ["--num-layers", "2", "--hidden-size", "16", "--num-attention-heads", "2"
         "--no-progress-bar", "--no-layout-table"]
 
 
-def _run_pretrain(argv):
-    from tpfuse.pretrain_gpt import (forward_step, model_provider,
-                                     train_valid_test_datasets_provider)
-    from tpfuse.training.pretrain import pretrain
-
-    return pretrain(train_valid_test_datasets_provider, model_provider, forward_step, argv=argv)
-
-
 def _train(argv):
-    result = _run_pretrain(argv)
+    result = run_pretrain(argv)
     return result.iterations
 
 
 def _error_of_training(argv):
     try:
-        _run_pretrain(argv)
+        run_pretrain(argv)
     except Exception as error:  # noqa: BLE001 — the test reads the message
         return f"{type(error).__name__}: {error}"
     return None

@@ -13,6 +13,7 @@ import time
 
 import pytest
 
+from support.pretrain_run import logged_train_losses, run_pretrain
 from tpfuse.checkpoint import format as ckpt
 
 TINY = ["--num-layers", "2", "--hidden-size", "16", "--num-attention-heads", "2",
@@ -69,10 +70,6 @@ def _iterations(metrics):
     return [r["iteration"] for r in records if "memory_bytes" not in r]   # one per (re)start
 
 
-def _reference_losses(argv):
-    return _run_pretrain(argv).train_losses
-
-
 def test_killed_job_relaunched_resumes_and_reproduces_losses(run_distributed, tmp_path):
     save, metrics = str(tmp_path / "ckpt"), str(tmp_path / "m.jsonl")
     command = ["--nproc-per-node", "1", *TINY, "--train-iters", str(ITERS), "--save", save,
@@ -101,7 +98,7 @@ def test_killed_job_relaunched_resumes_and_reproduces_losses(run_distributed, tm
     with open(metrics) as handle:
         losses = [r["loss"] for r in map(json.loads, handle) if "memory_bytes" not in r]
     # same layout, seed, data and restored RNG: the resumed run computes the same numbers
-    reference, = run_distributed(1, _reference_losses, TINY + ["--train-iters", str(ITERS)])
+    reference, = run_distributed(1, logged_train_losses, TINY + ["--train-iters", str(ITERS)])
     assert losses == pytest.approx(reference, rel=1e-6), f"seed {seed}"
     assert os.path.exists(str(tmp_path / "m.png"))                      # the loss curve
     kept = sorted(n for n in os.listdir(save) if n.startswith("iter_"))
@@ -119,16 +116,8 @@ def _train_until_sigterm(argv, metrics):
         os.kill(os.getpid(), signal.SIGTERM)
 
     threading.Thread(target=watch, daemon=True).start()
-    result = _run_pretrain(argv)
+    result = run_pretrain(argv)
     return result.exit_reason, result.iterations
-
-
-def _run_pretrain(argv):
-    from tpfuse.pretrain_gpt import (forward_step, model_provider,
-                                     train_valid_test_datasets_provider)
-    from tpfuse.training.pretrain import pretrain
-
-    return pretrain(train_valid_test_datasets_provider, model_provider, forward_step, argv=argv)
 
 
 def test_sigterm_saves_at_the_iteration_boundary_and_returns(run_distributed, tmp_path):

@@ -10,6 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from support.pretrain_run import pretrain_error
 from tpfuse.convert import export_hf, import_hf
 from tpfuse.convert.cli import main
 from tpfuse.convert.common import fuse_qkv, split_qkv
@@ -188,18 +189,6 @@ FINETUNE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads",
             "--tensor-model-parallel-size", "2"]
 
 
-def _pretrain_error(argv):
-    from tpfuse.pretrain_gpt import (forward_step, model_provider,
-                                     train_valid_test_datasets_provider)
-    from tpfuse.training.pretrain import pretrain
-
-    try:
-        pretrain(train_valid_test_datasets_provider, model_provider, forward_step, argv=argv)
-    except ValueError as error:
-        return str(error)
-    return None
-
-
 def test_finetune_starts_training_from_a_converted_checkpoint(run_distributed, tmp_path):
     """--finetune takes the weights (here at tp 2 from a tp 1 file); at lr 0 one step saves them
     back unchanged. Without --finetune the weights-only checkpoint is refused by name."""
@@ -208,13 +197,13 @@ def test_finetune_starts_training_from_a_converted_checkpoint(run_distributed, t
 
     root, _ = _tpfuse_checkpoint(tmp_path, dict(GPT2, vocab_size=50))   # NullTokenizer(49): 50
     out = str(tmp_path / "finetuned")
-    assert run_distributed(2, _pretrain_error, FINETUNE + ["--load", root, "--finetune",
-                                                           "--save", out]) == [None, None]
+    assert run_distributed(2, pretrain_error, FINETUNE + ["--load", root, "--finetune",
+                                                          "--save", out]) == [None, None]
     before = assemble_global_state(*checkpoint_folder(root), optimizer=False)
     after = assemble_global_state(*checkpoint_folder(out), optimizer=False)
     assert sorted(after) == sorted(before)
     assert all(torch.equal(after[n]["param"], before[n]["param"]) for n in before)
-    errors = run_distributed(2, _pretrain_error, FINETUNE + ["--load", root])
+    errors = run_distributed(2, pretrain_error, FINETUNE + ["--load", root])
     assert all("holds model weights only" in e and "--finetune" in e for e in errors)
 
 

@@ -22,6 +22,7 @@ from tpfuse.convert import export_hf, import_hf  # noqa: E402
 from tpfuse.inference import generate, load_model, pipeline_forward  # noqa: E402
 
 from support.hf_checks import assert_same_safetensors  # noqa: E402
+from support.pretrain_run import run_pretrain  # noqa: E402
 
 VOCAB = 100
 PROMPTS = [[5, 6, 7], [11, 12, 13, 14, 15], [42]]
@@ -178,16 +179,8 @@ TRAIN = [  # the main job's shape (LayerNorm, GeLU, learned positions, biases, t
 ]
 
 
-def _pretrain(argv):
-    from tpfuse.pretrain_gpt import (forward_step, model_provider,
-                                     train_valid_test_datasets_provider)
-    from tpfuse.training.pretrain import pretrain
-
-    pretrain(train_valid_test_datasets_provider, model_provider, forward_step, argv=argv)
-
-
 def test_trained_model_exported_gives_transformers_the_same_logits(run_distributed, tmp_path):
-    run_distributed(2, _pretrain, TRAIN + ["--save", str(tmp_path / "ckpt")])
+    run_distributed(2, run_pretrain, TRAIN + ["--save", str(tmp_path / "ckpt")])
     export_hf(str(tmp_path / "ckpt"), str(tmp_path / "hf"))
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
     assert type(hf).__name__ == "GPT2LMHeadModel" and hf.config.eos_token_id == 256

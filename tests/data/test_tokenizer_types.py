@@ -19,6 +19,7 @@ import tiktoken
 import tokenizers
 import transformers
 
+from support.pretrain_run import run_pretrain
 from tpfuse.checkpoint.reading import load_tokenizer
 from tpfuse.convert.hf import export_hf
 from tpfuse.data import IndexedDataset, build_tokenizer
@@ -178,13 +179,7 @@ def case(request, gpt2_bpe, sentencepiece_model, tiktoken_files, huggingface_fol
 
 # ---------------------------------------------------------------------- preprocess + train
 def _train_and_save(argv):
-    from tpfuse.pretrain_gpt import (forward_step, model_provider,
-                                     train_valid_test_datasets_provider)
-    from tpfuse.training.pretrain import pretrain
-
-    result = pretrain(train_valid_test_datasets_provider, model_provider, forward_step,
-                      argv=TRAIN_FLAGS + list(argv))
-    return result.train_losses
+    return run_pretrain(TRAIN_FLAGS + list(argv)).train_losses
 
 
 def _preprocess(tmp_path, flags):

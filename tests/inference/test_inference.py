@@ -14,6 +14,7 @@ model's top-two logit gaps are many orders of magnitude above that rounding.
 import pytest
 import torch
 
+from support.pretrain_run import run_pretrain
 from tpfuse.inference import InferenceContext, generate, load_model
 from tpfuse.models import GPTModel, TransformerConfig
 
@@ -37,13 +38,7 @@ TRAIN = [  # a GQA / rope / RMSNorm / SwiGLU / untied model, trained 3 steps at 
 
 
 def _pretrain(argv):
-    from tpfuse.pretrain_gpt import (forward_step, model_provider, sample_func,
-                                     train_valid_test_datasets_provider)
-    from tpfuse.training.pretrain import pretrain
-
-    result = pretrain(train_valid_test_datasets_provider, model_provider, forward_step,
-                      argv=argv, sample_func=sample_func)
-    return result.sample
+    return run_pretrain(argv, with_sampling=True).sample
 
 
 @pytest.fixture(scope="module")
@@ -258,12 +253,8 @@ def test_trainer_given_no_sample_function_refuses_sample_prompt_before_any_group
     and without it the run fails at once, before torch.distributed is touched."""
     import torch.distributed as dist
 
-    from tpfuse.pretrain_gpt import (forward_step, model_provider,
-                                     train_valid_test_datasets_provider)
-    from tpfuse.training.pretrain import pretrain
-
     with pytest.raises(ValueError, match="--sample-prompt 'def ' needs a sample function"):
-        pretrain(train_valid_test_datasets_provider, model_provider, forward_step, argv=TRAIN)
+        run_pretrain(TRAIN)
     assert not dist.is_initialized()
 
 

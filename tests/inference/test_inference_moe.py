@@ -13,6 +13,7 @@ same greedy tokens.
 import pytest
 import torch
 
+from support.pretrain_run import run_pretrain
 from tpfuse.inference import generate, load_model
 
 PROMPTS = [[10, 20, 30, 40, 50], [7], [99, 3, 42]]
@@ -33,12 +34,7 @@ TRAIN = [  # 4 experts top-2 (all-gather dispatcher), tp2 + SP, ep2: world 4
 
 
 def _pretrain(argv):
-    from tpfuse.pretrain_gpt import (forward_step, model_provider, sample_func,
-                                     train_valid_test_datasets_provider)
-    from tpfuse.training.pretrain import pretrain
-
-    return pretrain(train_valid_test_datasets_provider, model_provider, forward_step,
-                    argv=argv, sample_func=sample_func).sample
+    return run_pretrain(argv, with_sampling=True).sample
 
 
 @pytest.fixture(scope="module")

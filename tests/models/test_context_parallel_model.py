@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from support.dense_reference import assembled_grads, dense_attention, master_params
+from support.pretrain_run import pretrain_error
 from support.tp_testing import assert_close_fp32, chunk_of, seeded_randn
 from tpfuse.parallel.context_split import split_sequence
 
@@ -210,19 +211,7 @@ BAD_SETTINGS = [  # (flags, what the message names)
 
 def _pretrain_errors(settings):
     """Every setting through ``pretrain`` on this rank: the ValueError's message (None if none)."""
-    from tpfuse.pretrain_gpt import (forward_step, model_provider,
-                                     train_valid_test_datasets_provider)
-    from tpfuse.training.pretrain import pretrain
-
-    messages = []
-    for flags, _ in settings:
-        try:
-            pretrain(train_valid_test_datasets_provider, model_provider, forward_step,
-                     argv=TRAIN_FLAGS + flags)
-            messages.append(None)
-        except ValueError as error:
-            messages.append(str(error))
-    return messages
+    return [pretrain_error(TRAIN_FLAGS + flags) for flags, _ in settings]
 
 
 def test_bad_context_parallel_settings_fail_on_every_rank_before_any_collective(run_distributed):

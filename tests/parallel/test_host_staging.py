@@ -18,6 +18,7 @@ a second host tensor), in a pool of two workers joined with that backend:
 - the device choices that cannot run are refused before any process group exists.
 """
 import sys
+from functools import partial
 
 import pytest
 import torch
@@ -25,6 +26,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._device import _device_constructors
 
 from support.device_audit import DefaultDeviceRecorder, _is_project_file, _tensors, REPO
+from support.pretrain_run import logged_by_one_rank, logged_train_losses, run_pretrain
 
 TINY = ["--num-layers", "2", "--hidden-size", "16", "--num-attention-heads", "2",
         "--seq-length", "16", "--max-position-embeddings", "16", "--vocab-size", "64",
@@ -123,25 +125,13 @@ def test_every_op_matches_plain_gloo_and_goes_through_the_host_copies(staged_poo
 
 # ---------------------------------------------------------------------------- training
 def _train(argv) -> list | None:
-    from tpfuse.pretrain_gpt import (forward_step, model_provider,
-                                     train_valid_test_datasets_provider)
-    from tpfuse.training.pretrain import pretrain
-
-    result = pretrain(train_valid_test_datasets_provider, model_provider, forward_step,
-                      argv=TINY + list(argv))
-    return result.train_losses if result.is_logger else None
-
-
-def _logged(per_rank) -> list:
-    logged = [losses for losses in per_rank if losses is not None]
-    assert len(logged) == 1
-    return logged[0]
+    return logged_train_losses(TINY + list(argv))
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_trainer_losses_are_identical_on_the_staged_world(layout, staged_pool, run_distributed):
-    staged = _logged(staged_pool(_train, LAYOUTS[layout]))
-    plain = _logged(run_distributed(2, _train, LAYOUTS[layout]))
+    staged = logged_by_one_rank(staged_pool(_train, LAYOUTS[layout]))
+    plain = logged_by_one_rank(run_distributed(2, _train, LAYOUTS[layout]))
     assert len(staged) == 3 and staged[-1] < staged[0]
     assert staged == plain
 
@@ -240,16 +230,11 @@ def _built_on_the_host(model_provider, pretend: PretendCuda):
 
 
 def _train_on_pretend_cuda(argv) -> tuple:
-    from tpfuse.pretrain_gpt import (forward_step, model_provider,
-                                     train_valid_test_datasets_provider)
-    from tpfuse.training.pretrain import pretrain
-
     recorder, pretend = DefaultDeviceRecorder(), PretendCuda()
     with pretend, recorder:
-        result = pretrain(train_valid_test_datasets_provider,
-                          _built_on_the_host(model_provider, pretend), forward_step,
-                          argv=TINY + ["--device", "cuda", "--distributed-backend", "gloo",
-                                       "--timing-log-level", "2"] + list(argv))
+        result = run_pretrain(TINY + ["--device", "cuda", "--distributed-backend", "gloo",
+                                      "--timing-log-level", "2"] + list(argv),
+                              model_provider_wrapper=partial(_built_on_the_host, pretend=pretend))
     return (sorted(recorder.found), sorted(pretend.found), pretend.asked_for_cuda,
             result.train_losses if result.is_logger else None)
 
@@ -261,7 +246,7 @@ def test_device_cuda_puts_nothing_on_the_wrong_device(layout, staged_pool):
         assert default_device == [], "\n".join(default_device)
         assert mixed == [], "\n".join(mixed)
         assert asked > 0                                 # the model was sent to "cuda"
-    assert len(_logged([losses for *_, losses in per_rank])) == 3     # and it trained
+    assert len(logged_by_one_rank([losses for *_, losses in per_rank])) == 3     # and it trained
 
 
 def _replay_mix(source: str) -> set:

@@ -11,6 +11,7 @@ import json
 
 import pytest
 
+from support.pretrain_run import run_pretrain
 from tpfuse.training.fsdp import (fsdp_rank_bytes, gathers_per_step, keeps_seams,
                                   padded_shard_numel, shard_rows)
 
@@ -103,14 +104,9 @@ def test_fsdp_strategy_follows_megatrons_torch_fsdp2_flags(argv, strategy):
 
 # -------------------------------------------------------------------- memory
 def _memory_record(argv, metrics_file):
-    from tpfuse.pretrain_gpt import (forward_step, model_provider,
-                                     train_valid_test_datasets_provider)
-    from tpfuse.training.pretrain import pretrain
-
     import torch.distributed as dist
     path = f"{metrics_file}.{dist.get_rank()}"
-    pretrain(train_valid_test_datasets_provider, model_provider, forward_step,
-             argv=TINY + argv + ["--metrics-file", path])
+    run_pretrain(TINY + argv + ["--metrics-file", path])
     if dist.get_rank() != 0:
         return None
     with open(path) as handle:
@@ -133,12 +129,7 @@ def test_zero3_holds_one_dp_th_of_parameters_gradients_and_optimizer(run_distrib
 
 # -------------------------------------------------------------------- evaluation between steps
 def _losses_and_validation(argv):
-    from tpfuse.pretrain_gpt import (forward_step, model_provider,
-                                     train_valid_test_datasets_provider)
-    from tpfuse.training.pretrain import pretrain
-
-    result = pretrain(train_valid_test_datasets_provider, model_provider, forward_step,
-                      argv=TINY + argv)
+    result = run_pretrain(TINY + argv)
     return (result.train_losses, result.valid_losses) if result.is_logger else None
 
 

@@ -5,6 +5,7 @@ import gc
 
 import pytest
 
+from support.pretrain_run import run_pretrain
 from tpfuse.training import arguments
 from tpfuse.training.garbage_collection import GarbageCollectionSettings, ManualGC
 
@@ -95,9 +96,6 @@ def test_negative_interval_is_refused_by_name():
 
 
 def _collections_in_training(argv):
-    from tpfuse.pretrain_gpt import forward_step, model_provider, train_valid_test_datasets_provider
-    from tpfuse.training.pretrain import pretrain
-
     seen = []
 
     def record(phase, info):
@@ -106,7 +104,7 @@ def _collections_in_training(argv):
 
     gc.callbacks.append(record)
     try:
-        pretrain(train_valid_test_datasets_provider, model_provider, forward_step, argv=argv)
+        run_pretrain(argv)
     finally:
         gc.callbacks.remove(record)
     return seen, gc.isenabled()

@@ -12,15 +12,12 @@ import os
 import pytest
 import torch
 
+from support.pretrain_run import run_pretrain
 from test_invariance import TINY_MODEL, _losses, _parallel
 
 
 def _pretrain(argv, forward_step=None):
-    from tpfuse import pretrain_gpt
-    from tpfuse.training.pretrain import pretrain
-
-    return pretrain(pretrain_gpt.train_valid_test_datasets_provider, pretrain_gpt.model_provider,
-                    forward_step or pretrain_gpt.forward_step, argv=TINY_MODEL + list(argv))
+    return run_pretrain(TINY_MODEL + list(argv), forward_step=forward_step)
 
 
 # -------------------------------------------------------------------- tiny learning rate

@@ -6,6 +6,7 @@ import os
 
 import pytest
 
+from support.pretrain_run import run_pretrain
 from tpfuse.models import TransformerConfig
 from tpfuse.training import observability
 from tpfuse.training.logging_utils import truncate_metrics
@@ -40,12 +41,7 @@ def test_metrics_after_a_resume_never_repeat_an_iteration(tmp_path):
 
 
 def _profiled_run(argv):
-    from tpfuse.pretrain_gpt import (forward_step, model_provider,
-                                     train_valid_test_datasets_provider)
-    from tpfuse.training.pretrain import pretrain
-
-    return pretrain(train_valid_test_datasets_provider, model_provider, forward_step,
-                    argv=argv).valid_losses
+    return run_pretrain(argv).valid_losses
 
 
 def test_profiler_trace_loss_curve_and_throughput(run_distributed, tmp_path):

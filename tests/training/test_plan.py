@@ -5,6 +5,7 @@ the communication volume of TP and DP equals the bytes passed to the collectives
 """
 import pytest
 
+from support.pretrain_run import run_pretrain
 from tpfuse.training.arguments import parse_args
 from tpfuse.training.plan import buffer_settings, layout_of, static_memory
 
@@ -101,7 +102,6 @@ def counted_step_body(flags):
     import torch.distributed as dist
 
     from support.comm_counter import counting
-    from tpfuse import pretrain_gpt
     from tpfuse.training import pretrain as trainer
 
     counted = {}
@@ -115,9 +115,7 @@ def counted_step_body(flags):
 
     trainer._Run.train_step = train_step
     try:
-        trainer.pretrain(pretrain_gpt.train_valid_test_datasets_provider,
-                         pretrain_gpt.model_provider, pretrain_gpt.forward_step,
-                         argv=BASE + STEP + flags)
+        run_pretrain(BASE + STEP + flags)
     finally:
         trainer._Run.train_step = original
     return dist.get_rank(), dict(counted)

@@ -3,6 +3,8 @@ hyper-parameter (weight decay, Adam's betas and eps) given to the resumed run wi
 schedule's flags do; the checkpoint restores the moments, step, loss scale and position."""
 import pytest
 
+from support.pretrain_run import run_pretrain
+
 TINY = ["--num-layers", "2", "--hidden-size", "16", "--num-attention-heads", "2",
         "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "4",
         "--lr", "1e-3", "--mock-data", "--vocab-size", "64", "--hidden-dropout", "0",
@@ -12,8 +14,6 @@ TINY = ["--num-layers", "2", "--hidden-size", "16", "--num-attention-heads", "2"
 
 def _groups_after_training(argv):
     """The optimizer's parameter groups (hyper-parameters) at the end of ``pretrain``."""
-    from tpfuse.pretrain_gpt import (forward_step, model_provider,
-                                     train_valid_test_datasets_provider)
     from tpfuse.training import pretrain as trainer
 
     seen, original = {}, trainer._Run.train
@@ -27,8 +27,7 @@ def _groups_after_training(argv):
 
     trainer._Run.train = train
     try:
-        trainer.pretrain(train_valid_test_datasets_provider, model_provider, forward_step,
-                         argv=argv)
+        run_pretrain(argv)
     finally:
         trainer._Run.train = original
     return seen

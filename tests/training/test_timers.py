@@ -13,6 +13,7 @@ import time
 
 import pytest
 
+from support.pretrain_run import run_pretrain
 from tpfuse.training.timers import Timers, format_timers, summarize
 
 
@@ -62,14 +63,6 @@ def test_bad_settings(kwargs, words):
         assert word in str(info.value)
 
 
-def _train(argv):
-    from tpfuse.pretrain_gpt import (forward_step, model_provider,
-                                     train_valid_test_datasets_provider)
-    from tpfuse.training.pretrain import pretrain
-
-    pretrain(train_valid_test_datasets_provider, model_provider, forward_step, argv=argv)
-
-
 def test_pretrain_writes_the_breakdown(run_distributed, tmp_path):
     metrics = tmp_path / "metrics.jsonl"
     argv = ["--num-layers", "4", "--hidden-size", "16", "--num-attention-heads", "4",
@@ -79,7 +72,7 @@ def test_pretrain_writes_the_breakdown(run_distributed, tmp_path):
             "--no-layout-table", "--pipeline-model-parallel-size", "2",
             "--pipeline-schedule", "zb-h1", "--timing-log-level", "2",
             "--timing-log-option", "all", "--lr", "1e-3", "--metrics-file", str(metrics)]
-    run_distributed(2, _train, argv)
+    run_distributed(2, run_pretrain, argv)
     records = [r for r in map(json.loads, metrics.read_text().splitlines()) if "loss" in r]
     assert len(records) == 3
     timers = Timers(log_level=2)

@@ -5,6 +5,7 @@ import json
 
 import pytest
 
+from support.pretrain_run import run_pretrain
 from tpfuse.parallel.microbatches import MicrobatchCalculator
 from tpfuse.training import arguments
 from tpfuse.training.train_samples import iterations_for_samples
@@ -73,14 +74,6 @@ def test_preset_length_gives_way_to_train_samples(capsys):
                               "--train-iters", "5"])
 
 
-def _train(argv):
-    from tpfuse import pretrain_gpt
-    from tpfuse.training.pretrain import pretrain
-
-    pretrain(pretrain_gpt.train_valid_test_datasets_provider, pretrain_gpt.model_provider,
-             pretrain_gpt.forward_step, argv=argv)
-
-
 def test_sample_based_run_with_rampup_by_hand(run_distributed, tmp_path):
     """dp 2, micro 2 (b·d = 4), global 8, ramp 4 → 8 over 16 samples, 48 samples: batch(c) =
     4 + int(c / 16)·4 while c ≤ 16, so the batches are 4, 4, 4, 4, 8 (at c = 16), then
@@ -88,7 +81,7 @@ def test_sample_based_run_with_rampup_by_hand(run_distributed, tmp_path):
     until 48) at the samples consumed before each step, c = 0, 4, 8, 12, 16, 24, 32, 40:
     c / 8 during warm-up, then 1 − (c − 8) / 40 (× 1e-3)."""
     metrics = tmp_path / "m.jsonl"
-    run_distributed(2, _train, TINY + [
+    run_distributed(2, run_pretrain, TINY + [
         "--global-batch-size", "8", "--rampup-batch-size", "4", "4", "16", "--train-samples",
         "48", "--lr-warmup-samples", "8", "--lr-decay-samples", "48", "--lr-decay-style",
         "linear", "--eval-iters", "0", "--log-interval", "100", "--no-progress-bar",
@@ -130,7 +123,7 @@ def test_wsd_run_in_samples_by_hand(run_distributed, tmp_path):
     a linear anneal over the last 8 samples: lr before each step at c = 0, 4, ..., 20 consumed is
     c / 4 in the warm-up, 1 while c ≤ 24 − 8 = 16, then 1 − (c − 16) / 8 (× 1e-3)."""
     metrics = tmp_path / "m.jsonl"
-    run_distributed(1, _train, TINY + [
+    run_distributed(1, run_pretrain, TINY + [
         "--global-batch-size", "4", "--train-samples", "24", "--lr-warmup-samples", "4",
         "--lr-decay-style", "WSD", "--lr-wsd-decay-style", "linear", "--lr-wsd-decay-samples",
         "8", "--eval-iters", "0", "--log-interval", "100", "--no-progress-bar",
