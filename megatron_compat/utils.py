@@ -32,3 +32,21 @@ def get_tensor_model_parallel_group_if_none(tp_group, is_expert=False, check_ini
         return parallel_state.get_expert_tensor_parallel_group(
             check_initialized=check_initialized)
     return parallel_state.get_tensor_model_parallel_group(check_initialized=check_initialized)
+
+
+def is_torch_min_version(version, check_equality=True):
+    """Whether the installed torch is at least ``version`` (megatron-core 0.16's helper):
+    ``Version(torch.__version__) >= Version(version)``, strictly ``>`` with
+    ``check_equality=False``; versions compare as ``packaging.version`` orders them (PEP 440:
+    ``2.4.0a0 < 2.4.0rc1 < 2.4.0 < 2.4.0+cu121 < 2.4.1``)."""
+    try:
+        from packaging.version import Version
+    except ImportError as error:
+        raise ImportError("packaging is not installed. Please install it with "
+                          "`pip install packaging`.") from error
+    import torch
+
+    installed = Version(torch.__version__)
+    if check_equality:
+        return installed >= Version(version)
+    return installed > Version(version)
