@@ -8,7 +8,8 @@ _EXPORTS = {
     "TransformerConfig": "config",
     "add_config_arguments": "cli", "config_from_args": "cli", "config_to_argv": "cli",
     "config_to_dict": "cli", "config_from_dict": "cli",
-    "layers_for": "layer_assignment", "stage_layer_counts": "layer_assignment",
+    "layers_for": "layer_assignment", "layer_offset": "layer_assignment",
+    "stage_layer_counts": "layer_assignment",
     "GPTModel": "gpt", "allreduce_embedding_grads": "gpt",
     "gpt_model_provider": "build", "make_gpt_model_provider": "build", "build_model": "build",
 }

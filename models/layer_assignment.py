@@ -70,8 +70,11 @@ def _uneven_counts(num_layers, pp, first, last):
     return counts
 
 
-def layers_for(config, pp_rank, vp_stage=None):
-    """Global layer indices held by chunk ``vp_stage`` of pipeline rank ``pp_rank``."""
+def _chunk_span(config, pp_rank, vp_stage):
+    """(first global layer, layer count) of chunk ``vp_stage`` of pipeline rank ``pp_rank``::
+
+        start = c·L/vpp + Σ_{r' < r} counts[r']/vpp,     count = counts[r]/vpp
+    """
     pp = config.pipeline_model_parallel_size
     vpp = config.virtual_pipeline_model_parallel_size or 1
     if not 0 <= pp_rank < pp:
@@ -86,4 +89,16 @@ def layers_for(config, pp_rank, vp_stage=None):
                                 config.decoder_last_pipeline_num_layers)
     per_chunk = [count // vpp for count in counts]        # layers of each rank in one round
     start = chunk * (config.num_layers // vpp) + sum(per_chunk[:pp_rank])
-    return list(range(start, start + per_chunk[pp_rank]))
+    return start, per_chunk[pp_rank]
+
+
+def layer_offset(config, pp_rank, vp_stage=None):
+    """Global index of the first layer of chunk ``vp_stage`` of pipeline rank ``pp_rank`` (where
+    its layers would start when it holds none): Megatron's ``get_transformer_layer_offset``."""
+    return _chunk_span(config, pp_rank, vp_stage)[0]
+
+
+def layers_for(config, pp_rank, vp_stage=None):
+    """Global layer indices held by chunk ``vp_stage`` of pipeline rank ``pp_rank``."""
+    start, count = _chunk_span(config, pp_rank, vp_stage)
+    return list(range(start, start + count))

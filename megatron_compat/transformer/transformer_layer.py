@@ -186,3 +186,44 @@ class TransformerLayer(MegatronModule, BaseTransformerLayer):
                packed_seq_params=packed_seq_params, sequence_len_offset=sequence_len_offset,
                inference_params=inference_params)
         return self._native(hidden_states), None          # (s[/tp], b, h), context
+
+
+_UNSUPPORTED_SPLIT_FIELDS = ("pipeline_model_parallel_layout",
+                             "account_for_embedding_in_pipeline_split",
+                             "account_for_loss_in_pipeline_split")
+
+
+def get_transformer_layer_offset(config, vp_stage=None, pp_rank=None):
+    """Global index of the first decoder layer of chunk ``vp_stage`` of pipeline rank ``pp_rank``
+    (default: parallel_state's rank), megatron-core 0.16's function over tpfuse's own assignment
+    (``tpfuse.models.layer_assignment.layer_offset``). 0 without a pipeline; an even split puts
+    ``L/(pp·vpp)`` layers in each chunk, chunk c of rank r starting at ``(c·pp + r)·L/(pp·vpp)``;
+    ``num_layers_in_first/last_pipeline_stage`` give the end stages their counts, the other
+    stages sharing the rest evenly, every count split evenly over the virtual chunks. A split
+    tpfuse does not build (a pipeline layout, the embedding / loss counted as a layer, counts
+    that do not divide) is a ValueError naming the field."""
+    from types import SimpleNamespace
+
+    from tpfuse.models.layer_assignment import layer_offset
+
+    if pp_rank is None:
+        from .. import parallel_state
+
+        pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    if config.pipeline_model_parallel_size <= 1:
+        return 0
+    for name in _UNSUPPORTED_SPLIT_FIELDS:
+        if getattr(config, name):
+            raise ValueError(f"TransformerConfig.{name}={getattr(config, name)!r} is not "
+                             "implemented by tpfuse's layer assignment; leave it unset")
+    vpp = config.virtual_pipeline_model_parallel_size
+    if vpp is not None:
+        assert vp_stage is not None, \
+            "vp_stage must be provided if virtual pipeline model parallel size is set"
+    assignment = SimpleNamespace(
+        num_layers=config.num_layers,
+        pipeline_model_parallel_size=config.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=vpp,
+        decoder_first_pipeline_num_layers=config.num_layers_in_first_pipeline_stage,
+        decoder_last_pipeline_num_layers=config.num_layers_in_last_pipeline_stage)
+    return layer_offset(assignment, pp_rank, vp_stage if vpp is not None else None)

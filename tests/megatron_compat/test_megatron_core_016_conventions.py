@@ -1,9 +1,14 @@
 """megatron-core 0.16.1 conventions the compat layer keeps, each checked against values worked
-out by hand from megatron-core's source: ``utils.is_torch_min_version``."""
+out by hand from megatron-core's source: ``utils.is_torch_min_version`` and
+``transformer.transformer_layer.get_transformer_layer_offset``."""
 import pytest
 import torch
 
+from tpfuse.megatron_compat import parallel_state
+from tpfuse.megatron_compat.transformer.transformer_config import TransformerConfig
+from tpfuse.megatron_compat.transformer.transformer_layer import get_transformer_layer_offset
 from tpfuse.megatron_compat.utils import is_torch_min_version
+from tpfuse.models.layer_assignment import layer_offset, layers_for
 
 
 @pytest.mark.parametrize("installed, asked, at_least, strictly_above", [
@@ -23,3 +28,84 @@ def test_is_torch_min_version_compares_as_packaging_orders(monkeypatch, installe
     assert is_torch_min_version(asked) is at_least
     assert is_torch_min_version(asked, check_equality=True) is at_least
     assert is_torch_min_version(asked, check_equality=False) is strictly_above
+
+
+def _pipeline_config(num_layers, pp, vpp=None, first=None, last=None, **fields):
+    return TransformerConfig(num_layers=num_layers, hidden_size=16, num_attention_heads=2,
+                             pipeline_model_parallel_size=pp, pipeline_dtype=torch.float32,
+                             virtual_pipeline_model_parallel_size=vpp,
+                             num_layers_in_first_pipeline_stage=first,
+                             num_layers_in_last_pipeline_stage=last, **fields)
+
+
+# (num_layers, pp, vpp, first, last) -> offsets[vp_stage][pp_rank], each from megatron-core's
+# formula by hand. Uneven: M = L - first - last over the stages not given; with vpp the per-chunk
+# counts are first/vpp, M/vpp, last/vpp, a round holds T = their sum, and rank r > 0 starts at
+# v·T + first/vpp + (r - [first given])·(M/vpp // middle stages).
+OFFSET_GRID = [
+    ((8, 1, None, None, None), [[0]]),
+    ((8, 2, None, None, None), [[0, 4]]),
+    ((8, 4, None, None, None), [[0, 2, 4, 6]]),
+    ((8, 2, 2, None, None), [[0, 2], [4, 6]]),                 # (c·pp + r)·L/(pp·vpp)
+    ((12, 2, 3, None, None), [[0, 2], [4, 6], [8, 10]]),
+    ((10, 3, None, 2, None), [[0, 2, 6]]),                     # 2 | 4 | 4
+    ((10, 3, None, None, 2), [[0, 4, 8]]),                     # 4 | 4 | 2
+    ((10, 4, None, 1, 3), [[0, 1, 4, 7]]),                     # 1 | 3 | 3 | 3
+    ((6, 3, None, 0, None), [[0, 0, 3]]),                      # an empty first stage
+    ((12, 3, 2, 2, 2), [[0, 1, 5], [6, 7, 11]]),               # T = 1 + 4 + 1
+    ((10, 3, 2, None, 2), [[0, 2, 4], [5, 7, 9]]),             # T = 0 + 4 + 1
+    ((14, 4, 2, 2, None), [[0, 1, 3, 5], [7, 8, 10, 12]]),     # T = 1 + 6 + 0
+]
+
+
+@pytest.mark.parametrize("split, offsets", OFFSET_GRID)
+def test_layer_offset_is_megatrons_over_a_grid_of_splits(split, offsets):
+    num_layers, pp, vpp, first, last = split
+    config = _pipeline_config(num_layers, pp, vpp, first, last)
+    for vp_stage, row in enumerate(offsets):
+        chunk = None if vpp is None else vp_stage
+        assert [get_transformer_layer_offset(config, chunk, rank)
+                for rank in range(pp)] == row, (split, vp_stage)
+        if pp > 1:                                  # the native assignment underneath
+            native = _native_assignment(config)
+            for rank in range(pp):
+                held = layers_for(native, rank, chunk)
+                assert layer_offset(native, rank, chunk) == row[rank]
+                assert not held or held[0] == row[rank]
+
+
+def _native_assignment(config):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(num_layers=config.num_layers,
+                           pipeline_model_parallel_size=config.pipeline_model_parallel_size,
+                           virtual_pipeline_model_parallel_size=(
+                               config.virtual_pipeline_model_parallel_size),
+                           decoder_first_pipeline_num_layers=(
+                               config.num_layers_in_first_pipeline_stage),
+                           decoder_last_pipeline_num_layers=(
+                               config.num_layers_in_last_pipeline_stage))
+
+
+def test_layer_offset_reads_the_rank_of_parallel_state_and_ignores_vp_stage_without_vpp():
+    config = _pipeline_config(8, 4)
+    parallel_state.set_pipeline_model_parallel_rank(3)
+    try:
+        assert get_transformer_layer_offset(config) == 6
+        assert get_transformer_layer_offset(config, vp_stage=1) == 6   # no vpp: not read
+    finally:
+        parallel_state.set_pipeline_model_parallel_rank(None)
+
+
+def test_layer_offset_needs_vp_stage_with_vpp_as_megatron_asserts():
+    with pytest.raises(AssertionError, match="vp_stage must be provided"):
+        get_transformer_layer_offset(_pipeline_config(8, 2, 2), None, 1)
+
+
+@pytest.mark.parametrize("field", ["account_for_embedding_in_pipeline_split",
+                                   "account_for_loss_in_pipeline_split"])
+def test_layer_offset_refuses_the_splits_tpfuse_does_not_build_naming_the_field(field):
+    config = _pipeline_config(7, 2, **{field: True})
+    with pytest.raises(ValueError, match=f"TransformerConfig.{field}=True is not implemented"):
+        get_transformer_layer_offset(config, None, 1)
+    assert get_transformer_layer_offset(_pipeline_config(7, 1, **{field: True}), None, 0) == 0
