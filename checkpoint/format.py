@@ -58,7 +58,8 @@ _LAYOUT_CATEGORIES = ("parallelism", "precision", "recompute")
 # compute: dropout, initialisation, the padding multiple (refitted), the training sequence length
 # (the position table is max_position_embeddings), and the MoE training knobs (load-balancing
 # losses, capacity and dropping, how tokens travel and how expert GEMMs run)
-_TRAINING_FIELDS = ("hidden_dropout", "attention_dropout", "init_method_std", "seed",
+_TRAINING_FIELDS = ("hidden_dropout", "attention_dropout", "init_method_std",
+                    "embedding_init_method_std", "seed",
                     "make_vocab_size_divisible_by", "seq_length",
                     "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_z_loss_coeff",
                     "moe_expert_capacity_factor", "moe_pad_expert_input_to_capacity",

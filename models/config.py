@@ -95,6 +95,9 @@ class TransformerConfig:
     hidden_dropout: float = _f("model", "dropout after embeddings, attention and MLP", 0.1)
     attention_dropout: float = _f("model", "dropout on the attention probabilities", 0.1)
     init_method_std: float = _f("model", "std of the normal weight initialisation", 0.02)
+    embedding_init_method_std: float | None = _f(
+        "model", "std of the normal initialisation of the word and learned position embeddings "
+        "(default: = init_method_std)", None)
     seed: int = _f("model", "seed of the layout-independent weight initialisation and dropout", 1234)
 
     # ---- parallelism -------------------------------------------------------------------------
@@ -327,6 +330,10 @@ class TransformerConfig:
         for name in ("init_method_std", "layernorm_epsilon"):
             if not 0 < getattr(self, name) < float("inf"):
                 raise ValueError(f"{name}={getattr(self, name)} must be a finite number > 0")
+        if self.embedding_init_method_std is not None and not (
+                0 < self.embedding_init_method_std < float("inf")):
+            raise ValueError(f"embedding_init_method_std={self.embedding_init_method_std} must be "
+                             "a finite number > 0 (or None: init_method_std)")
 
     def _validate_tensor_parallel(self):
         tp = self.tensor_model_parallel_size

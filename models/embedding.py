@@ -76,25 +76,36 @@ class GPTEmbedding(nn.Module):
         return self.position_embeddings(position_ids.t())
 
 
-def draw_vocab_master(config):
+def embedding_std(config) -> float:
+    """The std of the word and learned position embeddings: ``embedding_init_method_std``, or
+    ``init_method_std`` when it is None (Megatron's ``embedding_init_method``)."""
+    if config.embedding_init_method_std is None:
+        return config.init_method_std
+    return config.embedding_init_method_std
+
+
+def draw_vocab_master(config, std=None):
     """A full ``[V_padded, h]`` vocabulary master (fp32): the real ``vocab_size`` rows drawn from
-    the current generator, the padding rows zero. So the same seed gives the same model whatever
-    the padding (which depends on tp); the padding rows are never read by the embedding, are
-    masked out of the loss, get no gradient and so stay zero."""
-    init = normal_init(config.init_method_std)
+    the current generator as N(0, std²) (None: ``init_method_std``, the untied output layer's),
+    the padding rows zero. So the same seed gives the same model whatever the padding (which
+    depends on tp); the padding rows are never read by the embedding, are masked out of the
+    loss, get no gradient and so stay zero."""
+    init = normal_init(config.init_method_std if std is None else std)
     real = draw_master_weight(config.vocab_size, config.hidden_size, init)
     padding = config.padded_vocab_size - config.vocab_size
     return F.pad(real, (0, 0, 0, padding))
 
 
 def draw_word_master(config):
-    """The full word-embedding master ``[V_padded, h]`` (fp32) from the current generator."""
-    return draw_vocab_master(config)
+    """The full word-embedding master ``[V_padded, h]`` (fp32) from the current generator,
+    N(0, embedding_std²) (a tied output layer shares it)."""
+    return draw_vocab_master(config, embedding_std(config))
 
 
 def draw_position_master(config):
-    """The learned-position master ``[max_pos, h]`` (fp32), or None for rope."""
+    """The learned-position master ``[max_pos, h]`` (fp32) N(0, embedding_std²), or None for
+    rope."""
     if config.position_embedding_type != "learned_absolute":
         return None
-    init = normal_init(config.init_method_std)
+    init = normal_init(embedding_std(config))
     return draw_master_weight(config.max_position_embeddings, config.hidden_size, init)

@@ -9,7 +9,8 @@ size: the native model pads nothing more (``make_vocab_size_divisible_by = 1``),
 a multiple of tp as Megatron's vocab-parallel embedding requires. The weights are drawn by
 tpfuse's layout-independent initialisation, seeded with the seed given to
 ``model_parallel_cuda_manual_seed`` (tensor_parallel.random), N(0, init_method_std²) as
-Megatron's default ``init_method`` (a user-supplied init function is refused). The parallel
+Megatron's default ``init_method``, the word and position embeddings N(0,
+embedding_init_method_std²) (a user-supplied init function is refused). The parallel
 sizes are those of parallel_state's groups (Megatron's layers read them there, so a config that
 leaves ``tensor_model_parallel_size`` at 1 still builds a tp = 2 model under tp = 2 groups).
 
@@ -98,10 +99,10 @@ def check_init_methods(config) -> None:
         raise ValueError("TransformerConfig.output_layer_init_method: tpfuse draws N(0, "
                          "init_method_std² / (2·num_layers)) (Megatron's default); a custom one "
                          "is not supported")
-    if config.embedding_init_method_std != std:
-        raise ValueError(f"TransformerConfig.embedding_init_method_std="
-                         f"{config.embedding_init_method_std}: tpfuse draws the embedding with "
-                         f"init_method_std={std}")
+    if not _is_normal(config.embedding_init_method, config.embedding_init_method_std):
+        raise ValueError("TransformerConfig.embedding_init_method: tpfuse draws the word and "
+                         "position embeddings N(0, embedding_init_method_std²) (Megatron's "
+                         "default); a custom one is not supported")
 
 
 def model_seed() -> int:

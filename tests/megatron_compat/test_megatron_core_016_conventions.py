@@ -1,6 +1,7 @@
 """megatron-core 0.16.1 conventions the compat layer keeps, each checked against values worked
 out by hand from megatron-core's source: ``utils.is_torch_min_version`` and
-``transformer.transformer_layer.get_transformer_layer_offset``."""
+``transformer.transformer_layer.get_transformer_layer_offset`` and the compat model's
+``embedding_init_method_std``."""
 import pytest
 import torch
 
@@ -109,3 +110,41 @@ def test_layer_offset_refuses_the_splits_tpfuse_does_not_build_naming_the_field(
     with pytest.raises(ValueError, match=f"TransformerConfig.{field}=True is not implemented"):
         get_transformer_layer_offset(config, None, 1)
     assert get_transformer_layer_offset(_pipeline_config(7, 1, **{field: True}), None, 0) == 0
+
+
+# ----------------------------------------------------------------------------- embedding std
+def test_compat_model_draws_its_embeddings_with_embedding_init_method_std():
+    from tpfuse.megatron_compat.models.gpt import GPTModel
+    from tpfuse.megatron_compat.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from tpfuse.megatron_compat.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from tpfuse.models import GPTModel as NativeGPT
+    from tpfuse.models import TransformerConfig as NativeConfig
+
+    vocab, seq = 64, 16
+    model_parallel_cuda_manual_seed(5, tp_rank=0, ep_rank=0, etp_rank=0)
+    config = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2,
+                               init_method_std=0.02, embedding_init_method_std=0.1)
+    assert config.embedding_init_method.keywords["std"] == 0.1      # Megatron's derived method
+    compat = GPTModel(config, get_gpt_layer_local_spec(), vocab_size=vocab,
+                      max_sequence_length=seq)
+    native = NativeGPT(NativeConfig(num_layers=1, hidden_size=16, num_attention_heads=2,
+                                    vocab_size=vocab, make_vocab_size_divisible_by=1,
+                                    seq_length=seq, seed=5, init_method_std=0.02,
+                                    embedding_init_method_std=0.1,
+                                    untie_embeddings_and_output_weights=True))
+    assert compat.native.config.embedding_init_method_std == 0.1
+    compat_weights = compat.native.state_dict()
+    for name, tensor in native.state_dict().items():
+        assert torch.equal(tensor, compat_weights[name]), name
+
+
+def test_compat_model_refuses_a_custom_embedding_init_method():
+    from tpfuse.megatron_compat.models.gpt import GPTModel
+    from tpfuse.megatron_compat.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from tpfuse.megatron_compat.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    model_parallel_cuda_manual_seed(5, tp_rank=0, ep_rank=0, etp_rank=0)
+    config = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2,
+                               embedding_init_method=torch.nn.init.zeros_)
+    with pytest.raises(ValueError, match="TransformerConfig.embedding_init_method: tpfuse draws"):
+        GPTModel(config, get_gpt_layer_local_spec(), vocab_size=64, max_sequence_length=16)
