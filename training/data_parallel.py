@@ -114,6 +114,7 @@ class DataParallelBuffers:
         bucket_size = config.bucket_size or max(40_000_000, 1_000_000 * dp_cp)
         if not config.overlap_grad_reduce:
             bucket_size = None
+        self.bucket_size = bucket_size              # elements; None: one bucket per buffer
         groups = {"dense": ("dp-cp", state.dp_cp_group), "expert": ("edp", state.group("edp"))}
         tied = _tied_embedding(self.chunks, state)
         self.buffers = []

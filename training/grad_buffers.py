@@ -128,6 +128,7 @@ class ParamAndGradBuffer:
         self.gradient_scaling_factor = gradient_scaling_factor
         self.distributed = distributed
         own = [distributed and id(p) in own_bucket for p in params]
+        self.own_bucket = frozenset(id(p) for p, alone in zip(params, own) if alone)
         self.plan = plan_buffer([p.numel() for p in params], bucket_size,
                                 dp_size if distributed else None, own)
         device = params[0].device

@@ -11,6 +11,11 @@ expert-data-parallel group. ``zero_grad_buffer()`` zeroes them (call it before e
 ``finish_grad_sync``. With the distributed optimizer ``start_param_sync()`` all-gathers the
 updated shards (the optimizer step does it).
 
+Megatron's buffer lists: ``buffers`` (dense parameters) and ``expert_parallel_buffers``
+(``allreduce = False``), one ``_ParamAndGradBuffer`` per (param dtype, grad dtype), with their
+``bucket_groups`` / ``expert_parallel_bucket_groups`` and ``param_to_bucket_group``
+(``param_and_grad_buffer.py``: views of tpfuse's buffers, ``native_buffers``).
+
 The wrapped chunk is ``.module``; ``forward``, ``state_dict``, ``sharded_state_dict`` and
 ``load_state_dict`` are the module's.
 """
@@ -25,6 +30,7 @@ from tpfuse.training.data_parallel import DataParallelBuffers
 
 from ..transformer.module import MegatronModule
 from .distributed_data_parallel_config import DistributedDataParallelConfig
+from .param_and_grad_buffer import _ParamAndGradBuffer, partition_buckets
 
 
 def native_chunk(module):
@@ -45,15 +51,33 @@ class DistributedDataParallel(MegatronModule):
         native_config = ddp_config.to_native()
         if disable_bucketing:
             native_config.bucket_size = None
-        self.buffers = DataParallelBuffers([native_chunk(module)], native_config, state)
+        self.native_buffers = DataParallelBuffers([native_chunk(module)], native_config, state)
         self.state = state
+        self.buffers, self.bucket_groups = self._megatron_buffers("dense", disable_bucketing)
+        self.expert_parallel_buffers, self.expert_parallel_bucket_groups = (
+            self._megatron_buffers("expert", disable_bucketing))
+        self.param_to_bucket_group = {
+            param: group for group in self.bucket_groups + self.expert_parallel_bucket_groups
+            for bucket in group.buckets for param in bucket.params_list}
+
+    def _megatron_buffers(self, kind: str, disable_bucketing: bool):
+        """Megatron's (buffers, bucket groups) of the ``kind`` ("dense" / "expert") buffers; with
+        overlapped parameter gathers each group names the one gathered after it (reverse)."""
+        native = self.native_buffers
+        buffers = [_ParamAndGradBuffer(b, self.ddp_config, native.bucket_size)
+                   for b in native.buffers if b.kind == kind]
+        groups = partition_buckets(buffers, self.ddp_config, disable_bucketing)
+        if self.ddp_config.use_distributed_optimizer and self.ddp_config.overlap_param_gather:
+            for later, earlier in zip(groups[1:], groups[:-1]):
+                later.next_param_gather_bucket_group = earlier
+        return buffers, groups
 
     def forward(self, *inputs, **kwargs):
         return self.module(*inputs, **kwargs)
 
     # ------------------------------------------------------------------ gradients
     def zero_grad_buffer(self) -> None:
-        self.buffers.zero_grad_buffer()
+        self.native_buffers.zero_grad_buffer()
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -64,21 +88,21 @@ class DistributedDataParallel(MegatronModule):
         """Megatron starts the bucket reductions here; tpfuse reduces at finish_grad_sync."""
 
     def finish_grad_sync(self, force_all_reduce: bool = False) -> None:
-        self.buffers.finish_grad_sync()
+        self.native_buffers.finish_grad_sync()
 
     def scale_gradients(self, scaling_factor: float) -> None:
-        for buffer in self.buffers.buffers:
-            buffer.grad_data.mul_(scaling_factor)
+        for buffer in self.buffers + self.expert_parallel_buffers:
+            buffer.scale_gradients(scaling_factor)
 
     # ------------------------------------------------------------------ parameters
     def start_param_sync(self, *unused, force_sync: bool = False,
                          force_dispatch: bool = False) -> None:
-        self.buffers.start_param_sync()
+        self.native_buffers.start_param_sync()
         if force_sync:
-            self.buffers.finish_param_sync()
+            self.native_buffers.finish_param_sync()
 
     def finish_param_sync(self) -> None:
-        self.buffers.finish_param_sync()
+        self.native_buffers.finish_param_sync()
 
     def broadcast_params(self) -> None:
         """Every data-parallel rank takes the parameters of data-parallel rank 0."""
@@ -95,7 +119,7 @@ class DistributedDataParallel(MegatronModule):
 
     def disable_forward_pre_hook(self, param_sync: bool = True) -> None:
         if param_sync:
-            self.buffers.finish_param_sync()
+            self.native_buffers.finish_param_sync()
 
     # ------------------------------------------------------------------ the wrapped module
     def state_dict(self, prefix="", keep_vars=False, **kwargs):

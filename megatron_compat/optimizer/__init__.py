@@ -67,7 +67,7 @@ def get_megatron_optimizer(config: OptimizerConfig, model_chunks, config_overrid
     scaler = build_grad_scaler(config.fp16, config.loss_scale, config.initial_loss_scale,
                                config.min_loss_scale, int(config.loss_scale_window),
                                config.hysteresis)
-    buffers = ddps[0].buffers if len(ddps) == 1 else ChunkBuffers(ddps)
+    buffers = ddps[0].native_buffers if len(ddps) == 1 else ChunkBuffers(ddps)
     native = MixedPrecisionOptimizer(
         [native_chunk(ddp.module) for ddp in ddps], buffers, ddps[0].state, lr=config.lr,
         weight_decay=config.weight_decay, betas=(config.adam_beta1, config.adam_beta2),

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 class ChunkBuffers:
     def __init__(self, ddps):
-        self.parts = [ddp.buffers for ddp in ddps]
+        self.parts = [ddp.native_buffers for ddp in ddps]
         configs = {(p.config.use_distributed_optimizer, p.config.grad_reduce_in_fp32)
                    for p in self.parts}
         if len(configs) != 1:

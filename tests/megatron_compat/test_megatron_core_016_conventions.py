@@ -1,7 +1,10 @@
 """megatron-core 0.16.1 conventions the compat layer keeps, each checked against values worked
 out by hand from megatron-core's source: ``utils.is_torch_min_version`` and
-``transformer.transformer_layer.get_transformer_layer_offset`` and the compat model's
-``embedding_init_method_std``."""
+``transformer.transformer_layer.get_transformer_layer_offset``, the compat model's
+``embedding_init_method_std`` and ``DistributedDataParallel.buffers`` /
+``expert_parallel_buffers``."""
+import math
+
 import pytest
 import torch
 
@@ -148,3 +151,118 @@ def test_compat_model_refuses_a_custom_embedding_init_method():
                                embedding_init_method=torch.nn.init.zeros_)
     with pytest.raises(ValueError, match="TransformerConfig.embedding_init_method: tpfuse draws"):
         GPTModel(config, get_gpt_layer_local_spec(), vocab_size=64, max_sequence_length=16)
+
+
+# ----------------------------------------------------------------------------- DDP buffers
+def _megatron_layout(params, distributed, dp):
+    """megatron-core's single-bucket layout (bucket_size None): parameters in reverse order,
+    with the distributed optimizer each starting at a multiple of 64 and the bucket padded to a
+    multiple of lcm(dp, 128). (param -> (start, end, 0)), numel_unpadded, numel."""
+    index_map, cursor = {}, 0
+    for param in reversed(params):
+        start = -(-cursor // 64) * 64 if distributed else cursor
+        index_map[param] = (start, start + param.numel(), 0)
+        cursor = start + param.numel()
+    divisor = math.lcm(dp, 128) if distributed else 1
+    return index_map, cursor, -(-cursor // divisor) * divisor
+
+
+def _ddp_buffer_facts():
+    """dp = 2, a MoE GPT (experts over edp = 2): per DDP variant the checks of Megatron's buffer
+    attributes that failed (empty: all hold) and a few sizes."""
+    import torch.nn.functional as F
+
+    from tpfuse.megatron_compat.distributed import (DistributedDataParallel,
+                                                    DistributedDataParallelConfig)
+    from tpfuse.megatron_compat.models.gpt import GPTModel
+    from tpfuse.megatron_compat.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from tpfuse.megatron_compat.tensor_parallel import model_parallel_cuda_manual_seed
+
+    facts = {}
+    for name, distributed, disable_bucketing in (("plain", False, False),
+                                                 ("distributed", True, False),
+                                                 ("one group", False, True)):
+        parallel_state.initialize_model_parallel(1, 1)
+        try:
+            model_parallel_cuda_manual_seed(3)
+            config = TransformerConfig(num_layers=2, hidden_size=16, num_attention_heads=2,
+                                       num_moe_experts=2, moe_router_topk=1,
+                                       moe_ffn_hidden_size=16, gated_linear_unit=True,
+                                       activation_func=F.silu, hidden_dropout=0.0,
+                                       attention_dropout=0.0)
+            model = GPTModel(config, get_gpt_layer_local_spec(num_experts=2), vocab_size=32,
+                             max_sequence_length=8)
+            ddp = DistributedDataParallel(config, DistributedDataParallelConfig(
+                use_distributed_optimizer=distributed), model,
+                disable_bucketing=disable_bucketing)
+            facts[name] = _check_buffers(ddp, model, distributed, disable_bucketing)
+        finally:
+            parallel_state.destroy_model_parallel()
+    return facts
+
+
+def _check_buffers(ddp, model, distributed, disable_bucketing):
+    failed = []
+
+    def check(condition, what):
+        if not condition:
+            failed.append(what)
+
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    dense = [p for p in trainable if getattr(p, "allreduce", True)]
+    expert = [p for p in trainable if not getattr(p, "allreduce", True)]
+    check(isinstance(ddp.buffers, list) and isinstance(ddp.expert_parallel_buffers, list),
+          "lists")
+    check(len(ddp.buffers) == 1 and len(ddp.expert_parallel_buffers) == 1, "one dtype each")
+    for buffer, params in ((ddp.buffers[0], dense), (ddp.expert_parallel_buffers[0], expert)):
+        check([id(p) for p in buffer.params] == [id(p) for p in params], "params in order")
+        check(buffer.param_indices == list(range(len(params))), "param_indices")
+        check(buffer.param_dtype == buffer.grad_dtype == torch.float32, "dtypes")
+        check(buffer.data_parallel_world_size == 2, "data_parallel_world_size")
+        check(buffer.gradient_scaling_factor == 0.5, "1/dp scaling")
+        index_map, unpadded, numel = _megatron_layout(params, distributed, 2)
+        check(buffer.param_index_map == index_map, "param_index_map")
+        check((buffer.numel_unpadded, buffer.numel) == (unpadded, numel), "numel")
+        check(buffer.grad_data.shape == (numel,), "grad_data size")
+        check(buffer.bucket_indices == [(0, numel)], "bucket_indices")
+        check(len(buffer.buckets) == 1, "one bucket")
+        bucket = buffer.buckets[0]
+        check(bucket.params_list == params[::-1] and bucket.params == set(params), "bucket params")
+        check((bucket.bucket_id, bucket.offset, bucket.numel_unpadded) == (0, 0, unpadded),
+              "bucket ids")
+        check(bucket.grad_data.data_ptr() == buffer.grad_data.data_ptr(), "bucket grad_data")
+        within, start = {}, 0
+        for param in params[::-1]:
+            within[param] = (start, start + param.numel())
+            start += param.numel()
+        check(bucket.param_to_index == within, "param_to_index")
+        check(all(buffer.param_to_bucket[p] is bucket for p in params), "param_to_bucket")
+        for param in params:
+            start, end, _ = buffer.param_index_map[param]
+            check(param.main_grad.data_ptr() == buffer.grad_data[start:end].data_ptr(),
+                  "main_grad is a view of grad_data")
+            if distributed:
+                check(param.data.data_ptr() == buffer.param_data[start:end].data_ptr(),
+                      "param.data is a view of param_data")
+        check((buffer.param_data is not None) == distributed, "param_data")
+        buffer.grad_data.fill_(2.0)
+        buffer.scale_gradients(0.25)
+        check(bool((params[0].main_grad == 0.5).all()), "scale_gradients")
+        buffer.reset()
+        check(bool((buffer.grad_data == 0).all()), "reset")
+    groups = ddp.bucket_groups + ddp.expert_parallel_bucket_groups
+    check(len(groups) == 2 and [len(g.buckets) for g in groups] == [1, 1], "bucket groups")
+    check(all(ddp.param_to_bucket_group[p] is groups[0] for p in dense)
+          and all(ddp.param_to_bucket_group[p] is groups[1] for p in expert),
+          "param_to_bucket_group")
+    check(groups[0].params == set(dense) and groups[0].buckets == ddp.buffers[0].buckets,
+          "group params")
+    ddp.zero_grad_buffer()
+    return failed, len(dense), len(expert)
+
+
+def test_ddp_buffers_are_megatrons_buffer_lists(run_distributed):
+    for rank_facts in run_distributed(2, _ddp_buffer_facts):
+        for name, (failed, dense, expert) in rank_facts.items():
+            assert failed == [], name
+            assert dense > 0 and expert > 0, name
