@@ -266,3 +266,33 @@ def test_ddp_buffers_are_megatrons_buffer_lists(run_distributed):
         for name, (failed, dense, expert) in rank_facts.items():
             assert failed == [], name
             assert dense > 0 and expert > 0, name
+
+
+@pytest.mark.parametrize("tied_first", [True, False])
+def test_buffer_sizes_with_a_shared_embedding_bucket_are_megatrons(tied_first):
+    """Distributed optimizer, dp 2, the tied embedding (100 elements) in a bucket of its own.
+    Registered first (first stage: it is laid out last), Megatron closes the bucket before it at
+    its 64-aligned start: w2 [0, 50), w1 [64, 94), bucket 0 unpadded 128 (not 94), end 128;
+    embedding [128, 228), bucket 1 unpadded 100, end 256. Registered last (last stage's output
+    layer), no early close: embedding [0, 100), bucket 0 unpadded 100 → 128; w1 [128, 158),
+    unpadded 30, end 256."""
+    from tpfuse.megatron_compat.distributed import DistributedDataParallelConfig
+    from tpfuse.megatron_compat.distributed.param_and_grad_buffer import _ParamAndGradBuffer
+    from tpfuse.training.grad_buffers import ParamAndGradBuffer
+
+    embedding, w1, w2 = (torch.nn.Parameter(torch.zeros(n)) for n in (100, 30, 50))
+    params = [embedding, w1, w2] if tied_first else [w1, embedding]
+    native = ParamAndGradBuffer(params, torch.float32, None, 2, 0, 0.5, None, distributed=True,
+                                own_bucket=frozenset({id(embedding)}))
+    buffer = _ParamAndGradBuffer(native, DistributedDataParallelConfig(
+        use_distributed_optimizer=True), bucket_size=None)
+    if tied_first:
+        expected_map = {w2: (0, 50, 0), w1: (64, 94, 0), embedding: (128, 228, 1)}
+        expected_buckets = ([(0, 128), (128, 256)], [128, 100])
+    else:
+        expected_map = {embedding: (0, 100, 0), w1: (128, 158, 1)}
+        expected_buckets = ([(0, 128), (128, 256)], [100, 30])
+    assert buffer.param_index_map == expected_map
+    assert (buffer.bucket_indices, [b.numel_unpadded for b in buffer.buckets]) == \
+        expected_buckets
+    assert (buffer.numel, buffer.numel_unpadded) == (256, sum(expected_buckets[1]))
