@@ -59,3 +59,16 @@ def test_the_flag_is_megatrons_and_the_value_is_checked():
          "--seq-length", "4"])).embedding_init_method_std is None
     with pytest.raises(ValueError, match="embedding_init_method_std=0.0 must be a finite"):
         config(embedding_init_method_std=0.0)
+
+
+def test_the_trainer_takes_megatrons_flag():
+    from tpfuse.training import arguments
+
+    tiny = ["--num-layers", "2", "--hidden-size", "16", "--num-attention-heads", "2",
+            "--seq-length", "16", "--micro-batch-size", "2", "--train-iters", "6", "--lr",
+            "3e-5", "--mock-data", "--vocab-size", "128"]
+    assert vars(arguments.build_parser().parse_args([]))["embedding_init_method_std"] is None
+    config, _ = arguments.parse_args(tiny + ["--embedding-init-method-std", "0.006"])
+    assert (config.embedding_init_method_std, config.init_method_std) == (0.006, 0.02)
+    with pytest.raises(ValueError, match="--embedding-init-method-std must be a finite number"):
+        arguments.parse_args(tiny + ["--embedding-init-method-std", "inf"])
