@@ -476,9 +476,13 @@ def test_moe_shared_expert_layout_reproduces_single_process_losses(run_distribut
 # head's q and k (k over the 2 KV heads) normalised over d by weights replicated on every TP
 # rank, each rank seeing only its heads, so their gradients are summed over TP (with and without
 # SP). tp 2 + SP (with full recompute re-running the norms in backward), cp 2 (each rank's tokens,
-# reduced over dp x cp) and pp 2 reproduce one process (1e-5 band); five iterations.
+# reduced over dp x cp) and pp 2 reproduce one process (1e-5 band); five iterations at lr 1e-2
+# without warmup, so that a q / k norm gradient left partial (each TP rank its heads' share)
+# moves the curve above the band: measured 5.4e-5 with the TP all-reduce removed (at lr 3e-3
+# with warmup, 1.3e-6, inside it), 1.2e-7 with it.
 QK_LAYERNORM = ["--qk-layernorm", "--normalization", "RMSNorm", "--position-embedding-type",
-                "rope", "--num-query-groups", "2", "--train-iters", "5", "--lr-decay-iters", "5"]
+                "rope", "--num-query-groups", "2", "--train-iters", "5", "--lr-decay-iters", "5",
+                "--lr", "1e-2", "--lr-warmup-iters", "0"]
 QK_LAYERNORM_LAYOUTS = {
     "tp2-sp-full-recompute": (2, _parallel(tp=2, sp=True) + [
         "--recompute-granularity", "full", "--recompute-method", "uniform",
