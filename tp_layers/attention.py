@@ -44,7 +44,7 @@ of its own document (the context's document ids mask left padding): flash_attent
 ``q_offset`` and document ids. Prefill is the step with offset 0; each decode step is one more
 query row (s_q = 1 over offset + 1 cached keys).
 
-``qk_layernorm`` (Megatron's ``--qk-layernorm``, Qwen3 / OLMo-2's q_norm / k_norm): after the
+``qk_layernorm`` (Megatron's ``--qk-layernorm``, Qwen3's q_norm / k_norm): after the
 QKV split and before rotary, every query head and every key head (the g_l KV heads under GQA) is
 normalised over the head dim, ``q ← norm(q; w_q)``, ``k ← norm(k; w_k)``, with the layer's
 ``normalization`` / ``layernorm_epsilon`` and weights ``(d,)`` shared by all heads (``q_layernorm``
