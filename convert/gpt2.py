@@ -63,7 +63,8 @@ def mismatches(config) -> list[str]:
               ("add_bias_linear", config.add_bias_linear, "True"),
               ("num_query_groups", config.num_query_groups == config.num_attention_heads,
                "= num_attention_heads"),
-              ("num_moe_experts", config.num_moe_experts is None, "None: a dense MLP")]
+              ("num_moe_experts", config.num_moe_experts is None, "None: a dense MLP"),
+              ("qk_layernorm", not config.qk_layernorm, "False: no q / k norms")]
     return [f"{name}={getattr(config, name)} (needs {need})" for name, ok, need in wanted if not ok]
 
 

@@ -107,7 +107,8 @@ def mismatches(config) -> list[str]:
               ("num_moe_experts", config.num_moe_experts is None, "None: a dense MLP"),
               ("window_size", config.window_size is None, "None"),
               ("add_qkv_bias", not config.add_qkv_bias or config.add_bias_linear,
-               "False without add_bias_linear")]
+               "False without add_bias_linear"),
+              ("qk_layernorm", not config.qk_layernorm, "False: no q / k norms")]
     return [f"{name}={getattr(config, name)} (needs {need})" for name, ok, need in wanted if not ok]
 
 

@@ -90,6 +90,8 @@ class TransformerConfig:
                                negative_flag="--disable-bias-linear")
     add_qkv_bias: bool = _f("model", "a bias in the QKV projection also without "
                             "add_bias_linear (Qwen2's layout)", False)
+    qk_layernorm: bool = _f("model", "normalise every query and key head over the head dim before "
+                            "rotary (the model's normalization; Qwen3's q_norm / k_norm)", False)
     untie_embeddings_and_output_weights: bool = _f(
         "model", "separate output-layer weight (default: tied to the word embedding)", False)
     hidden_dropout: float = _f("model", "dropout after embeddings, attention and MLP", 0.1)

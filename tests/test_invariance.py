@@ -469,3 +469,39 @@ def test_moe_shared_expert_layout_reproduces_single_process_losses(run_distribut
     losses = _losses(run_distributed, world_size, MOE_SHARED + argv)
     assert losses == pytest.approx(moe_shared_reference, rel=1e-5)
 # ================================================== MoE shared experts (end)
+
+
+# ---------------------------------------------------------------- q / k layernorm
+# --qk-layernorm (Qwen3's q_norm / k_norm) with RMSNorm, rotary and grouped-query attention: each
+# head's q and k (k over the 2 KV heads) normalised over d by weights replicated on every TP
+# rank, each rank seeing only its heads, so their gradients are summed over TP (with and without
+# SP). tp 2 + SP (with full recompute re-running the norms in backward), cp 2 (each rank's tokens,
+# reduced over dp x cp) and pp 2 reproduce one process (1e-5 band); five iterations at lr 1e-2
+# without warmup, so that a q / k norm gradient left partial (each TP rank its heads' share)
+# moves the curve above the band: measured 5.4e-5 with the TP all-reduce removed (at lr 3e-3
+# with warmup, 1.3e-6, inside it), 1.2e-7 with it.
+QK_LAYERNORM = ["--qk-layernorm", "--normalization", "RMSNorm", "--position-embedding-type",
+                "rope", "--num-query-groups", "2", "--train-iters", "5", "--lr-decay-iters", "5",
+                "--lr", "1e-2", "--lr-warmup-iters", "0"]
+QK_LAYERNORM_LAYOUTS = {
+    "tp2-sp-full-recompute": (2, _parallel(tp=2, sp=True) + [
+        "--recompute-granularity", "full", "--recompute-method", "uniform",
+        "--recompute-num-layers", "2"]),
+    "cp2": (2, _parallel(cp=2)),
+    "pp2": (2, _parallel(pp=2)),
+}
+
+
+@pytest.fixture(scope="module")
+def qk_layernorm_reference(run_distributed):
+    losses = _losses(run_distributed, 1, QK_LAYERNORM)
+    assert len(losses) == 5 and losses[-1] < losses[0]
+    return losses
+
+
+@pytest.mark.parametrize("name", sorted(QK_LAYERNORM_LAYOUTS))
+def test_qk_layernorm_layout_reproduces_single_process_losses(run_distributed,
+                                                              qk_layernorm_reference, name):
+    world_size, argv = QK_LAYERNORM_LAYOUTS[name]
+    losses = _losses(run_distributed, world_size, QK_LAYERNORM + argv)
+    assert losses == pytest.approx(qk_layernorm_reference, rel=1e-5)

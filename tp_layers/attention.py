@@ -7,7 +7,7 @@ rank whole groups — its heads' q, k and v — for any tp dividing ng, and the 
 independent. Dataflow on rank r (h_l = nh/tp heads, g_l = ng/tp groups):
 
   x (s or s/tp, b, h) ─ColumnParallel(QKV)→ (s, b, (h_l + 2 g_l)·d)
-    → q [b, h_l, s, d], k/v [b, g_l, s, d]
+    → q [b, h_l, s, d], k/v [b, g_l, s, d]  ─q/k norm (qk_layernorm)→
   ─rope(position_ids)→ ─flash_attention(causal)→ (s, b, h_l·d) ─RowParallel(proj)→ (s or s/tp, b, h)
 
 On CPU without sequence parallelism the QKV and projection GEMMs run on batch-first tokens
@@ -44,6 +44,14 @@ of its own document (the context's document ids mask left padding): flash_attent
 ``q_offset`` and document ids. Prefill is the step with offset 0; each decode step is one more
 query row (s_q = 1 over offset + 1 cached keys).
 
+``qk_layernorm`` (Megatron's ``--qk-layernorm``, Qwen3's q_norm / k_norm): after the
+QKV split and before rotary, every query head and every key head (the g_l KV heads under GQA) is
+normalised over the head dim, ``q ← norm(q; w_q)``, ``k ← norm(k; w_k)``, with the layer's
+``normalization`` / ``layernorm_epsilon`` and weights ``(d,)`` shared by all heads (``q_layernorm``
+/ ``k_layernorm``, Megatron's names), replicated on every TP rank; as each rank sees only its
+heads, their gradients are all-reduced over TP (``norm.py``, ``head_split``). The KV cache holds
+the normalised, rotated keys.
+
 ``rotary_pos_emb``: the ``(cos, sin)`` tables of the model forward (computed once for all
 layers); None: computed here from ``position_ids``. ``recompute_core_attention`` (selective
 recompute ``core_attn``): rotary + attention run under ``checkpointing.checkpoint``, keeping only
@@ -67,6 +75,7 @@ from .context_parallel import (canonical_comm_type, check_context_parallel_heads
                                context_parallel_attention)
 from .init import normal_init
 from .linear import ColumnParallelLinear, RowParallelLinear
+from .norm import Norm
 from .qkv_layout import batch_first_attention, split_qkv
 from .random import ATTENTION_PROBS, dropout_site, get_rng_tracker
 from .rope import apply_rotary, default_position_ids, rotary_cos_sin
@@ -112,7 +121,8 @@ class ParallelAttention(nn.Module):
                  params_dtype: torch.dtype = torch.float32, recompute_core_attention: bool = False,
                  group=None, state=None, window_size: int | None = None,
                  cp_comm_type: str = "p2p", cp_group=None, layer_number: int = 1,
-                 add_qkv_bias: bool = False):
+                 add_qkv_bias: bool = False, qk_layernorm: bool = False,
+                 normalization: str = "LayerNorm", layernorm_epsilon: float = 1e-5):
         super().__init__()
         self.layer_number = layer_number
         self.tp = resolve_tp_group(group, state)
@@ -148,6 +158,13 @@ class ParallelAttention(nn.Module):
             num_attention_heads * self.head_dim, hidden_size, input_is_parallel=True,
             skip_bias_add=True, init_method=normal_init(output_layer_init_std or init_method_std),
             **common)
+        if qk_layernorm:
+            head_norm = dict(normalization=normalization, eps=layernorm_epsilon,
+                             params_dtype=params_dtype, group=self.tp.group, head_split=True)
+            self.q_layernorm = Norm(self.head_dim, **head_norm)
+            self.k_layernorm = Norm(self.head_dim, **head_norm)
+        else:
+            self.q_layernorm = self.k_layernorm = None
 
     def full_sequence_length(self, hidden_states: torch.Tensor) -> int:
         local = hidden_states.shape[0]
@@ -171,6 +188,8 @@ class ParallelAttention(nn.Module):
         qkv = self.linear_qkv(hidden_states)                     # (s | b, b | s, (h_l + 2 g_l)·d)
         q, k, v = split_qkv(qkv, self.groups_local, self.heads_per_group, self.head_dim,
                             batch_first)                         # [b, heads | g_l, s, d] views
+        if self.q_layernorm is not None:                         # per head over d, before rope
+            q, k = self.q_layernorm(q), self.k_layernorm(k)
         cos = sin = None
         if self.rope:
             if rotary_pos_emb is None:

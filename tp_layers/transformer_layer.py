@@ -29,6 +29,9 @@ arrives (``tp_layers/checkpointing.py``). Only while training with gradients ena
 forward and shared by every layer; without them a rope layer computes its own.
 
 Master weights are drawn in construction order: QKV, attention projection, fc1, fc2.
+``qk_layernorm``: ParallelAttention's q / k norms over the head dim (the layer's normalization
+and epsilon).
+
 ``mlp_builder`` (a callable returning a module with ParallelMLP's ``forward(x) -> (out, bias)``)
 replaces the ParallelMLP, built at the same point of the draw order (e.g. an MoE layer).
 """
@@ -58,7 +61,8 @@ class TransformerLayer(nn.Module):
                  output_layer_init_std: float | None = None,
                  params_dtype: torch.dtype = torch.float32, recompute_modules=(), state=None,
                  group=None, window_size: int | None = None, cp_comm_type: str = "p2p",
-                 mlp_builder=None, layer_number: int = 1, add_qkv_bias: bool = False):
+                 mlp_builder=None, layer_number: int = 1, add_qkv_bias: bool = False,
+                 qk_layernorm: bool = False):
         super().__init__()
         if not 0.0 <= hidden_dropout < 1.0:
             raise ValueError(f"hidden_dropout must be in [0, 1), got {hidden_dropout}")
@@ -81,6 +85,8 @@ class TransformerLayer(nn.Module):
             attention_dropout=attention_dropout, position_embedding_type=position_embedding_type,
             rotary_base=rotary_base, recompute_core_attention="core_attn" in recompute_modules,
             window_size=window_size, cp_comm_type=cp_comm_type, add_qkv_bias=add_qkv_bias,
+            qk_layernorm=qk_layernorm, normalization=normalization,
+            layernorm_epsilon=layernorm_epsilon,
             cp_group=resolve_cp_group(None, state, group).group, layer_number=layer_number,
             **common)
         self.pre_mlp_norm = Norm(hidden_size, **norm)

@@ -4,7 +4,9 @@
 Fields with the same name in both configs are copied; Megatron's descriptions become tpfuse's
 (``activation_func`` + ``gated_linear_unit`` → ``activation``, ``share_embeddings_and_output_
 weights`` → ``untie_embeddings_and_output_weights``, ``num_layers_in_first/last_pipeline_stage``
-→ ``decoder_first/last_pipeline_num_layers``). ``vocab_size`` is Megatron's (already padded)
+→ ``decoder_first/last_pipeline_num_layers``). ``qk_layernorm`` is copied: the native layers
+then hold ``self_attention.q_layernorm`` / ``k_layernorm`` (the layer spec's q / k norm slots
+must say the same: ``models/gpt/gpt_model.py``). ``vocab_size`` is Megatron's (already padded)
 size: the native model pads nothing more (``make_vocab_size_divisible_by = 1``), so it must be
 a multiple of tp as Megatron's vocab-parallel embedding requires. The weights are drawn by
 tpfuse's layout-independent initialisation, seeded with the seed given to
@@ -33,7 +35,7 @@ from tpfuse.models.config import TransformerConfig as NativeConfig
 NOT_IMPLEMENTED_MODEL_FIELDS = (
     "fp32_residual_connection", "apply_residual_connection_post_layernorm",
     "layernorm_zero_centered_gamma", "glu_linear_offset", "activation_func_clamp_value",
-    "rotary_interleaved", "window_attn_skip_freq", "qk_layernorm", "qk_l2_norm", "qk_clip",
+    "rotary_interleaved", "window_attn_skip_freq", "qk_l2_norm", "qk_clip",
     "attention_output_gate", "multi_latent_attention", "no_rope_freq",
     "experimental_attention_variant", "linear_attention_freq", "softmax_scale", "softmax_type",
     "pipeline_model_parallel_layout", "account_for_embedding_in_pipeline_split",

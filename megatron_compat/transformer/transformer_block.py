@@ -43,9 +43,10 @@ class TransformerBlock(MegatronModule):
         from tpfuse.models.gpt import GPTModel as NativeGPT
 
         from ._native import native_config, parallel_sizes
+        from .attention import qk_norm_slots_checked
         from .transformer_layer import check_layer_spec
 
-        check_layer_spec(spec, config)
+        check_layer_spec(qk_norm_slots_checked(spec, config), config)
         sizes = parallel_sizes(config)
         tp = sizes["tensor_model_parallel_size"]
         shortest = 2 * tp * sizes["context_parallel_size"]        # no embedding is built

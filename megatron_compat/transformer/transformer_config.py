@@ -68,7 +68,7 @@ class TransformerConfig(ModelParallelConfig):
     window_size: Optional[Tuple[int, int]] = _free(None)
     window_attn_skip_freq: Optional[Union[int, List[int]]] = _free(None)
     normalization: str = _free('LayerNorm')
-    qk_layernorm: bool = _free(False)
+    qk_layernorm: bool = _used(False)
     qk_l2_norm: bool = _free(False)
     qk_clip: bool = _free(False)
     qk_clip_alpha: float = _free(0.5)

@@ -282,3 +282,17 @@ def test_a_fractional_rope_theta_converts(tmp_path):
     assert config.rotary_base == 10000.5
     (loaded,) = load_model(str(tmp_path / "again"))
     assert loaded.config.rotary_base == 10000.5
+
+
+def test_a_qk_layernorm_model_has_no_hf_counterpart_yet():
+    """The families tpfuse converts have no q / k norms: a qk-layernorm model is refused by
+    each, naming the field (exporting it would drop the norms)."""
+    from tpfuse.convert import gpt2, llama, mistral, qwen2
+    from tpfuse.models import TransformerConfig
+
+    config = TransformerConfig(num_layers=2, hidden_size=16, num_attention_heads=4,
+                               ffn_hidden_size=32, seq_length=8, vocab_size=32,
+                               normalization="RMSNorm", activation="swiglu",
+                               position_embedding_type="rope", qk_layernorm=True)
+    for family in (gpt2, llama, mistral, qwen2):
+        assert "qk_layernorm=True (needs False: no q / k norms)" in family.mismatches(config)

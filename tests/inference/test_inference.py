@@ -65,6 +65,11 @@ SHAPES = {
     "llama-gqa": dict(num_query_groups=2, position_embedding_type="rope", normalization="RMSNorm",
                       activation="swiglu", add_bias_linear=False,
                       untie_embeddings_and_output_weights=True),
+    # the cache holds the normalised, rotated keys
+    "qwen3-qk-layernorm": dict(num_query_groups=2, position_embedding_type="rope",
+                               normalization="RMSNorm", activation="swiglu",
+                               add_bias_linear=False, qk_layernorm=True,
+                               untie_embeddings_and_output_weights=True),
 }
 
 

@@ -126,8 +126,9 @@ def test_transformer_engine_spec_names_the_local_spec():
         specs.get_gpt_layer_with_transformer_engine_spec()
     with pytest.raises(ValueError, match="Transformer Engine"):
         specs.get_mlp_module_spec(use_te=True)
-    with pytest.raises(ValueError, match="qk_layernorm"):
-        specs.get_gpt_layer_local_spec(qk_layernorm=True)
+    attention = specs.get_gpt_layer_local_spec(qk_layernorm=True).submodules.self_attention
+    assert attention.submodules.q_layernorm is specs.WrappedTorchNorm
+    assert attention.submodules.k_layernorm is specs.WrappedTorchNorm
 
 
 def test_a_spec_slot_tpfuse_does_not_compute_is_named(seeded):
@@ -135,6 +136,38 @@ def test_a_spec_slot_tpfuse_does_not_compute_is_named(seeded):
     spec.submodules.self_attention.submodules.q_layernorm = specs.WrappedTorchNorm
     with pytest.raises(ValueError, match="self_attention.q_layernorm"):
         GPTModel(config(), spec, vocab_size=VOCAB, max_sequence_length=SEQ)
+
+
+def test_qk_layernorm_model_is_the_native_model_with_megatron_keys(seeded):
+    cfg = config(qk_layernorm=True, normalization="RMSNorm", layernorm_epsilon=1e-6)
+    model = GPTModel(cfg, specs.get_gpt_decoder_block_spec(cfg, use_transformer_engine=False),
+                     vocab_size=VOCAB, max_sequence_length=SEQ, position_embedding_type="rope")
+    native = NativeGPT(NativeConfig(num_layers=2, hidden_size=16, num_attention_heads=4,
+                                    vocab_size=VOCAB, seq_length=SEQ, hidden_dropout=0.0,
+                                    attention_dropout=0.0, seed=SEED, normalization="RMSNorm",
+                                    layernorm_epsilon=1e-6, position_embedding_type="rope",
+                                    qk_layernorm=True, untie_embeddings_and_output_weights=True))
+    assert model.native.config.qk_layernorm
+    ids, pos = batch()
+    assert torch.equal(model(ids, pos, None), native(ids, pos)[..., :VOCAB])
+    norms = {name: tuple(p.shape) for name, p in model.named_parameters()
+             if "q_layernorm" in name or "k_layernorm" in name}
+    assert norms == {f"decoder.layers.{i}.self_attention.{n}_layernorm.weight": (4,)
+                     for i in range(2) for n in "qk"}
+    sharded = model.sharded_state_dict()
+    assert sharded["decoder.layers.1.self_attention.q_layernorm.weight"].key == \
+        "decoder.layers.self_attention.q_layernorm.weight"
+    assert sharded["decoder.layers.0.self_attention.k_layernorm.weight"].global_shape == (2, 4)
+
+
+def test_qk_layernorm_spec_and_config_must_agree(seeded):
+    with pytest.raises(ValueError, match="self_attention.q_layernorm is IdentityOp but "
+                                         "TransformerConfig.qk_layernorm=True"):
+        GPTModel(config(qk_layernorm=True), specs.get_gpt_layer_local_spec(), vocab_size=VOCAB,
+                 max_sequence_length=SEQ)
+    with pytest.raises(ValueError, match="qk_layernorm=False"):
+        GPTModel(config(), specs.get_gpt_layer_local_spec(qk_layernorm=True), vocab_size=VOCAB,
+                 max_sequence_length=SEQ)
 
 
 def test_moe_spec_and_config_must_agree(seeded):

@@ -61,9 +61,12 @@ def rope_complex(x, positions, base):
     return torch.cat([z.real, z.imag], dim=-1).to(x.dtype)
 
 
-def dense_attention(p, prefix, x, heads, groups, rope_base=None, positions=None, keep=None):
+def dense_attention(p, prefix, x, heads, groups, rope_base=None, positions=None, keep=None,
+                    qk_norm=None):
     """Causal self-attention, head by head, from the fused-QKV master (Megatron's grouped layout);
-    ``keep`` (bool, broadcastable to (b, 1, s, s)) replaces the causal mask when given."""
+    ``keep`` (bool, broadcastable to (b, 1, s, s)) replaces the causal mask when given;
+    ``qk_norm`` ``(normalization, eps)``: each head's q and k normalised over d with the masters
+    ``q_layernorm.*`` / ``k_layernorm.*``, before rotary."""
     s, b, h = x.shape
     d, per_group = h // heads, heads // groups
     qkv = F.linear(x, p[prefix + "linear_qkv.weight"], p.get(prefix + "linear_qkv.bias"))
@@ -75,6 +78,9 @@ def dense_attention(p, prefix, x, heads, groups, rope_base=None, positions=None,
         k = qkv[..., g * block + per_group * d:][..., :d]
         v = qkv[..., g * block + (per_group + 1) * d:][..., :d]
         q, k, v = (t.permute(1, 0, 2)[:, None] for t in (q, k, v))            # (b, 1, s, d)
+        if qk_norm is not None:
+            q = dense_norm(p, prefix + "q_layernorm.", q, *qk_norm)
+            k = dense_norm(p, prefix + "k_layernorm.", k, *qk_norm)
         if rope_base is not None:
             q, k = rope_complex(q, positions, rope_base), rope_complex(k, positions, rope_base)
         outputs.append(F.scaled_dot_product_attention(q, k, v, attn_mask=keep,

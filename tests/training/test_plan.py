@@ -48,7 +48,7 @@ def measured_memory_body(flag_sets):
 FSDP = ["--use-torch-fsdp2", "--data-parallel-sharding-strategy"]
 GRID = {
     2: [["--tensor-model-parallel-size", "2"],
-        ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--bf16"],
+        ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--bf16", "--qk-layernorm"],
         ["--context-parallel-size", "2", "--attention-dropout", "0",
          "--use-distributed-optimizer"],
         ["--recompute-granularity", "full", "--recompute-method", "uniform",
@@ -65,7 +65,7 @@ GRID = {
          "--untie-embeddings-and-output-weights"],
         ["--tensor-model-parallel-size", "2", "--use-distributed-optimizer", "--bf16",
          "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu",
-         "--accumulate-allreduce-grads-in-fp32"],
+         "--accumulate-allreduce-grads-in-fp32", "--qk-layernorm"],
         ["--num-experts", "4", "--expert-model-parallel-size", "2",
          "--use-distributed-optimizer", "--bf16", "--moe-router-topk", "2"],
         ["--tensor-model-parallel-size", "2", "--num-experts", "2",

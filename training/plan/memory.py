@@ -84,8 +84,9 @@ def layout_of(config, world_size: int) -> RankLayout:
 
 
 # -------------------------------------------------------------------- parameters of a chunk
-def _norm(prefix: str, config) -> list:
-    h = config.hidden_size
+def _norm(prefix: str, config, size: int | None = None) -> list:
+    """A norm's weight (and LayerNorm's bias) of ``size`` elements (default: hidden_size)."""
+    h = config.hidden_size if size is None else size
     shapes = [ParamShape(f"{prefix}.weight", h)]
     if config.normalization == "LayerNorm":
         shapes.append(ParamShape(f"{prefix}.bias", h))
@@ -141,6 +142,9 @@ def layer_shapes(config, index: int) -> list:
                       qkv_rows if bias else None)
     shapes += _linear(f"{prefix}.self_attention.linear_proj", h, heads * head_dim // tp,
                       h if bias else None)
+    if config.qk_layernorm:                     # one (d,) norm for q, one for k, replicated
+        shapes += _norm(f"{prefix}.self_attention.q_layernorm", config, head_dim)
+        shapes += _norm(f"{prefix}.self_attention.k_layernorm", config, head_dim)
     shapes += _norm(f"{prefix}.pre_mlp_norm", config)
     if moe_layer_pattern(config)[index]:
         etp = config.expert_tensor_parallel_size or tp

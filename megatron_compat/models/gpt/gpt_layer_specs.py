@@ -4,7 +4,8 @@ only, what tpfuse builds) and the Transformer Engine spec, which is refused.
 ``get_gpt_layer_local_spec(num_experts=None, moe_grouped_gemm=False, qk_layernorm=False, ...)``
 returns Megatron's ModuleSpec tree: TransformerLayer(input_layernorm=WrappedTorchNorm,
 self_attention=SelfAttention(causal; ColumnParallelLinear, DotProductAttention,
-RowParallelLinear, IdentityOp q/k norms), bias-dropout-add, pre_mlp_layernorm, MLP or
+RowParallelLinear, q/k norms: WrappedTorchNorm with ``qk_layernorm``, else IdentityOp),
+bias-dropout-add, pre_mlp_layernorm, MLP or
 MoELayer(GroupedMLP / SequentialMLP experts)) with Megatron's ``sharded_state_dict_keys_map``
 (the norms saved under the TE spec's names). Options tpfuse's layer does not compute raise,
 naming the option.
@@ -60,12 +61,13 @@ def get_gpt_layer_local_spec(num_experts=None, moe_grouped_gemm=False, qk_layern
                              kitchen_attention_backend="sdpa") -> ModuleSpec:
     """Megatron's local GPT layer spec (``normalization`` is read from the config: both
     LayerNorm and RMSNorm are tpfuse's Norm)."""
-    _refuse(qk_layernorm=qk_layernorm, multi_latent_attention=multi_latent_attention,
+    _refuse(multi_latent_attention=multi_latent_attention,
             qk_l2_norm=qk_l2_norm, use_kitchen=use_kitchen,
             use_kitchen_attention=use_kitchen_attention)
     if normalization not in (None, "LayerNorm", "RMSNorm"):
         raise ValueError(f"get_gpt_layer_local_spec(normalization={normalization!r}): LayerNorm "
                          "or RMSNorm")
+    qk_norm = WrappedTorchNorm if qk_layernorm else IdentityOp
     mlp = get_mlp_module_spec(use_te=False, num_experts=num_experts,
                               moe_grouped_gemm=moe_grouped_gemm,
                               moe_use_legacy_grouped_gemm=moe_use_legacy_grouped_gemm)
@@ -77,8 +79,8 @@ def get_gpt_layer_local_spec(num_experts=None, moe_grouped_gemm=False, qk_layern
                 module=SelfAttention, params={"attn_mask_type": AttnMaskType.causal},
                 submodules=SelfAttentionSubmodules(
                     linear_qkv=ColumnParallelLinear, core_attention=DotProductAttention,
-                    linear_proj=RowParallelLinear, q_layernorm=IdentityOp,
-                    k_layernorm=IdentityOp)),
+                    linear_proj=RowParallelLinear, q_layernorm=qk_norm,
+                    k_layernorm=qk_norm)),
             self_attn_bda=get_bias_dropout_add,
             pre_mlp_layernorm=WrappedTorchNorm,
             mlp=mlp,
@@ -99,4 +101,5 @@ def get_gpt_decoder_block_spec(config, use_transformer_engine, *args, **kwargs):
         raise ValueError(f"get_gpt_decoder_block_spec(use_transformer_engine=True): {_NO_TE}")
     return get_gpt_layer_local_spec(num_experts=config.num_moe_experts,
                                     moe_grouped_gemm=config.moe_grouped_gemm,
+                                    qk_layernorm=config.qk_layernorm,
                                     normalization=config.normalization)

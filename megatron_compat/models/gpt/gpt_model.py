@@ -5,12 +5,14 @@
 post_process=True, fp16_lm_cross_entropy=False, parallel_output=True,
 share_embeddings_and_output_weights=False, position_embedding_type='learned_absolute',
 rotary_percent=1.0, rotary_base=10000, ...)``: the spec is checked against what tpfuse's layer
-computes (``transformer_layer.check_layer_spec``), the config is translated
+computes (``transformer_layer.check_layer_spec``; its q / k norm slots against
+``config.qk_layernorm``: ``transformer.attention.qk_norm_slots_checked``), the config is translated
 (``transformer/_native.py``) and the native model chunk of this pipeline stage is built; its
 parts are registered under Megatron's names::
 
     embedding.word_embeddings / embedding.position_embeddings        (first stage)
     decoder.layers.<i>.{input_layernorm, self_attention.linear_qkv, self_attention.linear_proj,
+                        [self_attention.q_layernorm, self_attention.k_layernorm,]
                         pre_mlp_layernorm, mlp.linear_fc1, mlp.linear_fc2}
     decoder.final_layernorm, output_layer                             (last stage)
 
@@ -38,6 +40,7 @@ from ...enums import ModelType
 from ...dist_checkpointing.mapping import ShardedObject, sharded_tensor_for
 from ...tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 from ...transformer._native import native_config
+from ...transformer.attention import qk_norm_slots_checked
 from ...transformer.module import MegatronModule
 from ...transformer.moe.experts import experts_extra_state_objects, experts_sharded_state_dict
 from ...transformer.transformer_block import TransformerBlock
@@ -93,7 +96,8 @@ class GPTModel(LanguageModule):
                                                              True),
                         seq_len_interpolation_factor=(seq_len_interpolation_factor, None),
                         mtp_block_spec=(mtp_block_spec, None))
-        self._spec_info = check_layer_spec(transformer_layer_spec, config)
+        self._spec_info = check_layer_spec(
+            qk_norm_slots_checked(transformer_layer_spec, config), config)
         self.transformer_layer_spec = transformer_layer_spec
         self.vocab_size, self.max_sequence_length = vocab_size, max_sequence_length
         self.pre_process, self.post_process = pre_process, post_process
