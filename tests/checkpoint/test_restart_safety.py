@@ -82,6 +82,9 @@ def test_killed_job_relaunched_resumes_and_reproduces_losses(run_distributed, tm
         try:
             _wait_for(lambda: ckpt.latest_iteration(save) is not None or job.poll() is not None)
             time.sleep(moments.uniform(0.0, 1.0))
+            # a job that ended by itself (an error) is reported as such, not as a failed kill
+            assert job.poll() is None, (f"attempt {attempt}: the job ended before the kill "
+                                        f"(rc {job.returncode}): {job.stderr.read()[-3000:]}")
             ranks = _children(job.pid)
             os.kill(job.pid, signal.SIGKILL)          # the launcher dies; its rank must too
             job.wait()
