@@ -12,8 +12,10 @@ import math
 import torch
 import torch.nn.functional as F
 
-from support.tp_testing import assembled, seeded_randn
+from support.tp_testing import assembled, assert_close_fp32, chunk_of, seeded_randn
 from tpfuse.tp_layers.init import shard
+
+S, B = 8, 2          # check_against_dense's sequence length and batch
 
 
 def _full_shape(param, tp):
@@ -48,6 +50,30 @@ def assembled_grads(module, state):
         dim = getattr(param, "partition_dim", None)
         grads[name] = param.grad if dim is None else assembled(param.grad, state, dim,
                                                                param.partition_stride)
+    return grads
+
+
+def check_against_dense(module, state, sp, dense_fn, hidden, tag, position_ids=None, seed=100):
+    """Run the TP ``module`` (input and output sequence-split when ``sp``) and ``dense_fn(masters,
+    x)`` on the same (s, b, hidden) input and output gradient; compare the output, dx and every
+    parameter gradient (reassembled from the shards) at tp_testing's fp32 tolerance. Returns the
+    reassembled gradients {name: grad}."""
+    masters = master_params(module, state, seed=seed)
+    x, dy = seeded_randn(1, S, B, hidden), seeded_randn(2, S, B, hidden)
+    xd = x.clone().requires_grad_()
+    expected = dense_fn(masters, xd)
+    expected.backward(dy)
+    x_in = (chunk_of(x, state, 0) if sp else x).clone().requires_grad_()
+    args = (x_in,) if position_ids is None else (x_in, position_ids)
+    out, bias = module(*args)
+    out = out if bias is None else out + bias
+    assert_close_fp32(out, chunk_of(expected.detach(), state, 0) if sp else expected.detach(),
+                      f"{tag}: output")
+    out.backward(chunk_of(dy, state, 0) if sp else dy)
+    assert_close_fp32(x_in.grad, chunk_of(xd.grad, state, 0) if sp else xd.grad, f"{tag}: dx")
+    grads = assembled_grads(module, state)
+    for name, grad in grads.items():
+        assert_close_fp32(grad, masters[name].grad, f"{tag}: d{name}")
     return grads
 
 

@@ -12,32 +12,16 @@ order).
 """
 import torch
 
-from support.dense_reference import assembled_grads, dense_attention, master_params
-from support.tp_testing import assert_close_fp32, chunk_of, seeded_randn, tp_layouts
+from support.dense_reference import B, S, check_against_dense, dense_attention
+from support.tp_testing import tp_layouts
 from tpfuse.tp_layers import ParallelAttention
 
-S, B = 8, 2
 EPS = 1e-6
 
 
 def _check(module, state, sp, dense_fn, hidden, tag, position_ids=None):
-    masters = master_params(module, state, seed=300)
-    x, dy = seeded_randn(1, S, B, hidden), seeded_randn(2, S, B, hidden)
-    xd = x.clone().requires_grad_()
-    expected = dense_fn(masters, xd)
-    expected.backward(dy)
-    module.train()
-    x_in = (chunk_of(x, state, 0) if sp else x).clone().requires_grad_()
-    out, bias = module(x_in, position_ids)
-    out = out if bias is None else out + bias
-    assert_close_fp32(out, chunk_of(expected.detach(), state, 0) if sp else expected.detach(),
-                      f"{tag}: output")
-    out.backward(chunk_of(dy, state, 0) if sp else dy)
-    assert_close_fp32(x_in.grad, chunk_of(xd.grad, state, 0) if sp else xd.grad, f"{tag}: dx")
-    grads = assembled_grads(module, state)
+    grads = check_against_dense(module, state, sp, dense_fn, hidden, tag, position_ids, seed=300)
     assert {"q_layernorm.weight", "k_layernorm.weight"} <= set(grads), sorted(grads)
-    for name, grad in grads.items():
-        assert_close_fp32(grad, masters[name].grad, f"{tag}: d{name}")
 
 
 def _qk_layernorm_against_dense():
@@ -54,7 +38,7 @@ def _qk_layernorm_against_dense():
             _check(gqa, state, sp,
                    lambda p, x: dense_attention(p, "", x, 4, 2, rope_base=100.0,
                                                 positions=positions, qk_norm=("RMSNorm", EPS)),
-                   64, f"GQA+rope RMSNorm {tag}", position_ids=positions)
+                   64, f"GQA+rope RMSNorm {tag}", positions)
             mha = ParallelAttention(16, 4, sequence_parallel=sp, state=state, qk_layernorm=True,
                                     normalization="LayerNorm", layernorm_epsilon=EPS)
             _check(mha, state, sp,

@@ -9,30 +9,9 @@ gelu MLP and SwiGLU MLP. Outputs, input grads and every parameter grad
 """
 import torch
 
-from support.dense_reference import assembled_grads, dense_attention, dense_mlp, master_params
-from support.tp_testing import (assert_close_fp32, chunk_of, expect_value_error, seeded_randn,
-                         tp_layouts, tp_state)
+from support.dense_reference import B, S, check_against_dense, dense_attention, dense_mlp
+from support.tp_testing import expect_value_error, tp_layouts, tp_state
 from tpfuse.tp_layers import ParallelAttention, ParallelMLP
-
-S, B = 8, 2
-
-
-def _check(module, state, sp, dense_fn, hidden, tag, position_ids=None):
-    masters = master_params(module, state, seed=100)
-    x, dy = seeded_randn(1, S, B, hidden), seeded_randn(2, S, B, hidden)
-    xd = x.clone().requires_grad_()
-    expected = dense_fn(masters, xd)
-    expected.backward(dy)
-    x_in = (chunk_of(x, state, 0) if sp else x).clone().requires_grad_()
-    args = (x_in,) if position_ids is None else (x_in, position_ids)
-    out, bias = module(*args)
-    out = out if bias is None else out + bias
-    assert_close_fp32(out, chunk_of(expected.detach(), state, 0) if sp else expected.detach(),
-                      f"{tag}: output")
-    out.backward(chunk_of(dy, state, 0) if sp else dy)
-    assert_close_fp32(x_in.grad, chunk_of(xd.grad, state, 0) if sp else xd.grad, f"{tag}: dx")
-    for name, grad in assembled_grads(module, state).items():
-        assert_close_fp32(grad, masters[name].grad, f"{tag}: d{name}")
 
 
 def _attention_and_mlp_against_dense():
@@ -42,18 +21,18 @@ def _attention_and_mlp_against_dense():
         for sp in (False, True):
             tag = f"tp={tp} sp={sp}"
             mha = ParallelAttention(16, 4, sequence_parallel=sp, state=state)
-            _check(mha, state, sp, lambda p, x: dense_attention(p, "", x, 4, 4), 16,
+            check_against_dense(mha, state, sp, lambda p, x: dense_attention(p, "", x, 4, 4), 16,
                    f"MHA {tag}")
             gqa = ParallelAttention(128, 8, num_query_groups=4, add_bias_linear=False,
                                     position_embedding_type="rope", rotary_base=100.0,
                                     sequence_parallel=sp, state=state)
-            _check(gqa, state, sp,
+            check_against_dense(gqa, state, sp,
                    lambda p, x: dense_attention(p, "", x, 8, 4, rope_base=100.0,
                                                 positions=positions),
                    128, f"GQA+rope {tag}", position_ids=positions)
             for activation, ffn in (("gelu", 32), ("swiglu", 24)):
                 mlp = ParallelMLP(16, ffn, activation=activation, sequence_parallel=sp, state=state)
-                _check(mlp, state, sp, lambda p, x, a=activation: dense_mlp(p, "", x, a), 16,
+                check_against_dense(mlp, state, sp, lambda p, x, a=activation: dense_mlp(p, "", x, a), 16,
                        f"MLP {activation} {tag}")
             cases += 4
     return cases
