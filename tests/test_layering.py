@@ -316,19 +316,22 @@ def _write_tree(root, files: dict) -> None:
         path.write_text(text)
 
 
+# a tiny installed tree: a -> b (in a function) -> c -> a is a circle, d only imports a; the
+# package __init__ re-exports e, which imports a name from the package: a circle too
+TREE_WITH_CIRCLES = {
+    "setup.py": 'SUBPACKAGES = ["pkg"]\n',
+    "tpfuse/__init__.py": "",
+    "pkg/__init__.py": "from .e import thing\n",
+    "pkg/a.py": "from . import b\n",
+    "pkg/b.py": "def f():\n    import tpfuse.pkg.c\n",
+    "pkg/c.py": "import os\nfrom tpfuse.pkg.a import name\n",
+    "pkg/d.py": "import tpfuse.pkg.a\n",
+    "pkg/e.py": "from tpfuse.pkg import other\nthing = 1\n",
+}
+
+
 def test_the_circle_check_finds_circles_in_a_small_tree(tmp_path):
-    # a tiny installed tree: a -> b (in a function) -> c -> a is a circle, d only imports a; the
-    # package __init__ re-exports e, which imports a name from the package: a circle too
-    _write_tree(tmp_path, {
-        "setup.py": 'SUBPACKAGES = ["pkg"]\n',
-        "tpfuse/__init__.py": "",
-        "pkg/__init__.py": "from .e import thing\n",
-        "pkg/a.py": "from . import b\n",
-        "pkg/b.py": "def f():\n    import tpfuse.pkg.c\n",
-        "pkg/c.py": "import os\nfrom tpfuse.pkg.a import name\n",
-        "pkg/d.py": "import tpfuse.pkg.a\n",
-        "pkg/e.py": "from tpfuse.pkg import other\nthing = 1\n",
-    })
+    _write_tree(tmp_path, TREE_WITH_CIRCLES)
     assert strongly_connected(module_import_graph(str(tmp_path))) == [
         ["tpfuse.pkg", "tpfuse.pkg.e"], ["tpfuse.pkg.a", "tpfuse.pkg.b", "tpfuse.pkg.c"]]
     assert module_cycles(str(tmp_path)) == [
@@ -344,16 +347,9 @@ def test_the_circle_check_finds_circles_in_a_small_tree(tmp_path):
 
 def test_the_circle_check_passes_a_tree_without_circles(tmp_path):
     # the same tree with the circles cut: c no longer imports a, e imports from d, not the package
-    _write_tree(tmp_path, {
-        "setup.py": 'SUBPACKAGES = ["pkg"]\n',
-        "tpfuse/__init__.py": "",
-        "pkg/__init__.py": "from .e import thing\n",
-        "pkg/a.py": "from . import b\n",
-        "pkg/b.py": "def f():\n    import tpfuse.pkg.c\n",
-        "pkg/c.py": "import os\n",
-        "pkg/d.py": "import tpfuse.pkg.a\nother = 2\n",
-        "pkg/e.py": "from tpfuse.pkg.d import other\nthing = 1\n",
-    })
+    _write_tree(tmp_path, {**TREE_WITH_CIRCLES, "pkg/c.py": "import os\n",
+                           "pkg/d.py": "import tpfuse.pkg.a\nother = 2\n",
+                           "pkg/e.py": "from tpfuse.pkg.d import other\nthing = 1\n"})
     graph = module_import_graph(str(tmp_path))
     assert graph["tpfuse.pkg.e"] == {"tpfuse.pkg.d": f"{os.path.join('pkg', 'e.py')}:1"}
     assert module_cycles(str(tmp_path)) == []

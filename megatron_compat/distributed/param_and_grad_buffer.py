@@ -23,7 +23,19 @@ def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
-class _ParamAndGradBucket:
+class _ViewOfNative:
+    """``param_data`` / ``grad_data``: the flat tensors of the tpfuse object ``self.native``."""
+
+    @property
+    def grad_data(self):
+        return self.native.grad_data
+
+    @property
+    def param_data(self):
+        return self.native.param_data
+
+
+class _ParamAndGradBucket(_ViewOfNative):
     """One bucket of a buffer: ``params_list`` (buffer order), ``params`` (a set), its slices
     ``grad_data`` / ``param_data``, ``offset`` in the buffer, ``bucket_id``."""
 
@@ -40,16 +52,8 @@ class _ParamAndGradBucket:
             self.param_to_index[param] = (start, start + param.numel())
             start += param.numel()
 
-    @property
-    def grad_data(self):
-        return self.native.grad_data
 
-    @property
-    def param_data(self):
-        return self.native.param_data
-
-
-class _ParamAndGradBuffer:
+class _ParamAndGradBuffer(_ViewOfNative):
     """One flat buffer (one param dtype, one grad dtype, one reduce group) of a DDP chunk."""
 
     def __init__(self, native, ddp_config, bucket_size: int | None):
@@ -73,14 +77,6 @@ class _ParamAndGradBuffer:
                 self.param_to_bucket[param] = bucket
         self.numel = native.plan.numel
         self.numel_unpadded = sum(unpadded)
-
-    @property
-    def grad_data(self):
-        return self.native.grad_data
-
-    @property
-    def param_data(self):
-        return self.native.param_data
 
     def scale_gradients(self, scaling_factor: float) -> None:
         """Scale the gradient data by ``scaling_factor``."""
