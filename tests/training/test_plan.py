@@ -261,6 +261,8 @@ ACTIVATION_GRID = [
      "--recompute-num-layers", "1"],
     ["--recompute-granularity", "full", "--recompute-method", "block",
      "--recompute-num-layers", "1", "--bf16"],
+    ["--qk-layernorm", "--position-embedding-type", "rope"],
+    ["--qk-layernorm", "--normalization", "RMSNorm", "--bf16"] + SELECTIVE + ["core_attn"],
 ]
 TP_ACTIVATION_GRID = [["--tensor-model-parallel-size", "2"],
                       ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
@@ -269,7 +271,9 @@ TP_ACTIVATION_GRID = [["--tensor-model-parallel-size", "2"],
                       + SELECTIVE + ["mlp"],
                       ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--bf16",
                        "--swiglu", "--normalization", "RMSNorm", "--position-embedding-type",
-                       "rope"] + SELECTIVE + ["mlp", "layernorm"]]
+                       "rope"] + SELECTIVE + ["mlp", "layernorm"],
+                      ["--tensor-model-parallel-size", "2", "--sequence-parallel",
+                       "--qk-layernorm", "--normalization", "RMSNorm"] + SELECTIVE + ["core_attn"]]
 
 
 def saved_chunk_bytes_body(flag_sets):

@@ -14,9 +14,11 @@ else 1, ``e`` the activation element size (the params dtype), ``f`` the MLP widt
     dropout masks          2 · sbh/t' · e        (hidden_dropout > 0)
     norm statistics        2 norms · 2 · sb/t' · 4, attention log-sum-exp b·(a/t)·s · 4
     fp32 norm weights      (norm parameters) · h · 4 when the params are 16-bit
+    q/k norm statistics    norm statistics · sb · (a + g)/t · 4   (``qk_layernorm``, g the kv
+                                                  heads; their inputs are views of the saved QKV)
 
 Selective recompute takes out what it re-runs: ``core_attn`` the log-sum-exp and rope's rotated
-q, k; ``mlp`` fc1's input, the MLP inside, its dropout mask and the pre-MLP norm's input copy and
+q, k (with q/k norms its checkpoint keeps their outputs, sb·(h + g·h/a)/t · e); ``mlp`` fc1's input, the MLP inside, its dropout mask and the pre-MLP norm's input copy and
 statistics (the block's checkpoint keeps its input, sbh/t' · e, instead); ``layernorm`` the norm
 outputs QKV and fc1 saved (discarded once consumed, re-run in backward), the statistics and fp32
 weights, each norm's checkpoint keeping its input (sbh/t' · e). RMSNorm keeps its input in the
@@ -80,9 +82,13 @@ def layer_activation_bytes(config, micro_batch_size: int, recompute_modules=None
              "mlp dropout mask": sbh / t_sp * e if dropout else 0.0,
              "input norm stats": norm_stats, "pre-mlp norm stats": norm_stats,
              "lse": b * (heads // t) * s * 4,
-             "fp32 norm weights": 2 * 2 * h * 4 if layer_norm and e != 4 else 0.0}
+             "fp32 norm weights": 2 * 2 * h * 4 if layer_norm and e != 4 else 0.0,
+             "q/k norm stats": _qk_norm_stats(config, s, b, t)}
     if "core_attn" in recompute_modules:
         terms["lse"] = terms["rope"] = 0.0
+        if config.qk_layernorm:      # the checkpoint keeps the normed q, k: copies, not views
+            groups = config.num_query_groups or heads
+            terms["q/k norm outputs"] = (h + groups * h // heads) * s * b / t * e
     if "mlp" in recompute_modules:
         for key in ("fc1 input", "mlp", "mlp dropout mask", "pre-mlp norm stats"):
             terms[key] = 0.0
@@ -98,6 +104,16 @@ def layer_activation_bytes(config, micro_batch_size: int, recompute_modules=None
         terms["input norm stats"] = terms["pre-mlp norm stats"] = 0.0
         terms["fp32 norm weights"] = 0.0
     return sum(terms.values())
+
+
+def _qk_norm_stats(config, s: int, b: int, t: int) -> float:
+    """The per-head q and k norms' fp32 statistics (one per row for RMSNorm, two for
+    LayerNorm) over this rank's a/t query and g/t key heads; 0 without ``qk_layernorm``."""
+    if not config.qk_layernorm:
+        return 0.0
+    heads = config.num_attention_heads
+    rows = s * b * (heads + (config.num_query_groups or heads)) / t
+    return (2 if config.normalization == "LayerNorm" else 1) * rows * 4
 
 
 def layer_input_bytes(config, micro_batch_size: int) -> float:
