@@ -107,10 +107,21 @@ class AllGatherDispatcher:
         return out                                                              # (T, h)
 
 
+@dataclass(frozen=True)
+class DispatchRecord:
+    """One ``AlltoAllDispatcher.dispatch`` call as ``tpfuse-plan`` reads it: ``counts[p][e]``
+    the rows etp × ep member p sent to expert e (the table every member exchanged) and whether
+    the call built the graph backward runs through (a recomputed region's first forward runs
+    without one; its re-run builds it)."""
+    counts: tuple
+    builds_graph: bool
+
+
 class AlltoAllDispatcher:
     def __init__(self, groups, num_experts: int, topk: int, capacity_factor: float | None = None,
                  pad_to_capacity: bool = False):
         self.groups, self.num_experts, self.topk = groups, num_experts, topk
+        self.routing_log: list | None = None    # a list: every dispatch appends its DispatchRecord
         self.num_local = num_experts // groups.ep_size
         self.first_expert = groups.ep_rank * self.num_local
         self.capacity_factor = capacity_factor if pad_to_capacity else None
@@ -137,6 +148,9 @@ class AlltoAllDispatcher:
                                                                capacity)
         rows = permute_tokens(tokens, row_map, sum(rows_per_expert))           # by global expert
         table = self._count_table(rows_per_expert, capacity, tokens.device)
+        if self.routing_log is not None:
+            self.routing_log.append(DispatchRecord(tuple(map(tuple, table)),
+                                                   torch.is_grad_enabled()))
 
         def sent(q, r):  # rows etp rank q / ep rank r sends to each of my experts
             return table[self._position[(q, r)]][e0:e0 + L]

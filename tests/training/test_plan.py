@@ -97,20 +97,30 @@ STEP = ["--eval-iters", "0", "--no-progress-bar", "--no-layout-table", "--attent
         "--micro-batch-size", "2"]
 
 
-def counted_step_body(flags):
-    """The bytes of the collectives of the first training step, by group kind."""
+def counted_step_body(flags, record_routing=False):
+    """The bytes of the collectives of the first training step, by group kind (and with
+    ``record_routing`` the alltoall dispatchers' records of that step, in dispatch order)."""
     import torch.distributed as dist
 
     from support.comm_counter import counting
+    from tpfuse.moe.dispatcher import AlltoAllDispatcher
     from tpfuse.training import pretrain as trainer
 
-    counted = {}
+    counted, routing = {}, []
     original = trainer._Run.train_step
 
     def train_step(run, iterators):
+        if not counted and record_routing:
+            for module in (m for chunk in run.model for m in chunk.modules()):
+                if isinstance(getattr(module, "dispatcher", None), AlltoAllDispatcher):
+                    module.dispatcher.routing_log = routing
         with counting(run.state) as counts:
             result = original(run, iterators)
-        counted.update(counts)
+        if not counted:
+            counted.update(counts)
+            for module in (m for chunk in run.model for m in chunk.modules()):
+                if hasattr(module, "dispatcher"):
+                    module.dispatcher.routing_log = None
         return result
 
     trainer._Run.train_step = train_step
@@ -118,6 +128,8 @@ def counted_step_body(flags):
         run_pretrain(BASE + STEP + flags)
     finally:
         trainer._Run.train_step = original
+    if record_routing:
+        return dist.get_rank(), dict(counted), routing
     return dist.get_rank(), dict(counted)
 
 
@@ -245,6 +257,32 @@ def test_dropless_alltoall_volume_is_exact_over_the_ep_group_and_bounded_per_ran
             counted_sum += counted[rank][all_to_all]
         assert counted_sum == planned_sum, group
 
+
+
+@pytest.mark.parametrize("flags", [
+    ALLTOALL + ["--recompute-granularity", "selective", "--recompute-modules", "mlp"],
+    TP_MOE + ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall"],
+    ALLTOALL + ["--moe-expert-capacity-factor", "1.0"]], ids=["ep2-mlp-recompute", "tp2-sp-ep2",
+                                                            "ep2-capacity-unpadded"])
+def test_dropless_alltoall_volume_is_exact_for_the_recorded_routing(run_distributed, flags):
+    """Given the step's routing (each dispatch's exchanged count table), the plan's all-to-all
+    and etp gathers equal the counted collectives on every rank, and so does every other kind:
+    the re-run MLP forwards (selective ``mlp``) move their rows once more without a backward,
+    the etp blocks are padded to the largest etp rank's, dropped tokens are not sent."""
+    from tpfuse.training.plan.comm import step_comm_bytes
+
+    results = run_distributed(4, counted_step_body, flags, True)
+    config, settings = parse_args(BASE + STEP + flags)
+    layout = layout_of(config, 4)
+    dp = 4 // config.tensor_model_parallel_size
+    buffers = buffer_settings(config, settings, dp)
+    m = settings.training.global_batch_size // (2 * dp)
+    for rank, counted, routing in results:
+        assert routing and len({r.builds_graph for r in routing}) == (
+            2 if "mlp" in flags else 1), rank
+        planned = step_comm_bytes(config, layout, rank, buffers, 2, m, backend="gloo",
+                                  routing=routing)
+        assert _as_counted(planned, layout, rank) == counted, rank
 
 # -------------------------------------------------------------------- activations
 ACTIVATION_SHAPE = ["--num-layers", "2", "--hidden-size", "128", "--num-attention-heads", "8",

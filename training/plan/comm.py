@@ -33,7 +33,8 @@ MoE, alltoall dispatcher    per MoE layer all-to-all over ep 2·(sent + received
                             capacity sent = received = E·C, exact; dropless sent = T·k
                             (exact) and received depends on the routing: the plan gives
                             T·k (uniform routing, and the ep group's mean: the group's sum
-                            is exact) and its [low, high] in ``step_comm_bounds``; over etp
+                            is exact) and its [low, high] in ``step_comm_bounds``; exact
+                            for a recorded routing (``dropless_alltoall_bytes``); over etp
                             (etp > 1) all-gather and reduce-scatter 2·etp·R·h·e each (R the
                             largest etp rank's received rows: E·C padded, else routing-
                             dependent, bounded); unpadded, the split counts' all-gather over
@@ -73,7 +74,8 @@ capacity, MoE layers under TP + SP (the allgather dispatcher over etp × ep, the
 etp gathers, ep = 1, a gated shared expert, full and MLP recompute, both load-balancing
 losses) (tests/training/test_plan.py);
 the dropless alltoall dispatcher's all-to-all is checked within its per-rank bounds and
-exactly in its sum over each ep group.
+exactly in its sum over each ep group, and, given the step's recorded routing, exactly on every
+rank (with MLP recompute, under TP + SP, and with tokens dropped at capacity).
 """
 from __future__ import annotations
 
@@ -309,23 +311,25 @@ def _allgather_dispatcher(config, micro_batch_size: int, layers: _Layers, volume
                + layers.moe_mlp_rerun * scatter_forward)
 
 
-def _alltoall_dispatcher(config, micro_batch_size: int, layers: _Layers, volume) -> None:
+def _alltoall_dispatcher(config, micro_batch_size: int, layers: _Layers, volume,
+                         routed: bool = True) -> None:
     """Per MoE layer: the dispatch all-to-all over ep sends the rows this rank routes, the
     combine sends back the rows its experts received (backward swaps them); over etp the
     received rows are all-gathered (each etp rank's block padded to the largest, R rows:
     etp·R·h·e) and the combine reduce-scatters them, both again in backward. Without padding
     the split sizes are exchanged first: an all-gather of every etp × ep rank's (E,) int64
-    counts (exact). A re-run forward repeats the forward's."""
+    counts (exact). A re-run forward repeats the forward's. ``routed`` False: only the counts'
+    all-gather (the rows' collectives come from a recorded routing, ``dropless_alltoall_bytes``)."""
     rows = alltoall_rows(config, micro_batch_size)
     row_bytes = config.hidden_size * element_bytes(config.params_dtype)
     ep, etp = config.expert_model_parallel_size, _expert_tensor_size(config)
     passes = 2 * layers.moe + layers.moe_mlp_rerun            # forward, backward, re-runs
-    if ep > 1:
+    if ep > 1 and routed:
         low = rows["sent"] if rows["sent_exact"] else 0
         volume.add("ep_all_to_all", passes * (rows["sent"] + rows["received"]) * row_bytes,
                    passes * low * row_bytes,
                    passes * (rows["sent"] + rows["received_max"]) * row_bytes)
-    if etp > 1:
+    if etp > 1 and routed:
         gathered = etp * row_bytes
         low = rows["received"] if rows["padded"] else 0
         for op in ("all_gather", "reduce_scatter"):
@@ -338,14 +342,14 @@ def _alltoall_dispatcher(config, micro_batch_size: int, layers: _Layers, volume)
 
 
 def _expert_parallel(config, micro_batch_size: int, pp_rank: int,
-                     reduce_scatter: str = "native") -> tuple[dict, dict]:
+                     reduce_scatter: str = "native", routed: bool = True) -> tuple[dict, dict]:
     layers = _layer_counts(config, pp_rank)
     etp = _expert_tensor_size(config)
     if layers.moe == 0 or etp * config.expert_model_parallel_size == 1:
         return {}, {}
     volume = _Volume(reduce_scatter)
     if config.moe_token_dispatcher_type == "alltoall":
-        _alltoall_dispatcher(config, micro_batch_size, layers, volume)
+        _alltoall_dispatcher(config, micro_batch_size, layers, volume, routed)
     else:
         _allgather_dispatcher(config, micro_batch_size, layers, volume)
     if etp > 1 and config.add_bias_linear:       # fc2's bias enters through copy over etp
@@ -476,6 +480,39 @@ def data_parallel_bytes(config, layout, rank: int, buffers, backend: str,
     return dict(volume)
 
 
+def dropless_alltoall_bytes(config, layout, rank: int, dispatches) -> dict:
+    """The alltoall dispatcher's routing-dependent collectives of one step on ``rank``, exact for
+    a recorded routing: ``dispatches`` are the step's ``moe.dispatcher.DispatchRecord`` on this
+    rank (its dispatchers' ``routing_log``), ``counts[p][e]`` the rows etp × ep member p sent to
+    expert e. With this rank at (etp q, ep r), L = E/ep experts from r·L and
+    ``R_q' = Σ_r' Σ_{e local} counts[(q', r')][e]`` the rows etp rank q' receives, one dispatch
+    moves, per direction (forward, and backward again when it built the graph)::
+
+        ep all-to-all                   (Σ_e counts[(q, r)][e] + R_q) · h · e
+        etp all-gather, reduce-scatter  etp · max_q' R_q' · h · e each (blocks padded to the largest)
+    """
+    ep, etp = config.expert_model_parallel_size, _expert_tensor_size(config)
+    local = config.num_moe_experts // ep
+    row_bytes = config.hidden_size * element_bytes(config.params_dtype)
+    members = layout.group_of("etp-ep", rank)
+    position = {(layout.coords(m)["etp"], layout.coords(m)["ep"]): p
+                for p, m in enumerate(members)}
+    q, r = layout.coords(rank)["etp"], layout.coords(rank)["ep"]
+    mine = slice(r * local, (r + 1) * local)
+    volume = defaultdict(int)
+    for record in dispatches:
+        received = [sum(sum(record.counts[position[(q2, r2)]][mine]) for r2 in range(ep))
+                    for q2 in range(etp)]
+        directions = 2 if record.builds_graph else 1
+        if ep > 1:
+            sent = sum(record.counts[position[(q, r)]])
+            volume["ep_all_to_all"] += directions * (sent + received[q]) * row_bytes
+        if etp > 1:
+            for op in ("all_gather", "reduce_scatter"):
+                volume[f"etp_{op}"] += directions * etp * max(received) * row_bytes
+    return dict(volume)
+
+
 def step_comm_bounds(config, layout, rank: int, micro_batch_size: int,
                      num_microbatches: int, backend: str = "nccl",
                      reduce_scatter: str = "auto") -> dict:
@@ -490,16 +527,27 @@ def step_comm_bounds(config, layout, rank: int, micro_batch_size: int,
 
 def step_comm_bytes(config, layout, rank: int, buffers, micro_batch_size: int,
                     num_microbatches: int, backend: str = "nccl",
-                    reduce_scatter: str = "auto") -> dict:
+                    reduce_scatter: str = "auto", routing=None) -> dict:
     """``{"<group kind>_<op>": bytes}`` of one optimizer step on ``rank`` (zero kinds left
-    out); ``reduce_scatter``: the ``--reduce-scatter-strategy``."""
+    out); ``reduce_scatter``: the ``--reduce-scatter-strategy``; ``routing``: the step's
+    recorded dispatches on ``rank`` (``dropless_alltoall_bytes``), which make the unpadded
+    alltoall dispatcher's volume exact (without: its value under uniform routing)."""
     pp_rank = layout.rank_in("pp", rank)
     run_as = resolve_reduce_scatter(reduce_scatter, backend)
+    routed = routing is None or config.moe_token_dispatcher_type != "alltoall" \
+        or config.moe_pad_expert_input_to_capacity
+
+    def experts(config, micro_batch_size, pp_rank):
+        return _expert_parallel(config, micro_batch_size, pp_rank, routed=routed)[0]
+
     volume = defaultdict(int)
-    for part in (tensor_parallel_bytes, context_parallel_bytes, expert_parallel_bytes,
+    for part in (tensor_parallel_bytes, context_parallel_bytes, experts,
                  router_loss_bytes, pipeline_bytes):
         for key, value in part(config, micro_batch_size, pp_rank).items():
             volume[as_run(key, run_as)] += value * num_microbatches
+    if not routed:
+        for key, value in dropless_alltoall_bytes(config, layout, rank, routing).items():
+            volume[as_run(key, run_as)] += value
     if buffers.fsdp_strategy is not None:
         data = fsdp_bytes(config, layout, rank, buffers.fsdp_strategy, num_microbatches,
                           backend, reduce_scatter)
