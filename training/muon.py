@@ -3,10 +3,11 @@ decoupled weight decay (torch.optim.Muon's update, Megatron's ``--muon-*`` setti
 
 Which parameters (``is_muon_matrix``; Megatron's ``get_megatron_muon_optimizer`` and the Muon
 paper): every 2-D weight of a linear map inside the transformer layers (the fused QKV, the
-attention output projection, both MLP linears, a MoE router) is Muon's; AdamW keeps the rest:
-the word and position embeddings, the output layer (``is_embedding_or_output_parameter``), norm
-weights and biases (1-D), and the 3-D stacked MoE expert weights (E matrices in one tensor, not one
-matrix: AdamW, not orthogonalised as a whole).
+attention output projection, both MLP linears, a MoE router, the (1, h) shared-expert gate) is
+Muon's; AdamW keeps the rest: the word and position embeddings, the output layer
+(``is_embedding_or_output_parameter``), norm weights, every bias (the stacked (E, n) expert biases
+included), and the 3-D stacked MoE expert weights (E matrices in one tensor, not one matrix:
+AdamW, not orthogonalised as a whole).
 
 One step on a matrix W with reduced, unscaled and clipped gradient G (μ ``--muon-momentum``, lr
 and weight decay λ those of AdamW's decayed group; torch.optim.Muon's order and rounding)::
@@ -87,7 +88,8 @@ class MuonConfig:
 
 def is_muon_matrix(name: str, param) -> bool:
     """Muon's parameters (module docstring): 2-D, not an embedding nor the output layer."""
-    return (param.ndim == 2 and not getattr(param, "is_embedding_or_output_parameter", False)
+    return (param.ndim == 2 and not name.rsplit(".", 1)[-1].startswith("bias")
+            and not getattr(param, "is_embedding_or_output_parameter", False)
             and "position_embeddings" not in name)
 
 
