@@ -126,7 +126,8 @@ def _moe_mlp(prefix: str, config, ep: int, etp: int, tp: int) -> list:
                    ParamShape(f"{prefix}.experts.bias2", local * h, True, dim0=local)]
     if config.moe_shared_expert_intermediate_size is not None:
         if config.moe_shared_expert_gate:            # its own parameter, before its linears'
-            shapes.append(ParamShape(f"{prefix}.shared_experts.gate_weight", h, matrix=True))
+            shapes.append(ParamShape(f"{prefix}.shared_experts.gate_weight", h, dim0=1,
+                                     matrix=True))        # (1, h)
         shapes += _dense_mlp(f"{prefix}.shared_experts", config,
                              config.moe_shared_expert_intermediate_size, tp)
     return shapes
