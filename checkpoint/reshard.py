@@ -23,7 +23,7 @@ by ``sharding.py``.
 
 Optimizer state (``training/optimizer.py``'s ``state_dict``): per model parameter, each rank saved
 the flat elements ``[start, end)`` it optimizes — all of them, or with the distributed optimizer
-its shard — with the Adam moments and, for bf16/fp16, the fp32 main copy. Reading every old rank's
+its shard — with the Adam moments (SGD's / Muon's momentum buffer) and, for bf16/fp16, the fp32 main copy. Reading every old rank's
 file and placing each piece at its offsets rebuilds the whole flattened state of every TP shard;
 those must cover every element (else the checkpoint is incomplete: a ValueError). Then the moments
 and main copies (parameter-shaped) are resharded exactly like the weights, and each new rank takes
@@ -185,9 +185,9 @@ def _place_piece(flat: dict, entry: dict, name: str, key, piece: dict) -> None:
     weight = entry["weights"].get(key, next(iter(entry["weights"].values())))
     numel = weight.numel()
     covered = torch.zeros(numel, dtype=torch.bool, device="cpu")     # assembled on the host
-    state = flat.setdefault((name, key), {"step": piece["step"], "covered": covered})
+    state = flat.setdefault((name, key), {"step": piece.get("step"), "covered": covered})
     start, end = piece["start"], piece["end"]
-    for key in ("exp_avg", "exp_avg_sq", "main_param"):
+    for key in ("exp_avg", "exp_avg_sq", "momentum_buffer", "main_param"):
         if key in piece:
             target = state.setdefault(key, torch.zeros(numel, dtype=piece[key].dtype,
                                                        device="cpu"))
@@ -299,7 +299,7 @@ def _resharded_piece(piece, name: str, index: dict, old_layout: dict, sizes: dic
     if not by_tp:
         raise ValueError(f"cannot reshard: the checkpoint has no optimizer state for {name}")
     first = by_tp[min(by_tp)]
-    entry = {"start": piece.start, "end": piece.end, "step": first["step"]}
+    entry = {"start": piece.start, "end": piece.end, "step": first.get("step")}
     for key, value in first.items():
         if key != "step":
             full = _my_slice(index[name], {r: by_tp[r][key] for r in by_tp},

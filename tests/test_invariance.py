@@ -505,3 +505,58 @@ def test_qk_layernorm_layout_reproduces_single_process_losses(run_distributed,
     world_size, argv = QK_LAYERNORM_LAYOUTS[name]
     losses = _losses(run_distributed, world_size, QK_LAYERNORM + argv)
     assert losses == pytest.approx(qk_layernorm_reference, rel=1e-5)
+
+
+# ---------------------------------------------------------------- Muon
+# --optimizer muon (training/muon.py): Newton-Schulz needs each whole matrix, so the layouts that
+# cut one (tp2 + SP: column / row shards, --muon-tp-mode duplicated gathers them; the distributed
+# optimizer's flat bucket shards and FSDP's row blocks over dp2: an all-reduce of zero-padded
+# pieces) assemble it, orthogonalise and keep their own part; pp2 cuts none. GQA (the split QKV:
+# q, k and v of every group orthogonalised apart) and swiglu (fc1's stride-2 TP shards) on.
+# The NS GEMMs in fp32 (--muon-fp32-matmul-prec high; medium's bf16 would turn the layouts'
+# ~1e-7 gradient differences into bf16 rounding flips of 4e-3): only fp32 sums are reordered, as
+# for AdamW above, measured ≤ 1.2e-7 relative over the 6 steps, so the same 1e-5 band. Blockwise
+# orthogonalisation of each TP shard (Megatron's default) is another update: 1.4e-3 away.
+MUON = ["--optimizer", "muon", "--muon-tp-mode", "duplicated", "--muon-fp32-matmul-prec", "high",
+        "--num-layers", "2", "--num-query-groups", "2", "--swiglu", "--train-iters", "6",
+        "--lr-decay-iters", "6", "--lr", "1e-2"]
+MUON_LAYOUTS = {
+    "tp2-sp": (2, _parallel(tp=2, sp=True)),
+    "pp2": (2, _parallel(pp=2)),
+    "dp2-distributed-optimizer": (2, DISTRIBUTED_OPTIMIZER),
+    "dp2-fsdp-zero3": (2, FSDP_ZERO3),
+}
+
+
+@pytest.fixture(scope="module")
+def muon_reference(run_distributed):
+    losses = _losses(run_distributed, 1, MUON)
+    assert len(losses) == 6 and losses[-1] < losses[0]
+    return losses
+
+
+@pytest.mark.parametrize("name", sorted(MUON_LAYOUTS))
+def test_muon_layout_reproduces_single_process_losses(run_distributed, muon_reference, name):
+    world_size, argv = MUON_LAYOUTS[name]
+    losses = _losses(run_distributed, world_size, MUON + argv)
+    assert losses == pytest.approx(muon_reference, rel=1e-5)
+
+
+def test_muon_blockwise_tp2_is_another_update(run_distributed, muon_reference):
+    losses = _losses(run_distributed, 2, MUON + _parallel(tp=2, sp=True)
+                     + ["--muon-tp-mode", "blockwise"])
+    assert losses[0] == pytest.approx(muon_reference[0], rel=1e-5)     # same model, same batch
+    assert losses != pytest.approx(muon_reference, rel=1e-5)
+
+
+def test_muon_resumes_exactly_and_reshards_distributed_optimizer_to_tp2(run_distributed,
+                                                                        muon_reference, tmp_path):
+    """2 iterations at dp2 with the distributed optimizer (each rank saves its shard of the
+    momentum buffers and Adam moments), 2 more resumed at the same layout, the last 2 at tp2 + SP
+    (resharded: the buffers reassembled and cut by columns / rows): the single-process curve."""
+    save = ["--save", str(tmp_path / "ckpt"), "--load", str(tmp_path / "ckpt")]
+    first = _losses(run_distributed, 2, MUON + DISTRIBUTED_OPTIMIZER + save + ["--train-iters", "2"])
+    same = _losses(run_distributed, 2, MUON + DISTRIBUTED_OPTIMIZER + save + ["--train-iters", "4"])
+    resharded = _losses(run_distributed, 2, MUON + _parallel(tp=2, sp=True) + save)
+    assert (len(first), len(same), len(resharded)) == (2, 2, 2)
+    assert first + same + resharded == pytest.approx(muon_reference, rel=1e-5)

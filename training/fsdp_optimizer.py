@@ -1,4 +1,5 @@
-"""The optimizer over FSDP's shards: AdamW on each rank's rows of every sharded parameter.
+"""The optimizer over FSDP's shards: AdamW (SGD, Muon) on each rank's rows of every sharded
+parameter (Muon assembles each whole matrix over the mesh group first, ``training/muon.py``).
 
 With ``--use-torch-fsdp2`` the fp32 sharded parameters FSDP keeps (``param._local_tensor``, rows
 ``[lo, hi)`` of the TP shard, ``training/fsdp.py``) *are* the main parameters: the update writes
@@ -80,6 +81,10 @@ class FullyShardedOptimizer(MixedPrecisionOptimizer):
     def _build_grad_views(self) -> list:
         return []                                  # FSDP makes new sharded gradients each step
 
+    def _shard_group(self, param):
+        """The mesh group FSDP cuts ``param``'s rows over (None: unsharded, whole on each)."""
+        return param.fsdp_group if self.buffers.is_sharded(param) else None
+
     def _main_grads(self) -> list:
         grads = []
         for piece in self.pieces:
@@ -90,14 +95,13 @@ class FullyShardedOptimizer(MixedPrecisionOptimizer):
 
     def memory_bytes(self) -> dict:
         """Bytes this rank holds between steps: the padded fp32 shards of parameters and
-        gradients (``fsdp.padded_shard_numel``), Adam moments of the unpadded shard."""
+        gradients (``fsdp.padded_shard_numel``), the optimizer state of the unpadded shard."""
         parameters = 0
         for param in self.model_params:
             _, size = self.fsdp.mesh_rank_and_size(param)
             parameters += padded_shard_numel(tuple(param.shape), size) * 4
-        moments = [t for s in self.adam.state.values() for k, t in s.items() if k != "step"]
         return {"parameters": parameters, "main_parameters": 0, "gradients": parameters,
-                "optimizer_state": sum(t.numel() * t.element_size() for t in moments)}
+                "optimizer_state": self.state_bytes()}
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:

@@ -1,5 +1,6 @@
-"""AdamW on fp32 main parameters (Megatron's MixedPrecisionOptimizer / FP32Optimizer /
-DistributedOptimizer), with loss-scale handling, global-norm clipping and non-finite detection.
+"""AdamW, SGD or Muon on fp32 main parameters (Megatron's MixedPrecisionOptimizer / FP32Optimizer
+/ DistributedOptimizer, ``--optimizer``), with loss-scale handling, global-norm clipping and
+non-finite detection.
 
 What the optimizer steps on is a list of *pieces*: the elements ``[start, end)`` of one model
 parameter (flattened) that this rank updates, each with
@@ -28,6 +29,16 @@ over all pieces on CPU and GPU, as Megatron's fused Adam and torchtitan's defaul
 as the per-tensor loop to fp32 rounding, without 8 ops per parameter per step.
 
 Parameter groups follow Megatron: biases and 1-D parameters (norm weights) get no weight decay.
+
+``--optimizer sgd``: torch.optim.SGD on every piece, as Megatron builds it (``momentum`` μ =
+``--sgd-momentum``, no dampening, no Nesterov; weight decay λ the coupled L2 term of the decayed
+group)::
+
+    g ← g + λ θ;   B ← μ B + g;   θ ← θ − lr · B          (B: one fp32 buffer per element, μ > 0)
+
+``--optimizer muon``: Muon on the 2-D hidden weights, AdamW (the settings above) on the rest;
+``training/muon.py`` says which parameters go where and how the whole matrix is assembled from
+TP / distributed-optimizer / FSDP shards. Both steps follow the same unscale, norm, clip.
 """
 from __future__ import annotations
 
@@ -37,6 +48,10 @@ import torch
 
 from .data_parallel import is_expert
 from .grad_norm import counted_on_this_rank, global_norm_stats, norm_from_squares
+from .muon import MuonConfig, MuonUpdate, is_muon_matrix, qkv_layouts
+
+OPTIMIZER_FORMATS = {"adam": "tpfuse-mixed-precision-adamw", "sgd": "tpfuse-mixed-precision-sgd",
+                     "muon": "tpfuse-mixed-precision-muon"}
 
 
 @dataclass
@@ -106,31 +121,67 @@ def decays(name: str, param) -> bool:
 
 
 class MixedPrecisionOptimizer:
-    """AdamW over fp32 main pieces of ``buffers.params`` (see the module docstring).
+    """AdamW (or SGD, or Muon with AdamW) over fp32 main pieces of ``buffers.params`` (see the
+    module docstring).
 
     ``buffers``: the DataParallelBuffers of the model chunks (main_grad, shards, param gather);
-    ``grad_scaler``: a training/grad_scaler.py scaler, or None; ``clip_grad``: 0 disables.
+    ``grad_scaler``: a training/grad_scaler.py scaler, or None; ``clip_grad``: 0 disables;
+    ``optimizer``: adam, sgd or muon; ``sgd_momentum``; ``muon``: a MuonConfig (muon only).
     """
 
     def __init__(self, model_chunks, buffers, state, *, lr: float, weight_decay: float,
                  betas=(0.9, 0.999), eps: float = 1e-8, clip_grad: float = 0.0,
-                 grad_scaler=None):
-        self.buffers, self.state = buffers, state
+                 grad_scaler=None, optimizer: str = "adam", sgd_momentum: float = 0.9,
+                 muon: MuonConfig | None = None):
+        if optimizer not in OPTIMIZER_FORMATS:
+            raise ValueError(f"--optimizer must be one of {', '.join(OPTIMIZER_FORMATS)}, "
+                             f"got {optimizer!r}")
+        self.buffers, self.state, self.kind = buffers, state, optimizer
         self.model_params = buffers.params
         self.clip_grad, self.grad_scaler = clip_grad, grad_scaler
         self.distributed = buffers.config.use_distributed_optimizer
         self.pieces = self._build_pieces(buffers, state)
         names = {id(p): n for chunk in model_chunks for n, p in chunk.named_parameters()}
-        decay = [p.main for p in self.pieces if decays(names[id(p.model_param)], p.model_param)]
-        no_decay = [p.main for p in self.pieces
+        muon_ids = {id(p) for p in self.model_params if optimizer == "muon"
+                    and is_muon_matrix(names[id(p)], p)}
+        elementwise = [p for p in self.pieces if id(p.model_param) not in muon_ids]
+        decay = [p.main for p in elementwise if decays(names[id(p.model_param)], p.model_param)]
+        no_decay = [p.main for p in elementwise
                     if not decays(names[id(p.model_param)], p.model_param)]
-        self.adam = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": weight_decay},
-             {"params": no_decay, "weight_decay": 0.0}],
-            lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, fused=True)
+        groups = [{"params": decay, "weight_decay": weight_decay},
+                  {"params": no_decay, "weight_decay": 0.0}]
+        if optimizer == "sgd":
+            self.adam = torch.optim.SGD(groups, lr=lr, momentum=sgd_momentum,
+                                        weight_decay=weight_decay)
+        else:
+            self.adam = torch.optim.AdamW(groups, lr=lr, betas=tuple(betas), eps=eps,
+                                          weight_decay=weight_decay, fused=True)
         self._init_adam_state()
+        self.muon, self.muon_group = None, None
+        if optimizer == "muon":
+            self._build_muon(model_chunks, muon or MuonConfig(), muon_ids, lr, weight_decay)
         self._piece_of_main = {id(p.main): p for p in self.pieces}
         self._grad_views = self._build_grad_views()
+
+    def _build_muon(self, model_chunks, config, muon_ids, lr, weight_decay) -> None:
+        """Muon over the 2-D hidden weights' pieces (``training/muon.py``)."""
+        piece_of = {id(p.model_param): p for p in self.pieces}
+        matrices = [(param, piece_of.get(id(param)), self._shard_group(param))
+                    for param in self.model_params if id(param) in muon_ids]
+        self.muon = MuonUpdate(config, matrices, self.state, qkv_layouts(model_chunks))
+        self.muon_group = {"params": [p.main for _, p, _ in matrices if p is not None],
+                           "lr": lr, "weight_decay": weight_decay}
+
+    def _shard_group(self, param):
+        """The data-parallel group ``param``'s pieces are split over (None: whole on each)."""
+        return self.buffers.buffer_of(param).group if self.distributed else None
+
+    def _state_of(self, piece: Piece) -> dict:
+        """The optimizer state tensors of one piece (Adam moments and step, SGD's or Muon's
+        momentum buffer)."""
+        if self.muon is not None and id(piece.main) in self.muon.momentum:
+            return {"momentum_buffer": self.muon.momentum[id(piece.main)]}
+        return self.adam.state[piece.main]
 
     def _build_pieces(self, buffers, state) -> list:
         """What this rank steps on: whole parameters, or the distributed optimizer's shards."""
@@ -143,17 +194,24 @@ class MixedPrecisionOptimizer:
     def _init_adam_state(self) -> None:
         """Allocate the moments now (torch allocates them at the first step): memory is known
         before training, and a checkpoint of a fresh run has every entry."""
-        for piece in self.pieces:
-            self.adam.state[piece.main] = {
-                # on the parameter's device, where the fused kernel reads it
-                "step": torch.zeros((), dtype=torch.float32, device=piece.main.device),
-                "exp_avg": torch.zeros_like(piece.main, memory_format=torch.preserve_format),
-                "exp_avg_sq": torch.zeros_like(piece.main, memory_format=torch.preserve_format)}
+        for group in self.adam.param_groups:
+            for main in group["params"]:
+                self.adam.state[main] = self._fresh_state(main)
+
+    def _fresh_state(self, main: torch.Tensor) -> dict:
+        zeros = torch.zeros_like(main, memory_format=torch.preserve_format)
+        if self.kind == "sgd":          # μ·0 + g = g: torch's first-step clone, exactly
+            return {"momentum_buffer": zeros} if self.adam.defaults["momentum"] else {}
+        return {
+            # on the parameter's device, where the fused kernel reads it
+            "step": torch.zeros((), dtype=torch.float32, device=main.device),
+            "exp_avg": zeros,
+            "exp_avg_sq": torch.zeros_like(main, memory_format=torch.preserve_format)}
 
     @property
     def param_groups(self) -> list:
-        """AdamW's groups (the lr scheduler sets ``lr`` on them)."""
-        return self.adam.param_groups
+        """AdamW's (SGD's) groups, then Muon's (the lr scheduler sets ``lr`` on them)."""
+        return self.adam.param_groups + ([self.muon_group] if self.muon is not None else [])
 
     @property
     def loss_scale(self) -> float:
@@ -192,6 +250,8 @@ class MixedPrecisionOptimizer:
             if coeff < 1.0:
                 torch._foreach_mul_(grads, coeff)
         self.adam.step()
+        if self.muon is not None:
+            self.muon.step(self.muon_group["lr"], self.muon_group["weight_decay"])
         self._clear_grads()
         self._copy_main_to_model()
         self.buffers.start_param_sync()
@@ -212,27 +272,31 @@ class MixedPrecisionOptimizer:
             parameters = sum(nbytes(b.param_data) for b in self.buffers.buffers)
         else:
             parameters = sum(nbytes(p) for p in self.model_params)
-        moments = [t for s in self.adam.state.values() for k, t in s.items() if k != "step"]
         return {"parameters": parameters,
                 "main_parameters": sum(nbytes(p.main) for p in self.pieces if p.separate_main),
                 "gradients": sum(nbytes(b.grad_data) for b in self.buffers.buffers),
-                "optimizer_state": sum(nbytes(t) for t in moments)}
+                "optimizer_state": self.state_bytes()}
+
+    def state_bytes(self) -> int:
+        """Bytes of the optimizer state (Adam moments, SGD / Muon momentum; not the step)."""
+        return sum(t.numel() * t.element_size() for piece in self.pieces
+                   for k, t in self._state_of(piece).items() if k != "step")
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:
         """Per model parameter position: this rank's piece ``[start, end)`` with its flat fp32
-        main copy (when separate), Adam moments and step; plus hyper-parameters and the scaler."""
+        main copy (when separate), Adam moments and step (SGD's / Muon's momentum buffer); plus
+        hyper-parameters and the scaler."""
         entries = [None] * len(self.model_params)
         for piece in self.pieces:
-            adam_state = self.adam.state[piece.main]
-            entry = {"start": piece.start, "end": piece.end, "step": adam_state["step"],
-                     "exp_avg": adam_state["exp_avg"].reshape(-1),
-                     "exp_avg_sq": adam_state["exp_avg_sq"].reshape(-1)}
+            entry = {"start": piece.start, "end": piece.end}
+            for key, value in self._state_of(piece).items():
+                entry[key] = value if key == "step" else value.reshape(-1)
             if piece.separate_main:
                 entry["main_param"] = piece.main.reshape(-1)
             entries[piece.position] = entry
-        groups = [{k: v for k, v in g.items() if k != "params"} for g in self.adam.param_groups]
-        return {"format": "tpfuse-mixed-precision-adamw", "params": entries,
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
+        return {"format": OPTIMIZER_FORMATS[self.kind], "params": entries,
                 "param_groups": groups,
                 "grad_scaler": None if self.grad_scaler is None else self.grad_scaler.state_dict()}
 
@@ -240,9 +304,13 @@ class MixedPrecisionOptimizer:
     def load_state_dict(self, state: dict) -> None:
         """Restore from ``state_dict()`` of the same layout and sharding (pieces must match):
         the main copies, moments, step and loss scaler; the hyper-parameters stay this run's."""
-        if state.get("format") != "tpfuse-mixed-precision-adamw":
+        if self.kind == "adam" and state.get("format") != "tpfuse-mixed-precision-adamw":
             raise ValueError("optimizer state is not a tpfuse mixed-precision AdamW state "
                              f"(format {state.get('format')!r})")
+        if state.get("format") != OPTIMIZER_FORMATS[self.kind]:
+            raise ValueError(f"optimizer state is not a tpfuse mixed-precision {self.kind} state "
+                             f"(format {state.get('format')!r}); this run has --optimizer "
+                             f"{self.kind}")
         if len(state["params"]) != len(self.model_params):
             raise ValueError(f"optimizer state has {len(state['params'])} parameters, this model "
                              f"{len(self.model_params)}")
@@ -261,10 +329,17 @@ class MixedPrecisionOptimizer:
             raise ValueError(f"optimizer state of parameter {piece.position} covers {saved}, this "
                              f"rank optimizes [{piece.start}, {piece.end}): saved with another "
                              f"sharding (load through the resharding path)")
-        adam_state = self.adam.state[piece.main]
-        adam_state["step"] = entry["step"].to(piece.main.device, torch.float32, copy=True)
-        adam_state["exp_avg"].copy_(entry["exp_avg"].view(piece.main.shape))
-        adam_state["exp_avg_sq"].copy_(entry["exp_avg_sq"].view(piece.main.shape))
+        own = self._state_of(piece)
+        missing = [key for key in own if entry.get(key) is None]
+        if missing:
+            raise ValueError(f"optimizer state of parameter {piece.position} has no "
+                             f"{', '.join(missing)}: saved by another --optimizer than this "
+                             f"run's {self.kind}")
+        for key, tensor in own.items():
+            if key == "step":
+                own[key] = entry[key].to(piece.main.device, torch.float32, copy=True)
+            else:
+                tensor.copy_(entry[key].view(piece.main.shape))
         if piece.separate_main:
             source = entry.get("main_param")
             piece.main.copy_(source.view(piece.main.shape) if source is not None

@@ -7,7 +7,7 @@ trainer reads is here, one group per concern, each field a Megatron flag by unde
 =======================  ======================================================================
 ``training``             TrainingSettings: batch sizes, ramp-up, run length (iterations/samples)
 ``scheduler``            SchedulerSettings: lr, its warm-up, decay and WSD anneal
-``optimizer``            OptimizerSettings: AdamW and gradient clipping
+``optimizer``            OptimizerSettings: AdamW / SGD / Muon and gradient clipping
 ``data``                 DataSettings: data sources, split, tokenizer, document handling
 ``evaluation``           EvaluationSettings: how often and how much to validate
 ``logging``              LoggingSettings: log line, metrics file, progress bar, layout table
@@ -46,6 +46,10 @@ from .timers import TimingSettings
 from .train_samples import check_iterations_or_samples, check_wsd_arguments
 
 DEFAULT_SPLIT = "969,30,1"      # Megatron's legacy default with --data-path
+OPTIMIZER_CHOICES = ("adam", "sgd", "muon", "dist_muon")        # Megatron-LM's --optimizer
+MUON_SCALE_MODES = ("spectral", "unit_rms_norm", "shape_scaling")
+MUON_MATMUL_PRECISIONS = ("low", "medium", "high")
+MUON_TP_MODES = ("blockwise", "duplicated", "distributed")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -105,7 +109,8 @@ class SchedulerSettings(SettingsGroup):
 
 @dataclass(frozen=True, kw_only=True)
 class OptimizerSettings(SettingsGroup):
-    """AdamW on the fp32 main parameters and the global gradient-norm clip."""
+    """The optimizer on the fp32 main parameters (AdamW, SGD or Muon; Megatron's flags and
+    defaults) and the global gradient-norm clip."""
     TITLE = "optimizer"
 
     weight_decay: float = setting(0.01, "AdamW's decoupled weight decay",
@@ -116,6 +121,46 @@ class OptimizerSettings(SettingsGroup):
     adam_beta2: float = setting(0.999, "Adam's second-moment decay",
                                 bounds=(0.0, True, 1.0, False))
     adam_eps: float = setting(1e-8, "Adam's denominator epsilon", bounds=(0.0, False, None, False))
+    # the optimizer's kind and its own settings (training/optimizer.py has the update rules)
+    optimizer: str = setting(
+        "adam", "adam (AdamW), sgd (momentum SGD) or muon (Newton-Schulz orthogonalised momentum "
+                "on the 2-D hidden weights, AdamW on the rest)", choices=OPTIMIZER_CHOICES)
+    sgd_momentum: float = setting(0.9, "SGD's momentum factor", bounds=(0.0, True, None, False))
+    muon_momentum: float = setting(0.9, "Muon's momentum (an EMA of the gradients)",
+                                   bounds=(0.0, True, 1.0, False))
+    muon_split_qkv: bool = setting(
+        True, "orthogonalise the fused QKV weight as one matrix (default: q, k and v apart)",
+        flag="--muon-no-split-qkv")
+    muon_use_nesterov: bool = setting(False, "Nesterov-style momentum in Muon")
+    muon_scale_mode: str = setting(
+        "spectral", "Muon's update scale: spectral sqrt(max(m, n)), unit_rms_norm sqrt(m/n), "
+                    "shape_scaling sqrt(max(1, m/n))", choices=MUON_SCALE_MODES)
+    muon_fp32_matmul_prec: str = setting(
+        "medium", "the Newton-Schulz GEMMs: medium in bf16, high in fp32 (TF32 on a GPU)",
+        choices=MUON_MATMUL_PRECISIONS)
+    muon_num_ns_steps: int = setting(5, "Newton-Schulz iterations (a multiple of 5: the quintic "
+                                        "coefficient schedule, repeated)", minimum=1)
+    muon_tp_mode: str = setting(
+        "blockwise", "tensor-parallel weights: blockwise orthogonalises each TP shard, "
+                     "duplicated the whole matrix (gathered; equal to one process)",
+        choices=MUON_TP_MODES)
+    muon_extra_scale_factor: float = setting(1.0, "a further factor on Muon's update",
+                                             bounds=(0.0, False, None, False))
+
+    def check(self) -> None:
+        unsupported = {("optimizer", "dist_muon"): "the layer-wise distributed Muon; use "
+                                                   "--optimizer muon (with "
+                                                   "--use-distributed-optimizer to shard it)",
+                       ("muon_fp32_matmul_prec", "low"): "torch has no 'low' float32 matmul "
+                                                         "precision; use medium or high",
+                       ("muon_tp_mode", "distributed"): "use duplicated (the same "
+                                                        "orthogonalisation of the whole matrix)"}
+        for (name, value), why in unsupported.items():
+            if getattr(self, name) == value:
+                raise ValueError(f"--{name.replace('_', '-')} {value} is not supported: {why}")
+        if self.muon_num_ns_steps % 5:
+            raise ValueError(f"--muon-num-ns-steps must be a multiple of 5 (the quintic "
+                             f"Newton-Schulz schedule has 5 steps), got {self.muon_num_ns_steps}")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -28,6 +28,7 @@ from .fsdp import FsdpConfig, FullyShardedModel
 from .fsdp_optimizer import FullyShardedOptimizer
 from .grad_scaler import build_grad_scaler
 from .memory import peak_allocated_mib
+from .muon import MuonConfig
 from .optimizer import MixedPrecisionOptimizer
 from .precision_args import ddp_config_from_settings
 
@@ -35,8 +36,8 @@ from .precision_args import ddp_config_from_settings
 def build_buffers_and_optimizer(model_chunks, config, state, *, optimizer, precision,
                                 data_parallel, lr: float):
     """(DataParallelBuffers, MixedPrecisionOptimizer) for ``model_chunks``: the buffers from
-    ``precision`` and ``data_parallel`` (PrecisionSettings, DataParallelSettings), AdamW from
-    ``optimizer`` (OptimizerSettings) starting at ``lr`` (``--lr``; the scheduler sets it each
+    ``precision`` and ``data_parallel`` (PrecisionSettings, DataParallelSettings), the optimizer
+    (``--optimizer`` adam / sgd / muon) from ``optimizer`` (OptimizerSettings) starting at ``lr`` (``--lr``; the scheduler sets it each
     step). With ``--use-torch-fsdp2`` (``data_parallel.use_torch_fsdp2``) the chunks are
     sharded in place by ``FullyShardedModel`` and the optimizer steps on FSDP's shards."""
     scaler = build_grad_scaler(config.fp16, precision.loss_scale, precision.initial_loss_scale,
@@ -45,7 +46,9 @@ def build_buffers_and_optimizer(model_chunks, config, state, *, optimizer, preci
     adam_settings = dict(lr=lr, weight_decay=optimizer.weight_decay,
                          betas=(optimizer.adam_beta1, optimizer.adam_beta2),
                          eps=optimizer.adam_eps, clip_grad=optimizer.clip_grad,
-                         grad_scaler=scaler)
+                         grad_scaler=scaler, optimizer=optimizer.optimizer,
+                         sgd_momentum=optimizer.sgd_momentum,
+                         muon=MuonConfig.from_settings(optimizer))
     if data_parallel.use_torch_fsdp2:
         fsdp = FullyShardedModel(model_chunks, FsdpConfig(
             data_parallel.fsdp_strategy, config.params_dtype,

@@ -57,7 +57,15 @@ GRID = {
          "--use-distributed-optimizer", "--fp16"],
         # FSDP ZeRO-2 (3 experts: the row split pads) and ZeRO-3
         FSDP + ["optim_grads", "--bf16", "--num-experts", "3", "--moe-router-topk", "2"],
-        FSDP + ["optim_grads_params"]],
+        FSDP + ["optim_grads_params"],
+        # Muon's matrices hold one momentum buffer (4 bytes), AdamW's rest two moments: over
+        # the distributed optimizer's shards, and FSDP's rows with the router / shared gate
+        ["--optimizer", "muon", "--tensor-model-parallel-size", "2", "--bf16",
+         "--use-distributed-optimizer"],
+        FSDP + ["optim_grads", "--optimizer", "muon", "--num-experts", "3", "--moe-router-topk",
+                "2", "--moe-shared-expert-intermediate-size", "64", "--moe-shared-expert-gate"],
+        ["--optimizer", "sgd", "--use-distributed-optimizer"],
+        ["--optimizer", "sgd", "--sgd-momentum", "0"]],
     4: [["--pipeline-model-parallel-size", "2", "--use-distributed-optimizer", "--bf16"],
         ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
          "--global-batch-size", "4"],

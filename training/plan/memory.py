@@ -16,7 +16,9 @@ lays it out:
       parameters       Σ param numel · es            (distributed: the padded param buffers)
       gradients        Σ padded grad buffer · es_grad
       main_parameters  elements this rank updates · 4 when the params are not fp32, else 0
-      optimizer_state  elements this rank updates · 8 (two fp32 Adam moments)
+      optimizer_state  elements this rank updates · b, b per element (``state_bytes``): 8 for
+                       Adam's two fp32 moments, 4 for one fp32 momentum buffer (SGD with
+                       --sgd-momentum > 0, Muon's matrices), 0 for SGD without momentum
 
   where "elements this rank updates" is every parameter element, or with the distributed
   optimizer the parameters' intersection with this rank's shard of every bucket.
@@ -30,7 +32,7 @@ unsharded otherwise, the chunk's remaining parameters one) hold every parameter'
 
     parameters = gradients   Σ ⌈rows/n⌉ · (numel/rows) · 4     (the padded shards)
     main_parameters          0                                  (the shards are the main copy)
-    optimizer_state          Σ (this rank's rows of the torch.chunk split) · (numel/rows) · 8
+    optimizer_state          Σ (this rank's rows of the torch.chunk split) · (numel/rows) · b
 
 the moments being made for the unpadded shards (``FullyShardedOptimizer.memory_bytes``).
 """
@@ -60,6 +62,7 @@ class ParamShape:
     expert: bool = False
     tied_copy: bool = False
     dim0: int = 0
+    matrix: bool = False        # a 2-D weight of a linear map (Muon's, training/muon.py)
 
     @property
     def rows(self) -> int:
@@ -94,7 +97,7 @@ def _norm(prefix: str, config, size: int | None = None) -> list:
 
 
 def _linear(prefix: str, rows: int, cols: int, bias_numel: int | None, expert=False) -> list:
-    shapes = [ParamShape(f"{prefix}.weight", rows * cols, expert, dim0=rows)]
+    shapes = [ParamShape(f"{prefix}.weight", rows * cols, expert, dim0=rows, matrix=True)]
     if bias_numel is not None:
         shapes.append(ParamShape(f"{prefix}.bias", bias_numel, expert))
     return shapes
@@ -113,7 +116,7 @@ def _moe_mlp(prefix: str, config, ep: int, etp: int, tp: int) -> list:
     h, experts = config.hidden_size, config.num_moe_experts
     local, ffn = experts // ep, config.moe_ffn_hidden_size
     stride = 2 if config.activation == "swiglu" else 1
-    shapes = [ParamShape(f"{prefix}.router.weight", experts * h, dim0=experts)]
+    shapes = [ParamShape(f"{prefix}.router.weight", experts * h, dim0=experts, matrix=True)]
     shapes += [ParamShape(f"{prefix}.experts.weight1", local * h * stride * ffn // etp, True,
                           dim0=local),
                ParamShape(f"{prefix}.experts.weight2", local * ffn // etp * h, True, dim0=local)]
@@ -123,7 +126,8 @@ def _moe_mlp(prefix: str, config, ep: int, etp: int, tp: int) -> list:
                    ParamShape(f"{prefix}.experts.bias2", local * h, True, dim0=local)]
     if config.moe_shared_expert_intermediate_size is not None:
         if config.moe_shared_expert_gate:            # its own parameter, before its linears'
-            shapes.append(ParamShape(f"{prefix}.shared_experts.gate_weight", h))
+            shapes.append(ParamShape(f"{prefix}.shared_experts.gate_weight", h, dim0=1,
+                                     matrix=True))        # (1, h)
         shapes += _dense_mlp(f"{prefix}.shared_experts", config,
                              config.moe_shared_expert_intermediate_size, tp)
     return shapes
@@ -202,17 +206,31 @@ class BufferSettings:
     use_distributed_optimizer: bool
     bucket_size: int | None          # None: one bucket per buffer
     fsdp_strategy: str | None = None  # --use-torch-fsdp2's optim_grads | optim_grads_params
+    optimizer: str = "adam"          # --optimizer (the optimizer state's bytes per element)
+    sgd_momentum: float = 0.9
+
+
+def state_bytes(shape: ParamShape, buffers: BufferSettings) -> int:
+    """Optimizer-state bytes per element of ``shape`` this rank updates (module docstring)."""
+    if buffers.optimizer == "sgd":
+        return 4 if buffers.sgd_momentum else 0
+    if buffers.optimizer == "muon" and shape.matrix:
+        return 4
+    return 8
 
 
 def buffer_settings(config, settings, dp_cp: int) -> BufferSettings:
     from ..precision_args import ddp_config_from_settings
 
+    optimizer = dict(optimizer=settings.optimizer.optimizer,
+                     sgd_momentum=settings.optimizer.sgd_momentum)
     if settings.data_parallel.use_torch_fsdp2:      # fp32 shards and an fp32 reduce
-        return BufferSettings(True, False, None, settings.data_parallel.fsdp_strategy)
+        return BufferSettings(True, False, None, settings.data_parallel.fsdp_strategy,
+                              **optimizer)
     ddp = ddp_config_from_settings(settings.precision, settings.data_parallel, config)
     bucket = ddp.bucket_size or max(40_000_000, 1_000_000 * dp_cp)
     return BufferSettings(ddp.grad_reduce_in_fp32, ddp.use_distributed_optimizer,
-                          bucket if ddp.overlap_grad_reduce else None)
+                          bucket if ddp.overlap_grad_reduce else None, **optimizer)
 
 
 def _owned_elements(plan, shard_over: int, shard_rank: int) -> int:
@@ -224,6 +242,18 @@ def _owned_elements(plan, shard_over: int, shard_rank: int) -> int:
         for index in bucket.params:
             start, end = plan.ranges[index]
             owned += max(0, min(end, hi) - max(start, lo))
+    return owned
+
+
+def _owned_by_param(plan, shard_over: int, shard_rank: int) -> list:
+    """Per parameter of the plan: its elements inside shard ``shard_rank`` of its bucket."""
+    owned = [0] * len(plan.ranges)
+    for bucket in plan.buckets:
+        size = (bucket.end - bucket.start) // shard_over
+        lo, hi = bucket.start + shard_rank * size, bucket.start + (shard_rank + 1) * size
+        for index in bucket.params:
+            start, end = plan.ranges[index]
+            owned[index] += max(0, min(end, hi) - max(start, lo))
     return owned
 
 
@@ -284,8 +314,11 @@ def fsdp_units(config, layout: RankLayout, rank: int) -> list:
     return units
 
 
-def fsdp_static_memory(config, layout: RankLayout, rank: int) -> dict:
-    """The four kinds of ``FullyShardedOptimizer.memory_bytes`` on ``rank`` (module docstring)."""
+def fsdp_static_memory(config, layout: RankLayout, rank: int,
+                       buffers: BufferSettings | None = None) -> dict:
+    """The four kinds of ``FullyShardedOptimizer.memory_bytes`` on ``rank`` (module docstring);
+    ``buffers`` names the optimizer (default: Adam)."""
+    buffers = buffers or BufferSettings(True, False, None, "optim_grads")
     held = dict.fromkeys(MEMORY_KINDS, 0)
     for unit in fsdp_units(config, layout, rank):
         group = layout.group_of(unit.group, rank) if unit.group else [rank]
@@ -295,26 +328,32 @@ def fsdp_static_memory(config, layout: RankLayout, rank: int) -> dict:
         held["gradients"] += padded["gradients"]
         for shape in unit.shapes:
             lo, hi = shard_rows(shape.rows, size, shard_rank)
-            held["optimizer_state"] += (hi - lo) * (shape.numel // shape.rows) * 8
+            held["optimizer_state"] += (hi - lo) * (shape.numel // shape.rows) * \
+                state_bytes(shape, buffers)
     return held
 
 
 def static_memory(config, layout: RankLayout, rank: int, buffers: BufferSettings) -> dict:
     """The four kinds of ``MixedPrecisionOptimizer.memory_bytes`` on ``rank``, in bytes."""
     if buffers.fsdp_strategy is not None:
-        return fsdp_static_memory(config, layout, rank)
+        return fsdp_static_memory(config, layout, rank, buffers)
     param_bytes = element_bytes(config.params_dtype)
     grad_bytes = 4 if buffers.grad_reduce_in_fp32 else param_bytes
     held = dict.fromkeys(MEMORY_KINDS, 0)
-    for _kind, plan, size, shard_rank in buffer_plans(config, layout, rank, buffers):
+    shapes = rank_shapes(config, layout.rank_in("pp", rank))
+    for kind, plan, size, shard_rank in buffer_plans(config, layout, rank, buffers):
         numel = sum(end - start for start, end in plan.ranges)
+        mine = [s for s in shapes if s.expert == (kind == "expert")]   # plan.ranges' order
         if buffers.use_distributed_optimizer:
             held["parameters"] += plan.numel * param_bytes
             owned = _owned_elements(plan, size, shard_rank)
+            per_param = _owned_by_param(plan, size, shard_rank)
         else:
             held["parameters"] += numel * param_bytes
             owned = numel
+            per_param = [end - start for start, end in plan.ranges]
         held["gradients"] += plan.numel * grad_bytes
         held["main_parameters"] += owned * 4 if param_bytes != 4 else 0
-        held["optimizer_state"] += owned * 8
+        held["optimizer_state"] += sum(count * state_bytes(shape, buffers)
+                                       for count, shape in zip(per_param, mine))
     return held
