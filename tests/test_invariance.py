@@ -542,12 +542,15 @@ class _DocumentsOfLengths:
         return ids[offset:None if length is None else offset + length]
 
 
-def varlen_datasets(lengths, pad_to_multiple_of, train_valid_test_num_samples, *, config):
-    """pretrain's datasets provider: DocumentDataset over ``_DocumentsOfLengths(lengths)``."""
+def varlen_datasets(lengths, pad_to_multiple_of, train_valid_test_num_samples, *, config,
+                    declared=True):
+    """pretrain's datasets provider: DocumentDataset over ``_DocumentsOfLengths(lengths)``;
+    ``declared=False``: as a dataset that does not say its lengths vary."""
     from tpfuse.data import DocumentDataset
 
     train = DocumentDataset(_DocumentsOfLengths(lengths), config.seq_length, pad_to_multiple_of,
                             num_samples=train_valid_test_num_samples[0])
+    train.variable_seq_lengths = declared
     return train, None, None
 
 
@@ -593,6 +596,9 @@ VARLEN_ERRORS = {
     # name: (world size, flags, micro-batch lengths, padding multiple, what the message names)
     "no-flag-pp2": (2, _parallel(pp=2), VARLEN_LENGTHS, 4,
                     ["DocumentDataset", "--variable-seq-lengths"]),
+    # a dataset that does not declare it: its second micro-batch (4 tokens) is refused when read
+    "no-flag-undeclared": (1, [], (12, 4), 4,
+                           ["sequence length 4 with --seq-length 12", "--variable-seq-lengths"]),
     "cp2-length-6": (2, _parallel(cp=2) + ["--variable-seq-lengths"], (12, 6), 1,
                      ["sequence length 6", "2 × --context-parallel-size 2 = 4"]),
     "tp2-sp-length-5": (2, _parallel(tp=2, sp=True) + ["--variable-seq-lengths"], (12, 5), 1,
@@ -603,14 +609,16 @@ VARLEN_ERRORS = {
 
 @pytest.mark.parametrize("name", sorted(VARLEN_ERRORS))
 def test_variable_seq_lengths_errors_name_the_length_and_flags(run_distributed, name):
-    """Every rank raises the same ValueError before the micro-batch's first collective."""
+    """Every rank raises the ValueError before the micro-batch's first collective (the
+    undeclared dataset runs in one process: a pipeline peer of the reading rank would wait)."""
     import functools
 
     from support.pretrain_run import pretrain_error
 
     world_size, argv, lengths, multiple, names = VARLEN_ERRORS[name]
+    provider = functools.partial(varlen_datasets, lengths, multiple,
+                                 declared=name != "no-flag-undeclared")
     errors = run_distributed(world_size, pretrain_error, VARLEN_MODEL + argv,
-                             datasets_provider=functools.partial(varlen_datasets, lengths,
-                                                                 multiple))
+                             datasets_provider=provider)
     assert all(error is not None and all(n in error for n in names) for error in errors), errors
 # ========================================================== variable sequence lengths (end)
