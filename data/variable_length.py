@@ -87,9 +87,9 @@ class DocumentDataset(torch.utils.data.Dataset):
         return self.num_samples
 
     def __getitem__(self, idx: int) -> dict:
-        document = self.documents[idx % self.documents.size]
-        text = np.asarray(self.low_level.get(int(document)))[:self.seq_length + 1]
-        text = torch.from_numpy(text.astype(np.int64))
+        document = int(self.documents[idx % self.documents.size])
+        size = min(int(self.low_level.sequence_lengths[document]), self.seq_length + 1)
+        text = torch.from_numpy(np.asarray(self.low_level.get(document, 0, size), dtype=np.int64))
         n = text.numel() - 1
         return {"tokens": text[:-1], "labels": text[1:], "loss_mask": torch.ones(n),
                 "position_ids": torch.arange(n)}

@@ -12,7 +12,8 @@ class _Corpus:
     sequence_lengths = np.array([6, 1, 4, 20])
 
     def get(self, j, offset=0, length=None):
-        return 10 * j + np.arange(self.sequence_lengths[j])
+        ids = 10 * j + np.arange(self.sequence_lengths[j])
+        return ids[offset:None if length is None else offset + length]
 
 
 def test_samples_are_whole_documents_cut_to_seq_length():
