@@ -20,5 +20,7 @@ _EXPORTS = {
     "BlendedMegatronDatasetBuilder": "builder",
     "MegatronPretrainingSampler": "sampler", "build_pretraining_data_loader": "sampler",
     "collate": "sampler",
+    "DocumentDataset": "variable_length", "check_micro_batch_length": "variable_length",
+    "sequence_length_multiple": "variable_length",
 }
 __getattr__, __dir__, __all__ = lazy_exports(__name__, _EXPORTS, globals())

@@ -8,7 +8,9 @@ the uninterrupted run would be: the loader's whole state is ``consumed_samples``
 
 ``build_pretraining_data_loader(...)`` returns an iterator of collated batches: dicts of tensors
 ``(b, s)`` (``attention_mask`` ``(b, 1, s, s)`` when the dataset gives one). A final partial chunk is
-dropped (Megatron's ``drop_last``), so every DP rank yields the same number of micro-batches.
+dropped (Megatron's ``drop_last``), so every DP rank yields the same number of micro-batches. A
+dataset with its own ``collate`` (``data/variable_length.py``'s, padding each micro-batch to its
+longest sample) is collated with it.
 """
 from __future__ import annotations
 
@@ -69,7 +71,7 @@ class PretrainingDataIterator:
     def __next__(self) -> dict:
         ids = next(self._ids)
         self.consumed_samples += self.sampler.chunk
-        return collate([self.dataset[i] for i in ids])
+        return getattr(self.dataset, "collate", collate)([self.dataset[i] for i in ids])
 
     def __len__(self) -> int:
         return (self.sampler.total_samples - self.consumed_samples) // self.sampler.chunk

@@ -119,6 +119,10 @@ class TransformerConfig:
     p2p_recv_ahead: int | None = _f(
         "parallelism", "pipeline receives posted ahead of need, past this rank's pending sends "
         "(gloo only: on NCCL they would block those sends); None: 4 on gloo, 0 on NCCL", None)
+    variable_seq_lengths: bool = _f(
+        "parallelism", "micro-batches may differ in sequence length (each <= seq_length): every "
+        "pipeline message is preceded by its shape (Megatron's flag; set it only when lengths "
+        "vary, the shape exchange costs one small message each)", False)
     context_parallel_size: int = _f("parallelism", "context-parallel group size cp", 1)
     cp_comm_type: str = _f(
         "parallelism", "context-parallel attention: p2p (ring, K/V blocks overlapped with the "
@@ -298,6 +302,10 @@ class TransformerConfig:
                                   "microbatch_group_size_per_vp_stage",
                                   "virtual_pipeline_model_parallel_size", "recompute_num_layers")
         require_non_negative_or_none(self, "p2p_recv_ahead")
+        if self.variable_seq_lengths and self.p2p_recv_ahead:
+            raise ValueError(f"p2p_recv_ahead={self.p2p_recv_ahead} with variable_seq_lengths=True: "
+                             "a receive needs its shape first, so receives keep the strict "
+                             "order; set p2p_recv_ahead to 0 or leave it unset")
         base = self.rotary_base       # HF's rope_theta may be fractional
         if not is_real(base) or not math.isfinite(base) or base <= 0:
             raise ValueError(f"rotary_base={base!r} must be a positive finite number")

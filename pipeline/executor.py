@@ -19,6 +19,11 @@
   ``model[0].config`` in ``config.pipeline_dtype`` (Megatron's field), else
   ``config.params_dtype`` (fp32 when absent). On gloo, receives are posted up to
   ``config.p2p_recv_ahead`` ahead of need (default 4; see ``p2p.py``), on NCCL in strict order.
+- ``config.variable_seq_lengths`` (Megatron's field, ``--variable-seq-lengths``): micro-batches
+  may differ in sequence length; each activation or gradient is preceded by its shape (three
+  int64) and ``seq_length`` / ``tensor_shape`` are ignored, as in Megatron (receives then keep
+  the strict order, see ``p2p.py`` 4.). Without it a tensor of another sequence length is
+  refused, naming the flag, before it is sent.
 - After its activation is sent, a chunk output's storage is freed (``.data`` replaced by a
   1-element tensor; ``grad_fn`` survives). Its backward then calls the autograd engine directly
   with the received gradient, as Megatron's ``custom_backward`` does: ``torch.autograd.backward``
@@ -114,13 +119,17 @@ def _unwrap_config(chunk):
     return getattr(chunk, "config", None)
 
 
-def _recv_tensor_spec(chunks, seq_length, micro_batch_size, state, tensor_shape):
-    """(shape, dtype, device) of the activations and gradients sent between stages."""
+def _recv_tensor_spec(chunks, seq_length, micro_batch_size, state, tensor_shape,
+                      variable_seq_lengths=False):
+    """(shape, dtype, device) of the activations and gradients sent between stages (shape None
+    with variable sequence lengths: each message carries its own)."""
     config = _unwrap_config(chunks[0])
     dtype = (getattr(config, "pipeline_dtype", None) or getattr(config, "params_dtype", None)
              or torch.float32)
     parameter = next(iter(chunks[0].parameters()), None)
     device = parameter.device if parameter is not None else torch.device("cpu")
+    if variable_seq_lengths:
+        return None, dtype, device
     if tensor_shape is not None:
         return tuple(tensor_shape), dtype, device
     if config is None or not hasattr(config, "hidden_size"):
@@ -146,12 +155,14 @@ def _pipelined(kind, forward_step_func, data_iterator, chunks, num_microbatches,
     plan = rank_plan(kind, state.pp_size, num_microbatches, len(chunks), microbatch_group_size,
                      forward_only, state.pp_rank)
     iterators = _as_iterators(data_iterator, len(chunks))
+    config = _unwrap_config(chunks[0])
+    variable = bool(getattr(config, "variable_seq_lengths", False))
     shape, dtype, device = _recv_tensor_spec(chunks, seq_length, micro_batch_size, state,
-                                             tensor_shape)
-    requested_ahead = getattr(_unwrap_config(chunks[0]), "p2p_recv_ahead", None)
-    recv_ahead = recv_ahead_for(requested_ahead, dist.get_backend(state.pp_group))
+                                             tensor_shape, variable)
+    recv_ahead = recv_ahead_for(getattr(config, "p2p_recv_ahead", None),
+                                dist.get_backend(state.pp_group), variable)
     comm = PipelineP2P(plan.messages, plan.position, state.pp_rank, state.ranks("pp"),
-                       state.pp_group, shape, dtype, device, recv_ahead)
+                       state.pp_group, shape, dtype, device, recv_ahead, variable)
     run = StageRun(forward_step_func, iterators, chunks, num_microbatches, forward_only, state,
                    state.pp_rank, state.pp_size, comm, timers or NO_TIMERS)
     return execute(run, plan.steps)

@@ -39,6 +39,19 @@ pp rank, sender's position). Both ends of every message compute the same key, so
    is queued on the pair's stream and blocks the send behind it, hence N = 0 there
    (:func:`recv_ahead_for`).
 
+4. **Variable sequence lengths** (``variable_seq_lengths``, Megatron's flag). Every message is
+   then two sends on the same stream: its shape, three int64 (Megatron's ``_communicate_shapes``),
+   and the tensor. A receive posts the shape's receive; the tensor's receive is posted once that
+   shape is in, and before anything later in the order is issued, so the k-th operation of each
+   side of a link is still the same one. Posting the next operation thus may wait for a shape —
+   but only for a receive ordered before every send not yet made, which is the wait of 2. and
+   cannot deadlock. The receives posted ahead (after each operation, up to the next send) are
+   posted only while the shapes before them have arrived, so they never wait; receiving past a
+   pending send (3.) would wait on a message that may need that send, so ``recv_ahead`` is 0
+   with variable lengths (:func:`recv_ahead_for`). Without the flag every message has
+   ``tensor_shape``, and a tensor whose sequence dimension differs is refused before it is sent,
+   naming the flag.
+
 The order depends only on the schedule, so the executor takes it from the cached
 :func:`tpfuse.pipeline.plan.rank_plan` (computed once per configuration); a step then costs O(1)
 per operation: the executor addresses messages by their index in the order.
@@ -60,12 +73,20 @@ from .plan import message_orders
 from .simulate import Message, simulate
 
 GLOO_RECV_AHEAD = 4   # recv_ahead_for's default on gloo: the benchmarks' gain flattens beyond
+SHAPE_DIMS = 3        # a message's shape header: (sequence, micro-batch, hidden), as Megatron's
 
 
-def recv_ahead_for(requested: int | None, backend: str) -> int:
+def recv_ahead_for(requested: int | None, backend: str, variable_seq_lengths: bool = False) -> int:
     """The receive-ahead depth for a pp group on ``backend`` (a ``dist.get_backend`` name):
     ``requested`` (a config's ``p2p_recv_ahead``) or, when None, GLOO_RECV_AHEAD on gloo and 0
-    elsewhere. ValueError for a depth > 0 off gloo (see 3. above)."""
+    elsewhere; 0 with ``variable_seq_lengths`` (4. above). ValueError for a depth > 0 off gloo
+    (see 3. above) or with variable lengths."""
+    if variable_seq_lengths:
+        if requested:
+            raise ValueError(f"p2p_recv_ahead={requested} with variable_seq_lengths=True: a "
+                             f"receive needs its shape first, so receives keep the strict order; "
+                             f"set p2p_recv_ahead to 0 or leave it unset")
+        return 0
     if requested is None:
         return GLOO_RECV_AHEAD if backend_family(backend) == "gloo" else 0
     check_non_negative_int("p2p_recv_ahead", requested)   # configs that skip validate() too
@@ -90,17 +111,25 @@ class PipelineP2P:
     ``messages``), ``position`` its index; ``pp_ranks``: global ranks of the pipeline group in
     pp-rank order; ``group``: its ProcessGroup. All messages share ``tensor_shape`` / ``dtype`` /
     ``device``. ``recv_ahead``: receives that may be outstanding past this rank's pending sends
-    (3. above; 0: the strict order). Per step the object costs O(1) to build and O(1) per
-    operation.
+    (3. above; 0: the strict order). With ``variable_seq_lengths`` each message's shape travels
+    ahead of it (4. above) and ``tensor_shape`` is unused (None allowed). Per step the object
+    costs O(1) to build and O(1) per operation.
     """
 
     def __init__(self, messages, position, pp_rank: int, pp_ranks: list, group, tensor_shape,
-                 dtype=torch.float32, device="cpu", recv_ahead: int = 0):
+                 dtype=torch.float32, device="cpu", recv_ahead: int = 0,
+                 variable_seq_lengths: bool = False):
+        if variable_seq_lengths and recv_ahead:
+            raise ValueError(f"recv_ahead={recv_ahead} with variable_seq_lengths=True: receives "
+                             f"keep the strict order (a receive needs its shape first)")
+        if tensor_shape is None and not variable_seq_lengths:
+            raise ValueError("tensor_shape is required unless variable_seq_lengths=True")
         self.pp_size = len(pp_ranks)
         self.pp_rank = pp_rank
         self.pp_ranks = list(pp_ranks)
         self.group = group
-        self.tensor_shape = tuple(tensor_shape)
+        self.variable_seq_lengths = bool(variable_seq_lengths)
+        self.tensor_shape = None if tensor_shape is None else tuple(tensor_shape)
         self.dtype = dtype
         self.device = torch.device(device)
         self._order = messages
@@ -110,16 +139,18 @@ class PipelineP2P:
         self._scanned = 0               # receives in self._order[:_scanned] are posted
         self._pending_recvs: dict = {}  # index -> (work, buffer)
         self._pending_sends: deque = deque()  # (work, tensor alias kept alive until done)
+        self._awaiting_shape = None     # variable lengths: (index, work, header, src) posted last
 
     @classmethod
     def for_schedule(cls, schedule: list, pp_rank: int, pp_ranks: list, group,
                      num_microbatches: int, vpp_size: int, tensor_shape, dtype=torch.float32,
-                     device="cpu", recv_ahead: int = 0) -> "PipelineP2P":
+                     device="cpu", recv_ahead: int = 0,
+                     variable_seq_lengths: bool = False) -> "PipelineP2P":
         """For an explicit (uncached) schedule; ValueError if it deadlocks."""
         order = message_order(schedule, pp_rank, num_microbatches, vpp_size)
         position = {message: i for i, message in enumerate(order)}
         return cls(order, position, pp_rank, pp_ranks, group, tensor_shape, dtype, device,
-                   recv_ahead)
+                   recv_ahead, variable_seq_lengths)
 
     def _rank_of(self, stage: int) -> int:
         return stage % self.pp_size
@@ -140,9 +171,54 @@ class PipelineP2P:
 
     def _post_receive(self, index: int) -> None:
         message = self._order[index]
-        buffer = torch.empty(self.tensor_shape, dtype=self.dtype, device=self.device)
         src = self.pp_ranks[self._rank_of(message.src_stage)]
+        if self.variable_seq_lengths:   # the shape first; the tensor once it is in (4. above)
+            self._settle_shape()
+            header = torch.empty((SHAPE_DIMS,), dtype=torch.int64, device=self.device)
+            self._awaiting_shape = (index, dist.irecv(header, src=src, group=self.group), header,
+                                    src)
+            return
+        buffer = torch.empty(self.tensor_shape, dtype=self.dtype, device=self.device)
         self._pending_recvs[index] = (dist.irecv(buffer, src=src, group=self.group), buffer)
+
+    def _shape_arrived(self) -> bool:
+        """No receive waits for its shape (or the one that does has it): posting on is free."""
+        return self._awaiting_shape is None or self._awaiting_shape[1].is_completed()
+
+    def _settle_shape(self) -> None:
+        """Variable lengths: wait for the shape of the receive posted last, then post the
+        receive of its tensor (before any later operation, so both sides keep one order)."""
+        if self._awaiting_shape is None:
+            return
+        index, work, header, src = self._awaiting_shape
+        self._awaiting_shape = None
+        work.wait()
+        buffer = torch.empty(tuple(header.tolist()), dtype=self.dtype, device=self.device)
+        self._pending_recvs[index] = (dist.irecv(buffer, src=src, group=self.group), buffer)
+
+    def _send_shape(self, index: int, tensor: torch.Tensor) -> None:
+        """Variable lengths: the shape of the message at ``index`` ahead of its tensor."""
+        header = torch.tensor(tensor.shape, dtype=torch.int64, device=self.device)
+        dst = self.pp_ranks[self._rank_of(self._order[index].dst_stage)]
+        self._pending_sends.append((dist.isend(header, dst=dst, group=self.group), header))
+
+    def _check_shape(self, message: Message, tensor: torch.Tensor) -> None:
+        shape = tuple(tensor.shape)
+        if self.variable_seq_lengths:
+            if len(shape) != SHAPE_DIMS:
+                raise ValueError(f"{message}: tensor shape {shape} is not (sequence, micro-batch, "
+                                 f"hidden); variable_seq_lengths sends {SHAPE_DIMS}-d shapes")
+            return
+        expected = self.tensor_shape
+        if (shape != expected and len(shape) == len(expected) and shape[1:] == expected[1:]):
+            raise ValueError(f"{message}: sequence length {shape[0]} differs from the pipeline's "
+                             f"{expected[0]} (tensor shape {shape}, pipeline tensor_shape "
+                             f"{expected}): micro-batches of other lengths than --seq-length need "
+                             f"--variable-seq-lengths (variable_seq_lengths=True), which sends "
+                             f"each tensor's shape ahead of it")
+        if shape != expected:
+            raise ValueError(f"{message}: tensor shape {shape} differs from the "
+                             f"pipeline tensor_shape {expected}")
 
     def _index_of(self, message: Message) -> int:
         if message not in self._position:
@@ -160,14 +236,15 @@ class PipelineP2P:
     def send_at(self, index: int, tensor: torch.Tensor) -> None:
         """``send`` of the message at ``index`` of this rank's order."""
         message = self._order[index]
-        if tuple(tensor.shape) != self.tensor_shape:
-            raise ValueError(f"{message}: tensor shape {tuple(tensor.shape)} differs from the "
-                             f"pipeline tensor_shape {self.tensor_shape}")
+        self._check_shape(message, tensor)
         self._post_receives_before(index)
         if self._cursor != index:
             raise RuntimeError(f"pp rank {self.pp_rank}: {message} sent twice")
         alias = tensor.detach().to(self.dtype).contiguous()
         dst = self.pp_ranks[self._rank_of(message.dst_stage)]
+        if self.variable_seq_lengths:
+            self._settle_shape()
+            self._send_shape(index, alias)
         self._pending_sends.append((dist.isend(alias, dst=dst, group=self.group), alias))
         self._cursor += 1
         self._drop_completed_sends()
@@ -177,6 +254,8 @@ class PipelineP2P:
         """``recv`` of the message at ``index`` of this rank's order."""
         self._post_receives_before(index + 1)
         self._post_receives_ahead()
+        if index not in self._pending_recvs:    # variable lengths: its shape is still due
+            self._settle_shape()
         work, buffer = self._pending_recvs.pop(index)
         work.wait()
         return buffer
@@ -189,6 +268,9 @@ class PipelineP2P:
         end = self._cursor
         while end < len(self._order) and self._is_receive(end):
             end += 1
+        if self.variable_seq_lengths:
+            self._post_receives_with_shapes_in(end)
+            return
         self._post_receives_before(end)
         scan = max(self._scanned, self._cursor)   # then past the next send, on gloo (3.)
         while scan < len(self._order) and len(self._pending_recvs) < self.recv_ahead:
@@ -196,6 +278,15 @@ class PipelineP2P:
                 self._post_receive(scan)
             scan += 1
         self._scanned = scan
+
+    def _post_receives_with_shapes_in(self, end: int) -> None:
+        """Variable lengths: post the receives before ``end`` while every shape before them has
+        arrived, and the tensor receive of one whose shape has (never waits)."""
+        while self._cursor < end and self._shape_arrived():
+            self._post_receive(self._cursor)
+            self._cursor += 1
+        if self._awaiting_shape is not None and self._shape_arrived():
+            self._settle_shape()
 
     def _drop_completed_sends(self) -> None:
         """Release the aliases of finished sends (oldest first: sends complete in order)."""
@@ -207,8 +298,9 @@ class PipelineP2P:
         for work, _ in self._pending_sends:
             work.wait()
         self._pending_sends.clear()
-        if self._cursor != len(self._order) or self._pending_recvs:
-            missing = list(self._order[self._cursor:]) + [self._order[i]
-                                                          for i in self._pending_recvs]
+        awaiting = [] if self._awaiting_shape is None else [self._awaiting_shape[0]]
+        if self._cursor != len(self._order) or self._pending_recvs or awaiting:
+            missing = list(self._order[self._cursor:]) + [self._order[i] for i in
+                                                          [*self._pending_recvs, *awaiting]]
             raise RuntimeError(f"pp rank {self.pp_rank}: {len(missing)} p2p message(s) never "
                                f"handled, first {missing[0]}")

@@ -560,3 +560,120 @@ def test_muon_resumes_exactly_and_reshards_distributed_optimizer_to_tp2(run_dist
     resharded = _losses(run_distributed, 2, MUON + _parallel(tp=2, sp=True) + save)
     assert (len(first), len(same), len(resharded)) == (2, 2, 2)
     assert first + same + resharded == pytest.approx(muon_reference, rel=1e-5)
+
+
+# ======================================================== variable sequence lengths (begin)
+# --variable-seq-lengths: micro-batches of three lengths (12, 4, 8 tokens, --seq-length 12) from
+# DocumentDataset (one document per sample, each micro-batch padded only to its longest sample:
+# here none, both samples of a micro-batch have its length) through pretrain. Every pipeline
+# message carries its shape; the pp layouts (1F1B, interleaved, ZB-H1 with tp2 + SP, cp2) give
+# the single-process losses and global gradient norms within the section's 1e-5 band (only the
+# order of fp32 sums differs, as above). Four iterations of a 4-layer model keep it short.
+VARLEN_LENGTHS = (12, 4, 8)        # micro-batch k holds samples 2k, 2k + 1 of length [k % 3]
+VARLEN_MODEL = [
+    "--num-layers", "4", "--hidden-size", "16", "--num-attention-heads", "4",
+    "--ffn-hidden-size", "32", "--seq-length", "12", "--max-position-embeddings", "12",
+    "--vocab-size", "63", "--hidden-dropout", "0.0", "--attention-dropout", "0.0", "--seed", "7",
+    "--mock-data", "--micro-batch-size", "2", "--global-batch-size", "8",
+    "--train-iters", "4", "--lr-decay-iters", "4", "--lr", "3e-3", "--lr-warmup-iters", "1",
+    "--clip-grad", "1.0", "--eval-interval", "1000", "--eval-iters", "1", "--log-interval", "1000",
+    "--no-progress-bar", "--no-layout-table",
+]
+
+
+class _DocumentsOfLengths:
+    """Low-level corpus: document j has ``lengths[(j // 2) % len(lengths)] + 1`` tokens, ids
+    counting from 7·j modulo 63."""
+
+    def __init__(self, lengths, num_documents=64):
+        self.lengths = lengths
+        self.sequence_lengths = [lengths[(j // 2) % len(lengths)] + 1
+                                 for j in range(num_documents)]
+
+    def get(self, j, offset=0, length=None):
+        import numpy as np
+
+        ids = (7 * j + np.arange(self.sequence_lengths[j])) % 63
+        return ids[offset:None if length is None else offset + length]
+
+
+def varlen_datasets(lengths, pad_to_multiple_of, train_valid_test_num_samples, *, config,
+                    declared=True):
+    """pretrain's datasets provider: DocumentDataset over ``_DocumentsOfLengths(lengths)``;
+    ``declared=False``: as a dataset that does not say its lengths vary."""
+    from tpfuse.data import DocumentDataset
+
+    train = DocumentDataset(_DocumentsOfLengths(lengths), config.seq_length, pad_to_multiple_of,
+                            num_samples=train_valid_test_num_samples[0])
+    train.variable_seq_lengths = declared
+    return train, None, None
+
+
+def _varlen_run(run_distributed, world_size, argv, lengths=VARLEN_LENGTHS, multiple=4):
+    """(losses, grad norms) of the logging rank."""
+    import functools
+
+    from support.pretrain_run import run_pretrain
+
+    results = run_distributed(world_size, run_pretrain, VARLEN_MODEL + list(argv),
+                              datasets_provider=functools.partial(varlen_datasets, lengths,
+                                                                  multiple))
+    logged = [r for r in results if r.is_logger]
+    assert len(logged) == 1
+    return logged[0].train_losses, logged[0].grad_norms
+
+
+VARLEN_LAYOUTS = {
+    "pp2": (2, _parallel(pp=2)),
+    "pp2-vpp2": (2, _parallel(pp=2, vpp_layers=1)),
+    "tp2-pp2-sp-zb-h1": (4, _parallel(tp=2, pp=2, sp=True) + ["--pipeline-schedule", "zb-h1"]),
+    "pp2-cp2": (4, _parallel(pp=2, cp=2)),
+}
+
+
+@pytest.fixture(scope="module")
+def varlen_reference(run_distributed):
+    losses, norms = _varlen_run(run_distributed, 1, ["--variable-seq-lengths"])
+    assert len(losses) == len(norms) == 4 and losses[-1] < losses[0]
+    return losses, norms
+
+
+@pytest.mark.parametrize("name", sorted(VARLEN_LAYOUTS))
+def test_variable_seq_lengths_layout_reproduces_single_process(run_distributed,
+                                                               varlen_reference, name):
+    world_size, argv = VARLEN_LAYOUTS[name]
+    losses, norms = _varlen_run(run_distributed, world_size, argv + ["--variable-seq-lengths"])
+    assert losses == pytest.approx(varlen_reference[0], rel=1e-5)
+    assert norms == pytest.approx(varlen_reference[1], rel=1e-5)
+
+
+VARLEN_ERRORS = {
+    # name: (world size, flags, micro-batch lengths, padding multiple, what the message names)
+    "no-flag-pp2": (2, _parallel(pp=2), VARLEN_LENGTHS, 4,
+                    ["DocumentDataset", "--variable-seq-lengths"]),
+    # a dataset that does not declare it: its second micro-batch (4 tokens) is refused when read
+    "no-flag-undeclared": (1, [], (12, 4), 4,
+                           ["sequence length 4 with --seq-length 12", "--variable-seq-lengths"]),
+    "cp2-length-6": (2, _parallel(cp=2) + ["--variable-seq-lengths"], (12, 6), 1,
+                     ["sequence length 6", "2 × --context-parallel-size 2 = 4"]),
+    "tp2-sp-length-5": (2, _parallel(tp=2, sp=True) + ["--variable-seq-lengths"], (12, 5), 1,
+                        ["sequence length 5", "--tensor-model-parallel-size 2 "
+                         "(--sequence-parallel) = 2"]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(VARLEN_ERRORS))
+def test_variable_seq_lengths_errors_name_the_length_and_flags(run_distributed, name):
+    """Every rank raises the ValueError before the micro-batch's first collective (the
+    undeclared dataset runs in one process: a pipeline peer of the reading rank would wait)."""
+    import functools
+
+    from support.pretrain_run import pretrain_error
+
+    world_size, argv, lengths, multiple, names = VARLEN_ERRORS[name]
+    provider = functools.partial(varlen_datasets, lengths, multiple,
+                                 declared=name != "no-flag-undeclared")
+    errors = run_distributed(world_size, pretrain_error, VARLEN_MODEL + argv,
+                             datasets_provider=provider)
+    assert all(error is not None and all(n in error for n in names) for error in errors), errors
+# ========================================================== variable sequence lengths (end)

@@ -134,15 +134,20 @@ class _Run:
         train_samples = (self.settings.training.train_samples
                          or length.train_iters * length.global_batch_size)
         train, valid, _ = datasets_provider([train_samples, eval_samples, 0])
+        for dataset in (train, valid):
+            if getattr(dataset, "variable_seq_lengths", False) and \
+                    not self.config.variable_seq_lengths:
+                raise ValueError(f"{type(dataset).__name__} yields micro-batches of varying "
+                                 f"sequence lengths: pass --variable-seq-lengths")
         return train, valid
 
     def _iterators(self, dataset, consumed_samples: int):
         """One iterator per model chunk, each over the same micro-batch sequence of this DP rank."""
         from tpfuse.data.sampler import build_pretraining_data_loader
 
-        return [iter(build_pretraining_data_loader(
+        return [_length_checked(iter(build_pretraining_data_loader(
             dataset, consumed_samples, self.settings.training.micro_batch_size, self.state.dp_rank,
-            self.state.dp_size)) for _ in self.model]
+            self.state.dp_size)), self.config) for _ in self.model]
 
     # ------------------------------------------------------------------ one step
     def _mean_loss(self, loss_dicts) -> float | None:
@@ -311,6 +316,23 @@ class _Run:
             logger.print(f" validation loss at iteration {self.iteration} | lm loss: "
                          f"{valid_loss:.6E} |")
             logger.write_metrics({"iteration": self.iteration, "valid_loss": valid_loss})
+
+
+def _length_checked(iterator, config):
+    """``iterator``'s micro-batches, each ``tokens`` length checked against the flags before a
+    chunk runs it (``data.variable_length.check_micro_batch_length``): without
+    --variable-seq-lengths a length other than --seq-length is an error naming the flag, with it
+    one that context or sequence parallelism cannot split."""
+    from tpfuse.data.variable_length import check_micro_batch_length
+
+    for batch in iterator:
+        tokens = batch.get("tokens") if isinstance(batch, dict) else None
+        if tokens is not None:
+            check_micro_batch_length(tokens.shape[-1], config.seq_length,
+                                     config.variable_seq_lengths,
+                                     config.tensor_model_parallel_size,
+                                     config.context_parallel_size, config.sequence_parallel)
+        yield batch
 
 
 def _set_dropout_sample_offset(chunk, consumed_samples: int) -> None:

@@ -4,7 +4,9 @@
 In a rank body (a function ``run_distributed`` runs on every rank of its world):
 
 - ``run_pretrain(argv)``: this rank's ``TrainingResult``; ``forward_step`` replaces the forward
-  step, ``model_provider_wrapper(provider) -> provider`` wraps the model provider, and
+  step, ``datasets_provider`` the datasets provider (a picklable callable: a module-level
+  function or a ``functools.partial`` of one), ``model_provider_wrapper(provider) -> provider``
+  wraps the model provider, and
   ``with_sampling`` passes ``pretrain_gpt.sample_func`` (what ``--sample-prompt`` needs).
 
 As a rank body itself (module-level, so the worker pool can pickle it; keyword arguments as above):
@@ -23,12 +25,14 @@ from tpfuse import pretrain_gpt
 from tpfuse.training.pretrain import pretrain
 
 
-def run_pretrain(argv, *, forward_step=None, model_provider_wrapper=None, with_sampling=False):
+def run_pretrain(argv, *, forward_step=None, model_provider_wrapper=None, with_sampling=False,
+                 datasets_provider=None):
     """``pretrain(pretrain_gpt's providers, forward step, argv=argv)`` on this rank: its result."""
     model_provider = pretrain_gpt.model_provider
     if model_provider_wrapper is not None:
         model_provider = model_provider_wrapper(model_provider)
-    return pretrain(pretrain_gpt.train_valid_test_datasets_provider, model_provider,
+    return pretrain(datasets_provider or pretrain_gpt.train_valid_test_datasets_provider,
+                    model_provider,
                     forward_step or pretrain_gpt.forward_step, argv=list(argv),
                     sample_func=pretrain_gpt.sample_func if with_sampling else None)
 
