@@ -72,7 +72,11 @@ GRID = {
          "--expert-model-parallel-size", "2", "--sequence-parallel",
          "--use-distributed-optimizer", "--moe-layer-freq", "2"],
         ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--bf16"]
-        + FSDP + ["optim_grads_params"]],
+        + FSDP + ["optim_grads_params"],
+        # multi-token prediction on the last stage, its own untied word-embedding copy there
+        ["--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size", "2",
+         "--mtp-num-layers", "2", "--position-embedding-type", "rope",
+         "--untie-embeddings-and-output-weights", "--use-distributed-optimizer", "--bf16"]],
 }
 
 
@@ -261,6 +265,7 @@ ACTIVATION_GRID = [
      "--recompute-num-layers", "1"],
     ["--recompute-granularity", "full", "--recompute-method", "block",
      "--recompute-num-layers", "1", "--bf16"],
+    ["--mtp-num-layers", "2"], ["--mtp-num-layers", "1", "--bf16", "--swiglu"],
 ]
 TP_ACTIVATION_GRID = [["--tensor-model-parallel-size", "2"],
                       ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
@@ -269,7 +274,9 @@ TP_ACTIVATION_GRID = [["--tensor-model-parallel-size", "2"],
                       + SELECTIVE + ["mlp"],
                       ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--bf16",
                        "--swiglu", "--normalization", "RMSNorm", "--position-embedding-type",
-                       "rope"] + SELECTIVE + ["mlp", "layernorm"]]
+                       "rope"] + SELECTIVE + ["mlp", "layernorm"],
+                      ["--tensor-model-parallel-size", "2", "--sequence-parallel",
+                       "--mtp-num-layers", "1"]]
 
 
 def saved_chunk_bytes_body(flag_sets):
