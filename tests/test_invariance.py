@@ -558,4 +558,17 @@ def test_mtp_layout_reproduces_single_process(run_distributed, mtp_reference, tm
     reference_losses, reference_mtp = mtp_reference[UNTIED[0] in argv]
     assert losses == pytest.approx(reference_losses, rel=1e-5)
     assert mtp_losses == pytest.approx(reference_mtp, rel=1e-5)
+
+
+def test_mtp_checkpoint_reshards_pp2_untied_to_tp2_sp(run_distributed, mtp_reference, tmp_path):
+    """2 steps at pp 2 (the last stage's untied embedding copy), resumed at tp 2 + SP: the MTP
+    weights and the embedding (one tensor again) carry over, both curves continue."""
+    save = ["--save", str(tmp_path / "ckpt"), "--save-interval", "2"] + UNTIED
+    first, first_mtp = _mtp_curves(run_distributed, 2, save + _parallel(pp=2) + [
+        "--train-iters", "2"], tmp_path / "first.jsonl")
+    resumed, resumed_mtp = _mtp_curves(run_distributed, 2, save + _parallel(tp=2, sp=True) + [
+        "--load", str(tmp_path / "ckpt")], tmp_path / "resumed.jsonl")
+    reference_losses, reference_mtp = mtp_reference[True]
+    assert first + resumed == pytest.approx(reference_losses, rel=1e-5)
+    assert first_mtp + resumed_mtp == pytest.approx(reference_mtp, rel=1e-5)
 # ================================================== multi-token prediction (end)
