@@ -34,6 +34,7 @@ from tpfuse.parallel.context_split import (CP_COMM_TYPE_ALIASES, CP_COMM_TYPES,
 
 from .layer_assignment import stage_layer_counts
 from .moe_config import parse_moe_layer_freq, validate_moe
+from .mtp_config import validate_multi_token_prediction
 from .recompute_config import validate_recompute
 
 CATEGORIES = ("model", "parallelism", "moe", "precision", "recompute")
@@ -101,6 +102,13 @@ class TransformerConfig:
         "model", "std of the normal initialisation of the word and learned position embeddings "
         "(default: = init_method_std)", None)
     seed: int = _f("model", "seed of the layout-independent weight initialisation and dropout", 1234)
+    mtp_num_layers: int | None = _f(
+        "model", "multi-token prediction (DeepSeek-V3 MTP): this many MTP layers after the "
+        "decoder on the last pipeline stage, layer k predicting the token k+1 ahead (None: off)",
+        None)
+    mtp_loss_scaling_factor: float = _f(
+        "model", "weight of the MTP loss: factor / mtp_num_layers × the sum of the MTP layers' "
+        "losses is added to the lm loss for backward", 0.1)
 
     # ---- parallelism -------------------------------------------------------------------------
     tensor_model_parallel_size: int = _f("parallelism", "tensor-parallel group size tp", 1)
@@ -319,6 +327,7 @@ class TransformerConfig:
         self._validate_precision()
         validate_recompute(self)
         validate_moe(self)
+        validate_multi_token_prediction(self)
 
     def _validate_shape(self):
         h, heads, groups = self.hidden_size, self.num_attention_heads, self.num_query_groups

@@ -46,7 +46,7 @@ class GPTEmbedding(nn.Module):
             weight.sequence_parallel = False      # its gradient is complete on every TP rank
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
-                dropout_coordinates=None) -> torch.Tensor:
+                dropout_coordinates=None, dropout_site: int = EMBEDDING_SITE) -> torch.Tensor:
         if self.sequence_parallel:
             hidden = self.word_embeddings(input_ids)                  # (s/tp, b, h)
         else:                                        # ids looked up in (s, b) order: no transpose copy
@@ -59,7 +59,7 @@ class GPTEmbedding(nn.Module):
         hidden = hidden.contiguous()
         p = self.config.hidden_dropout
         if self.training and p > 0 and dropout_coordinates is not None:
-            rows = dropout_coordinates.rows(EMBEDDING_SITE, hidden.shape[0], hidden.shape[1],
+            rows = dropout_coordinates.rows(dropout_site, hidden.shape[0], hidden.shape[1],
                                             self.tp.rank, self.sequence_parallel)
             hidden = coordinate_dropout(hidden, p, rows)
         elif self.training and p > 0:

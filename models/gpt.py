@@ -40,6 +40,13 @@ the trainer's main loss): the pipeline executor sets its backward scale via
 ``set_aux_loss_scale(1/m)``, a loss scaler via ``set_aux_loss_grad_scale(scale)``; the trainer
 reads and clears the logged losses.
 
+Multi-token prediction (``mtp_num_layers``): the chunk with the output layer also holds the MTP
+block (``multi_token_prediction.py``), which in a training forward with labels attaches the MTP
+losses to the final norm's output; the per-token loss returned stays the lm loss. ``forward``'s
+``loss_mask`` (b, s) weighs the MTP losses' tokens (None: all). Without the embedding (pp > 1) that
+chunk holds ``mtp_embedding``, whose word weight is the tied output layer's Parameter or, untied, a
+``shared_embedding`` copy summed with the first stage's like the tied weight.
+
 Model providers and ``build_model`` (one chunk per virtual stage): ``models/build.py``.
 """
 from __future__ import annotations
@@ -62,11 +69,13 @@ from tpfuse.tp_layers.rope import default_position_ids, rotary_cos_sin
 from .embedding import GPTEmbedding, draw_position_master, draw_vocab_master, draw_word_master
 from .layer_assignment import layers_for
 from .moe_config import moe_layer_pattern
+from .multi_token_prediction import MultiTokenPredictionBlock, MultiTokenPredictionLayer
 from .recompute import run_layers
 
 WORD_EMBEDDING_SEED_OFFSET = 1
 POSITION_EMBEDDING_SEED_OFFSET = 2
 OUTPUT_LAYER_SEED_OFFSET = 3
+MTP_PROJECTION_SEED_OFFSET = 50  # MTP layer k's eh_proj (k < 50) draws under seed + 50 + k
 LAYER_SEED_OFFSET = 100          # global layer i draws under seed + 100 + i
 
 
@@ -133,13 +142,17 @@ class GPTModel(nn.Module):
         self.router_losses = RouterLossTracker(state.cp_size if state is not None else 1)
 
         word_master = None
-        if pre_process or (post_process and self.share_embeddings_and_output_weights):
+        self.mtp = self.mtp_embedding = None
+        if pre_process or (post_process and (self.share_embeddings_and_output_weights
+                                             or config.mtp_num_layers)):
             with seeded(config.seed + WORD_EMBEDDING_SEED_OFFSET):
                 word_master = draw_word_master(config)
         self.embedding = self._build_embedding(word_master) if pre_process else None
         self.layers = nn.ModuleList(self._build_layer(i) for i in self.layer_indices)
         if post_process:
             self._build_output(word_master)
+        if post_process and config.mtp_num_layers:
+            self._build_mtp(word_master)
 
     # ---------------------------------------------------------------- construction
     def _build_embedding(self, word_master):
@@ -152,7 +165,7 @@ class GPTModel(nn.Module):
     def _build_layer(self, index):
         c = self.config
         mlp_builder = None
-        if moe_layer_pattern(c)[index]:
+        if index < c.num_layers and moe_layer_pattern(c)[index]:   # MTP layers: dense
             def mlp_builder():
                 return MoELayer(c, index, self.router_losses, self.state)
         with seeded(c.seed + LAYER_SEED_OFFSET + index):
@@ -193,6 +206,31 @@ class GPTModel(nn.Module):
             self.output_layer.weight.shared_embedding = True
         self.output_layer.weight.is_embedding_or_output_parameter = True
 
+    def _build_mtp(self, word_master):
+        """The MTP block (layer k: global layer num_layers + k) and, on a chunk without the
+        embedding, the embedding it reads: the tied output layer's Parameter itself, or (untied)
+        a copy of the word embedding drawn from the same master, marked ``shared`` /
+        ``shared_embedding`` and summed with the first stage's by ``allreduce_embedding_grads``
+        (Megatron's copy on the MTP stage). Only rope models get here with pp > 1 (no learned
+        positions to keep in sync: ``mtp_config``)."""
+        c = self.config
+
+        def build_layer(depth):
+            with seeded(c.seed + MTP_PROJECTION_SEED_OFFSET + depth):
+                return MultiTokenPredictionLayer(
+                    c, depth, lambda: self._build_layer(c.num_layers + depth), self.state)
+
+        self.mtp = MultiTokenPredictionBlock(c, build_layer)
+        if self.pre_process:
+            return
+        self.mtp_embedding = GPTEmbedding(c, word_master, None, self.state)
+        if self.share_embeddings_and_output_weights:
+            self.mtp_embedding.word_embeddings.weight = self.output_layer.weight  # one Parameter
+            return
+        weight = self.mtp_embedding.word_embeddings.weight
+        weight.shared = weight.shared_embedding = True
+        weight.is_embedding_or_output_parameter = True
+
     # ---------------------------------------------------------------- pipeline hooks
     def set_input_tensor(self, input_tensor):
         """The activation received from the previous stage (a tensor, or a one-element list)."""
@@ -205,10 +243,14 @@ class GPTModel(nn.Module):
     def set_aux_loss_scale(self, scale: float) -> None:
         """The gradient the router losses receive in backward: the main loss's scale (1/m)."""
         self.router_losses.set_loss_scale(scale)
+        if self.mtp is not None:
+            self.mtp.losses.set_loss_scale(scale)
 
     def set_aux_loss_grad_scale(self, scale: float) -> None:
         """The loss scaler's factor, applied to the router losses' gradient too."""
         self.router_losses.set_grad_scale(scale)
+        if self.mtp is not None:
+            self.mtp.losses.set_grad_scale(scale)
 
     def set_dropout_sample_offset(self, consumed_samples: int) -> None:
         """The global index of the first sample of the step about to run (the trainer's consumed
@@ -231,9 +273,12 @@ class GPTModel(nn.Module):
             local_token_index(local_tokens * cp, cp, cp_rank, device))
 
     def shared_embedding_or_output_weight(self):
-        """The tied word-embedding weight this chunk holds (None when it holds neither end)."""
+        """The tied word-embedding weight this chunk holds (None when it holds neither end); on
+        a last stage with MTP the embedding copy the MTP layers read (tied: the output layer's)."""
         if self.pre_process:
             return self.embedding.word_embeddings.weight
+        if self.mtp_embedding is not None:
+            return self.mtp_embedding.word_embeddings.weight
         if self.post_process:
             return self.output_layer.weight
         return None
@@ -245,12 +290,14 @@ class GPTModel(nn.Module):
             parts = name.split(".")
             if parts[0] == "layers":
                 parts[1] = str(self.layer_indices[int(parts[1])])
+            if parts[0] == "mtp_embedding":          # the last stage's copy (untied, pp > 1)
+                parts[0] = "embedding"
             names[name] = ".".join(parts)
         return names
 
     # ---------------------------------------------------------------- forward
     def forward(self, input_ids, position_ids=None, attention_mask=None, labels=None,
-                inference_context=None, document_ids=None):
+                inference_context=None, document_ids=None, loss_mask=None):
         if attention_mask is not None:
             raise ValueError("attention_mask: GPTModel takes no dense mask (its attention is "
                              "causal, within document_ids (b, s) for packed documents); pass None")
@@ -291,13 +338,48 @@ class GPTModel(nn.Module):
             # (1, b, h); under SP each rank's last row, which the output layer gathers to
             # (tp, b, h): its last row is the step's last token
             hidden = hidden[-1:]
-        logits = self.output_layer(self.final_norm(hidden))           # (s, b, V/tp)
+        hidden = self.final_norm(hidden)
+        if self._runs_mtp(labels, inference_context):
+            hidden = self._attach_mtp_losses(hidden, input_ids, position_ids, labels, loss_mask,
+                                             rotary, document_ids, coordinates)
+        logits = self.output_layer(hidden)                            # (s, b, V/tp)
         if labels is None:
             return logits.transpose(0, 1).contiguous()                # (b, s, V/tp)
         loss = vocab_parallel_cross_entropy(logits, labels.transpose(0, 1).contiguous(),
                                             vocab_size=self.config.vocab_size,
                                             state=self.state)         # (s, b) fp32
         return loss.transpose(0, 1).contiguous()                      # (b, s)
+
+    def _runs_mtp(self, labels, inference_context) -> bool:
+        """MTP runs in a training forward with labels (never in evaluation or generation)."""
+        return (self.mtp is not None and self.training and labels is not None
+                and inference_context is None and torch.is_grad_enabled())
+
+    def _attach_mtp_losses(self, hidden, input_ids, position_ids, labels, loss_mask, rotary,
+                           document_ids, coordinates):
+        """h_0 (the final norm's output) with the MTP losses attached (multi_token_prediction)."""
+        if input_ids is None:
+            raise ValueError(f"mtp_num_layers={self.config.mtp_num_layers}: the chunk with the "
+                             "output layer needs the input_ids too (the MTP layers embed the "
+                             "tokens ahead): pass the tokens on the last pipeline stage")
+        if position_ids is None:
+            position_ids = default_position_ids(*input_ids.shape, input_ids.device)
+        if loss_mask is None:
+            loss_mask = torch.ones_like(labels, dtype=torch.float32)
+        embedding = self.embedding if self.pre_process else self.mtp_embedding
+
+        def embed(ids, positions, site):
+            return embedding(ids, positions, coordinates, dropout_site=site)
+
+        def token_losses(h, targets):
+            loss = vocab_parallel_cross_entropy(self.output_layer(h), targets.t().contiguous(),
+                                                vocab_size=self.config.vocab_size,
+                                                state=self.state)                # (s, b)
+            return loss.t()                                                       # (b, s)
+
+        return self.mtp(hidden, input_ids, position_ids, labels, loss_mask.to(hidden.device),
+                        embed, token_losses, rotary_pos_emb=rotary, document_ids=document_ids,
+                        dropout_coordinates=coordinates)
 
     def _check_sequence_split(self, input_ids):
         """An inference step under SP must split its s tokens over tp (ValueError otherwise)."""
@@ -311,7 +393,7 @@ class GPTModel(nn.Module):
         """The rope ``(cos, sin)`` tables ``(b, 1, s, d)`` of this forward over the full sequence
         (None without rope, or without layers)."""
         c = self.config
-        if c.position_embedding_type != "rope" or not len(self.layers):
+        if c.position_embedding_type != "rope" or not (len(self.layers) or self.mtp is not None):
             return None
         if position_ids is None:
             tp = c.tensor_model_parallel_size if c.sequence_parallel else 1
@@ -343,8 +425,9 @@ def tied_embedding_weight(model_chunks, state=None):
     chunks = [getattr(chunk, "module", chunk) for chunk in model_chunks]
     if state is None or state.pp_size == 1 or not chunks:
         return None
-    if chunks[0].config.untie_embeddings_and_output_weights:
-        return None
+    config = chunks[0].config
+    if config.untie_embeddings_and_output_weights and not config.mtp_num_layers:
+        return None     # (untied with MTP: the last stage's MTP embedding copy is summed)
     if not state.is_rank_in_embedding_group(ignore_virtual=True):
         return None
     chunk = chunks[0] if state.is_pipeline_first_stage() else chunks[-1]

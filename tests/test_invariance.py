@@ -677,3 +677,70 @@ def test_variable_seq_lengths_errors_name_the_length_and_flags(run_distributed, 
                              datasets_provider=provider)
     assert all(error is not None and all(n in error for n in names) for error in errors), errors
 # ========================================================== variable sequence lengths (end)
+
+
+# ================================================ multi-token prediction (begin; owned by mtp)
+# --mtp-num-layers 1 (DeepSeek-V3's MTP, the rope model its pipeline layout needs) on 4 layers:
+# the MTP layer and its loss (scaled 0.1) live on the last stage, which embeds the shifted tokens
+# with the first stage's embedding (tied: the output layer's copy, untied: its own copy, both
+# summed with the first stage's after backward). tp 2 + SP and pp 2 (tied and untied) reproduce
+# one process in the same 1e-5 band, on the lm loss and on the logged "mtp_1 loss" alike; the MTP
+# gradient moves the lm curve far outside that band (checked), so a lost MTP gradient shows.
+MTP_BASE = list(TINY_MODEL) + ["--position-embedding-type", "rope", "--train-iters", "5",
+                              "--lr-decay-iters", "5"]
+MTP_BASE[MTP_BASE.index("--num-layers") + 1] = "4"
+MTP = ["--mtp-num-layers", "1"]
+UNTIED = ["--untie-embeddings-and-output-weights"]
+MTP_LAYOUTS = {
+    "tp2-sp": (2, _parallel(tp=2, sp=True)),
+    "pp2": (2, _parallel(pp=2)),
+    "pp2-untied": (2, _parallel(pp=2) + UNTIED),
+}
+
+
+def _mtp_curves(run_distributed, world_size, argv, metrics_file):
+    """(lm losses, logged mtp_1 losses) of one MTP run, the latter read from its metrics file."""
+    import json
+
+    losses = _losses(run_distributed, world_size,
+                     MTP + ["--metrics-file", str(metrics_file)] + list(argv), model=MTP_BASE)
+    with open(metrics_file) as handle:
+        records = [json.loads(line) for line in handle if line.strip()]
+    return losses, [r["mtp_1 loss"] for r in records if "mtp_1 loss" in r]
+
+
+@pytest.fixture(scope="module")
+def mtp_reference(run_distributed, tmp_path_factory):
+    """{untied?: (lm losses, mtp_1 losses)} of one process."""
+    folder = tmp_path_factory.mktemp("mtp")
+    curves = {untied: _mtp_curves(run_distributed, 1, UNTIED if untied else [],
+                                  folder / f"untied-{untied}.jsonl") for untied in (False, True)}
+    for losses, mtp_losses in curves.values():
+        assert len(losses) == len(mtp_losses) == 5 and mtp_losses[-1] < mtp_losses[0]
+    without_mtp = _losses(run_distributed, 1, [], model=MTP_BASE)
+    assert without_mtp[0] == pytest.approx(curves[False][0][0], rel=1e-6)   # same first step
+    assert without_mtp != pytest.approx(curves[False][0], rel=1e-4)         # MTP's gradient
+    return curves
+
+
+@pytest.mark.parametrize("name", sorted(MTP_LAYOUTS))
+def test_mtp_layout_reproduces_single_process(run_distributed, mtp_reference, tmp_path, name):
+    world_size, argv = MTP_LAYOUTS[name]
+    losses, mtp_losses = _mtp_curves(run_distributed, world_size, argv, tmp_path / "m.jsonl")
+    reference_losses, reference_mtp = mtp_reference[UNTIED[0] in argv]
+    assert losses == pytest.approx(reference_losses, rel=1e-5)
+    assert mtp_losses == pytest.approx(reference_mtp, rel=1e-5)
+
+
+def test_mtp_checkpoint_reshards_pp2_untied_to_tp2_sp(run_distributed, mtp_reference, tmp_path):
+    """2 steps at pp 2 (the last stage's untied embedding copy), resumed at tp 2 + SP: the MTP
+    weights and the embedding (one tensor again) carry over, both curves continue."""
+    save = ["--save", str(tmp_path / "ckpt"), "--save-interval", "2"] + UNTIED
+    first, first_mtp = _mtp_curves(run_distributed, 2, save + _parallel(pp=2) + [
+        "--train-iters", "2"], tmp_path / "first.jsonl")
+    resumed, resumed_mtp = _mtp_curves(run_distributed, 2, save + _parallel(tp=2, sp=True) + [
+        "--load", str(tmp_path / "ckpt")], tmp_path / "resumed.jsonl")
+    reference_losses, reference_mtp = mtp_reference[True]
+    assert first + resumed == pytest.approx(reference_losses, rel=1e-5)
+    assert first_mtp + resumed_mtp == pytest.approx(reference_mtp, rel=1e-5)
+# ================================================== multi-token prediction (end)

@@ -43,7 +43,8 @@ def _fields_needed(model, data, config) -> tuple[bool, bool | None]:
 
 def forward_step(data_iterator, model, *, data=None, config=None):
     """One micro-batch through one model chunk: (output, loss function). A chunk copies only
-    what it uses: tokens on the first stage, labels on the last, position ids where the first
+    what it uses: tokens on the first stage (and the last with MTP), labels (with MTP the loss
+    mask too) on the last, position ids where the first
     stage embeds them or rope needs the sample's own (--reset-position-ids), document ids on every
     chunk with --reset-attention-mask; a middle pipeline stage needing none of them reads no batch
     at all, as in Megatron. With context parallelism the batch is cut to this cp rank's s/cp
@@ -53,17 +54,21 @@ def forward_step(data_iterator, model, *, data=None, config=None):
 
     first, last = model.pre_process, model.post_process
     positions_needed, documents_needed = _fields_needed(model, data, config)
+    # multi-token prediction on the last stage embeds the tokens ahead and weighs its losses by
+    # the loss mask (Megatron's get_batch on the MTP stage)
+    mtp = last and getattr(model.config if config is None else config, "mtp_num_layers", None)
     if not (first or last or positions_needed or documents_needed):
         return model(None), partial(loss_func, None)
     batch = get_batch_on_this_cp_rank(next(data_iterator))
     if documents_needed is None:
         documents_needed = "document_ids" in batch
     device = next(model.parameters()).device
-    tokens = batch["tokens"].to(device) if first else None                # (b, s[/cp])
+    tokens = batch["tokens"].to(device) if first or mtp else None         # (b, s[/cp])
     labels = batch["labels"].to(device) if last else None                 # (b, s[/cp])
     position_ids = batch["position_ids"].to(device) if positions_needed else None
     document_ids = batch["document_ids"].to(device) if documents_needed else None
-    output = model(tokens, position_ids, labels=labels, document_ids=document_ids)
+    extra = {"loss_mask": batch["loss_mask"].to(device)} if mtp else {}
+    output = model(tokens, position_ids, labels=labels, document_ids=document_ids, **extra)
     return output, partial(loss_func, batch["loss_mask"] if last else None)
 
 

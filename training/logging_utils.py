@@ -26,6 +26,9 @@ def format_log_line(iteration: int, train_iters: int, record: dict,
         f"global batch size: {record['global_batch_size']:5d}",
         f"lm loss: {record['loss']:.6E}",
     ]
+    # multi-token prediction: "mtp_1 loss", ... beside the lm loss, as Megatron logs them
+    parts += [f"{name}: {record[name]:.6E}" for name in record
+              if name.startswith("mtp_") and name.endswith(" loss")]
     if "loss_scale" in record:
         parts.append(f"loss scale: {record['loss_scale']:.1f}")
     for name in ("load_balancing_loss", "z_loss"):       # MoE router losses (Megatron's names)

@@ -48,6 +48,7 @@ from tpfuse.training.logging_utils import TrainingLogger
 from tpfuse.training.observability import RunMonitor
 from tpfuse.training.memory import memory_plan_report, memory_record, memory_report
 from tpfuse.training.moe_logging import router_metrics
+from tpfuse.training.mtp_logging import mtp_metrics
 from tpfuse.training.sample_args import describe_sampling, sampling_kwargs
 from tpfuse.training.scheduler import LRScheduler
 from tpfuse.training.garbage_collection import ManualGC
@@ -270,6 +271,8 @@ class _Run:
                     record["timers_ms"] = timing
                 record.update(router_metrics(self.model, self.config, self.state,
                                              self.calculator.num_microbatches, self.device))
+                record.update(mtp_metrics(self.model, self.config, self.state,
+                                          self.calculator.num_microbatches, self.device))
                 if self.is_logger:
                     result.iterations.append(self.iteration)
                     result.train_losses.append(loss)

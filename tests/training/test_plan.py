@@ -80,7 +80,11 @@ GRID = {
          "--expert-model-parallel-size", "2", "--sequence-parallel",
          "--use-distributed-optimizer", "--moe-layer-freq", "2"],
         ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--bf16"]
-        + FSDP + ["optim_grads_params"]],
+        + FSDP + ["optim_grads_params"],
+        # multi-token prediction on the last stage, its own untied word-embedding copy there
+        ["--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size", "2",
+         "--mtp-num-layers", "2", "--position-embedding-type", "rope",
+         "--untie-embeddings-and-output-weights", "--use-distributed-optimizer", "--bf16"]],
 }
 
 
@@ -309,6 +313,7 @@ ACTIVATION_GRID = [
      "--recompute-num-layers", "1", "--bf16"],
     ["--qk-layernorm", "--position-embedding-type", "rope"],
     ["--qk-layernorm", "--normalization", "RMSNorm", "--bf16"] + SELECTIVE + ["core_attn"],
+    ["--mtp-num-layers", "2"], ["--mtp-num-layers", "1", "--bf16", "--swiglu"],
 ]
 TP_ACTIVATION_GRID = [["--tensor-model-parallel-size", "2"],
                       ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
@@ -319,7 +324,9 @@ TP_ACTIVATION_GRID = [["--tensor-model-parallel-size", "2"],
                        "--swiglu", "--normalization", "RMSNorm", "--position-embedding-type",
                        "rope"] + SELECTIVE + ["mlp", "layernorm"],
                       ["--tensor-model-parallel-size", "2", "--sequence-parallel",
-                       "--qk-layernorm", "--normalization", "RMSNorm"] + SELECTIVE + ["core_attn"]]
+                       "--qk-layernorm", "--normalization", "RMSNorm"] + SELECTIVE + ["core_attn"],
+                      ["--tensor-model-parallel-size", "2", "--sequence-parallel",
+                       "--mtp-num-layers", "1"]]
 
 
 def saved_chunk_bytes_body(flag_sets):

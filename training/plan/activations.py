@@ -35,6 +35,10 @@ statistics per token; at tp = 1 (the unfused loss off CUDA) the fp32 log-softmax
 columns and the labels. Measured against the tensors a real forward holds (each storage once,
 read after the forward) the count is exact for every layout of tests/training/test_plan.py.
 
+Multi-token prediction adds, on the chunk with the output layer, what each MTP layer keeps
+(``_mtp_bytes``: the shifted ids' embedding, two input norms, the 2h-wide projection input, a
+transformer layer, its own final norm, output layer input and loss).
+
 Peak: the schedule's actions (``pipeline/``: 1F1B, interleaved, zero-bubble, as the trainer
 runs them) are walked on every pipeline rank; a forward adds a micro-batch's activations of its
 chunk, a backward (zero-bubble: the W pass) releases them; the peak is the largest sum. The
@@ -187,8 +191,33 @@ def chunk_activation_bytes(config, micro_batch_size: int, pp_rank: int, chunk: i
     kept, transient = _chunk_layer_bytes(config, micro_batch_size, layers)
     pre = pp_rank == 0 and chunk == 0
     post = pp_rank == pp - 1 and chunk == (vpp or 1) - 1
-    return kept + _end_bytes(config, micro_batch_size, pre, post) + _rope_tables(config), \
+    mtp = _mtp_bytes(config, micro_batch_size) if post else 0.0
+    return kept + _end_bytes(config, micro_batch_size, pre, post) + mtp + _rope_tables(config), \
         transient
+
+
+def _mtp_bytes(config, micro_batch_size: int) -> float:
+    """What each of the ``mtp_num_layers`` MTP layers keeps per micro-batch (training): the
+    embedding of the shifted ids (``_embedding_bytes``), enorm's input and both norms'
+    statistics, hnorm's input only as LayerNorm's fp32 copy of 16-bit activations (else it is
+    h_{k−1} itself, already kept as an output layer's input), eh_proj's input (s/t', b, 2h),
+    a transformer layer, then as the output end (final norm, output layer input, loss), the
+    shifted loss mask (fp32), its token count and (16-bit LayerNorm) enorm's and hnorm's fp32
+    weights."""
+    if not config.mtp_num_layers:
+        return 0.0
+    s, b, h, t, t_sp = _sizes(config, micro_batch_size)
+    e = element_bytes(config.params_dtype)
+    layer_norm = config.normalization == "LayerNorm"
+    sbh = s * b * h / t_sp
+    fp32_copies = layer_norm and e != 4
+    per_depth = (_embedding_bytes(config, micro_batch_size)
+                 + sbh * (4 if layer_norm else e) + (sbh * 4 if fp32_copies else 0.0)
+                 + 2 * (2 if layer_norm else 1) * s * b / t_sp * 4
+                 + 2 * sbh * e + layer_activation_bytes(config, micro_batch_size)
+                 + _end_bytes(config, micro_batch_size, False, True) + s * b * 4 + 4
+                 + (2 * 2 * h * 4 if fp32_copies else 0.0))
+    return config.mtp_num_layers * per_depth
 
 
 def _rope_tables(config) -> float:

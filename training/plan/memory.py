@@ -38,6 +38,7 @@ the moments being made for the unpadded shards (``FullyShardedOptimizer.memory_b
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from tpfuse.models.layer_assignment import layers_for
@@ -150,7 +151,7 @@ def layer_shapes(config, index: int) -> list:
         shapes += _norm(f"{prefix}.self_attention.q_layernorm", config, head_dim)
         shapes += _norm(f"{prefix}.self_attention.k_layernorm", config, head_dim)
     shapes += _norm(f"{prefix}.pre_mlp_norm", config)
-    if moe_layer_pattern(config)[index]:
+    if index < config.num_layers and moe_layer_pattern(config)[index]:   # MTP layers: dense
         etp = config.expert_tensor_parallel_size or tp
         shapes += _moe_mlp(f"{prefix}.mlp", config, config.expert_model_parallel_size, etp, tp)
     else:
@@ -182,6 +183,30 @@ def chunk_shapes(config, pp_rank: int, chunk: int) -> list:
         if not (tied and pre):                  # tied on one chunk: the embedding's Parameter
             shapes.append(ParamShape("output_layer.weight", vocab_rows * h,
                                      tied_copy=tied, dim0=vocab_rows))
+        shapes += mtp_shapes(config, pre)
+    return shapes
+
+
+def mtp_shapes(config, pre: bool) -> list:
+    """The MTP block of the chunk with the output layer (``models/multi_token_prediction.py``):
+    per depth enorm, hnorm, eh_proj (h/tp × 2h, no bias), the transformer layer (global layer
+    num_layers + depth), final_layernorm; then, on a chunk without the embedding, the untied
+    word-embedding copy the MTP layers read (tied: the output layer's Parameter itself)."""
+    tp, h = config.tensor_model_parallel_size, config.hidden_size
+    shapes = []
+    for depth in range(config.mtp_num_layers or 0):
+        prefix = f"mtp.layers.{depth}"
+        shapes += _norm(f"{prefix}.enorm", config) + _norm(f"{prefix}.hnorm", config)
+        shapes += _linear(f"{prefix}.eh_proj", h // tp, 2 * h, None)
+        layer = config.num_layers + depth
+        shapes += [dataclasses.replace(shape, name=shape.name.replace(
+            f"layers.{layer}.", f"{prefix}.transformer_layer.", 1))
+            for shape in layer_shapes(config, layer)]
+        shapes += _norm(f"{prefix}.final_layernorm", config)
+    if config.mtp_num_layers and not pre and config.untie_embeddings_and_output_weights:
+        vocab_rows = config.padded_vocab_size // tp
+        shapes.append(ParamShape("mtp_embedding.word_embeddings.weight", vocab_rows * h,
+                                 tied_copy=True, dim0=vocab_rows))
     return shapes
 
 
@@ -192,8 +217,10 @@ def rank_shapes(config, pp_rank: int) -> list:
 
 
 def _tied_embedding_bucket(config, pp_rank: int, shape: ParamShape) -> bool:
-    """The word embedding gets a bucket of its own on both ends of a pipeline (tied, pp > 1)."""
-    if config.untie_embeddings_and_output_weights or config.pipeline_model_parallel_size == 1:
+    """The word embedding gets a bucket of its own on both ends of a pipeline (tied, or untied
+    with the MTP layers' copy on the last stage; pp > 1)."""
+    untied = config.untie_embeddings_and_output_weights and not config.mtp_num_layers
+    if untied or config.pipeline_model_parallel_size == 1:
         return False
     return shape.tied_copy or shape.name == "embedding.word_embeddings.weight"
 
