@@ -3,7 +3,8 @@ and an explicit head dim.
 
     HF   self_attn.q_norm.weight (d,)   → self_attention.q_layernorm.weight (d,)
          self_attn.k_norm.weight (d,)   → self_attention.k_layernorm.weight (d,)
-         head_dim d                     → kv_channels (may differ from hidden / heads)
+         head_dim d                     → kv_channels (may differ from hidden / heads;
+                                          Qwen3Config's 128 when config.json has none)
 
 Order and constants (both sides): q = q_proj(x) viewed as heads of d, then RMSNorm over d with
 ``rms_norm_eps`` and one weight shared by the heads (HF's ``q_norm``; tpfuse's ``qk_layernorm``
@@ -18,11 +19,15 @@ layer), a rotary scaling other than Llama 3's (``rope_scaling``), another ``hidd
 """
 from __future__ import annotations
 
+from tpfuse.parallel.checks import is_int
+
 from . import llama
 from .common import TensorSet
 
 MODEL_TYPE = "qwen3"
 ARCHITECTURE = "Qwen3ForCausalLM"
+# Qwen3Config's values for keys a config.json may leave out, where they differ from Llama's
+DEFAULTS = {"head_dim": 128, "num_key_value_heads": 32}
 
 
 def check_window(hf: dict, family: str) -> None:
@@ -33,14 +38,19 @@ def check_window(hf: dict, family: str) -> None:
                          "applies to every layer)")
 
 
-def attention_values(hf: dict, family: str) -> dict:
+def attention_values(hf: dict, family: str, defaults: dict) -> dict:
     """TransformerConfig values of a Qwen3 / Qwen3-MoE config.json shared by both: Llama's with
-    the q / k norm and the head dim; ValueError naming a field tpfuse cannot express."""
+    the q / k norm and the head dim (``head_dim``, else hidden / heads), the keys it leaves out
+    taken from ``defaults`` (the transformers config class's); ValueError naming a field tpfuse
+    cannot express."""
+    hf = {**defaults, **hf}
     check_window(hf, family)
     if hf.get("attention_bias", False):
         raise ValueError(f"{family} attention_bias=true is not supported (biases on q / k / v / o "
                          "but not on the MLP; tpfuse's add_bias_linear covers every linear)")
     head_dim = hf.get("head_dim")
+    if "head_dim" in hf and not (is_int(head_dim) and head_dim > 0):
+        raise ValueError(f"{family} head_dim={head_dim!r} is not supported (needs a positive int)")
     values = llama.config_from_hf(dict(hf, head_dim=None, attention_bias=False, mlp_bias=False))
     if head_dim is not None:
         values["kv_channels"] = head_dim
@@ -49,7 +59,7 @@ def attention_values(hf: dict, family: str) -> dict:
 
 def config_from_hf(hf: dict) -> dict:
     """TransformerConfig values for a Qwen3 config.json (ValueError for what tpfuse lacks)."""
-    return attention_values(hf, "Qwen3")
+    return attention_values(hf, "Qwen3", DEFAULTS)
 
 
 def attention_mismatches(config) -> list[str]:

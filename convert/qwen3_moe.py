@@ -38,6 +38,8 @@ from .common import TensorSet, plain_topk_router_needs, unmet
 MODEL_TYPE = "qwen3_moe"
 ARCHITECTURE = "Qwen3MoeForCausalLM"
 FAMILY = "Qwen3-MoE"
+# Qwen3MoeConfig's values for keys a config.json may leave out, where they differ from Llama's
+DEFAULTS = {"num_key_value_heads": 4, "router_aux_loss_coef": 0.001}
 PREFIX = llama.PREFIX
 
 
@@ -53,10 +55,11 @@ def expert_count(hf: dict) -> int:
 
 def config_from_hf(hf: dict) -> dict:
     """TransformerConfig values for a Qwen3-MoE config.json (ValueError for what tpfuse lacks)."""
+    hf = {**DEFAULTS, **hf}
     experts = expert_count(hf)
     for key in ("num_experts_per_tok", "moe_intermediate_size"):
         qwen2_moe.positive(hf, key, FAMILY)
-    values = qwen3.attention_values(hf, FAMILY)
+    values = qwen3.attention_values(hf, FAMILY, {})
     pattern = qwen2_moe.sparse_pattern(hf, values["num_layers"], FAMILY)
     if not any(pattern):
         raise ValueError("Qwen3-MoE config.json has no sparse layer (decoder_sparse_step / "

@@ -214,3 +214,27 @@ def test_moe_model_with_q_k_norms_and_a_shared_expert_has_no_counterpart(tmp_pat
                                make_vocab_size_divisible_by=8)
     assert_export_refused(tmp_path, capsys, config, "qwen3_moe: "
                           "moe_shared_expert_intermediate_size=16 (needs None: no shared expert)")
+
+
+def test_keys_left_out_of_config_json_mean_what_transformers_builds():
+    """A config.json without head_dim / num_key_value_heads (/ router_aux_loss_coef): the values
+    are those of the transformers config class and the attention it builds (Qwen3: head_dim 128,
+    32 KV heads; Qwen3-MoE: hidden / heads, 4 KV heads, aux loss 0.001)."""
+    from tpfuse.convert import qwen3, qwen3_moe
+    from tpfuse.models import TransformerConfig
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeAttention
+
+    shape = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=48, num_hidden_layers=1,
+                 num_attention_heads=32, max_position_embeddings=64)
+    cases = [(qwen3, transformers.Qwen3Config, Qwen3Attention, {}),
+             (qwen3_moe, transformers.Qwen3MoeConfig, Qwen3MoeAttention, MOE)]
+    for module, config_class, attention_class, extra in cases:
+        written = dict(shape, **extra)
+        values = module.config_from_hf(written)
+        ours = TransformerConfig(**values)
+        hf_config = config_class(**written)
+        attention = attention_class(hf_config, 0)
+        assert ours.kv_channels == attention.head_dim
+        assert ours.num_query_groups == hf_config.num_key_value_heads
+        assert ours.moe_aux_loss_coeff == getattr(hf_config, "router_aux_loss_coef", 0.0)
