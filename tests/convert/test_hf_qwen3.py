@@ -129,6 +129,13 @@ def test_qwen3_config_maps_head_dim_and_qk_norm(qwen3):
     back = json.loads((root / "back" / "config.json").read_text())
     assert back["architectures"] == ["Qwen3ForCausalLM"] and back["head_dim"] == 16
     assert back["tie_word_embeddings"]
+    from tpfuse.training.arguments import parse_args  # the trainer takes the shape too
+
+    trained, _ = parse_args(["--load", str(root / "ckpt"), "--finetune", "--use-checkpoint-args",
+                             "--seq-length", "16", "--mock-data", "--tokenizer-type",
+                             "NullTokenizer", "--vocab-size", str(VOCAB - 1),
+                             "--micro-batch-size", "1", "--train-iters", "1", "--lr", "0.0"])
+    assert (trained.kv_channels, trained.qk_layernorm) == (16, True)
 
 
 def test_qwen3_logits_and_tokens_at_tp1_and_the_norms_matter(qwen3):
