@@ -13,9 +13,9 @@ operations. Tolerance, from the summation-order bound: a length-n fp32 dot produ
 any order is within γ_n·Σ|a_i b_i| of the exact value, γ_n ≈ n·u, u = 2⁻²⁴; two orders differ by
 at most 2·n·u relative. The longest reductions of a layer have n = N = max(hidden, the output
 projection's heads × head dim, ffn, prompt length; with experts: the experts' ffn × top-k plus
-the shared expert's width — all summed into one output — and the router's softmax over E); the residual stream carries each layer's error
-forward, so over L layers and the output layer (L + 1 reductions in sequence) the first-order
-bound on a logit of size ≤ M is
+the shared expert's width — all summed into one output — and the router's softmax over E); the
+residual stream carries each layer's error forward, so over L layers and the output layer
+(L + 1 reductions in sequence) the first-order bound on a logit of size ≤ M is
 
     tolerance = 2 · N · u · (L + 1) · max(1, M)
 

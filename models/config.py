@@ -293,8 +293,8 @@ class TransformerConfig:
     def validate(self):
         """Raise ValueError naming the fields of the first invalid setting found."""
         require_positive(self, "num_layers", "hidden_size", "num_attention_heads", "seq_length",
-                          "num_query_groups", "kv_channels", "ffn_hidden_size", "max_position_embeddings",
-                          "make_vocab_size_divisible_by",
+                          "num_query_groups", "kv_channels", "ffn_hidden_size",
+                          "max_position_embeddings", "make_vocab_size_divisible_by",
                           "tensor_model_parallel_size", "pipeline_model_parallel_size",
                           "context_parallel_size", "expert_model_parallel_size")
         require_positive_or_none(self, "vocab_size", "expert_tensor_parallel_size",

@@ -507,7 +507,7 @@ def test_qk_layernorm_layout_reproduces_single_process_losses(run_distributed,
     assert losses == pytest.approx(qk_layernorm_reference, rel=1e-5)
 
 
-# ---------------------------------------------------------------- kv_channels (head dim) != h / heads
+# ---------------------------------------------------------------- kv_channels != h / heads
 # --kv-channels 8 with 4 heads of a hidden 16 (Qwen3's explicit head_dim, here twice h / heads):
 # the fused QKV has (4 + 2·2)·8 rows and the output projection 4·8 inputs, split over TP by whole
 # groups / heads. tp 2 + SP reproduces one process (the 1e-5 band of the layouts above); a head
