@@ -11,11 +11,11 @@ Both models run in fp32 whatever the weights' dtype (bf16 / fp16 values are exac
 two sides compute the same function of the same numbers and differ only by the order of fp32
 operations. Tolerance, from the summation-order bound: a length-n fp32 dot product computed in
 any order is within γ_n·Σ|a_i b_i| of the exact value, γ_n ≈ n·u, u = 2⁻²⁴; two orders differ by
-at most 2·n·u relative. The longest reductions of a layer have n = N = max(hidden, ffn, prompt
-length; with experts: the experts' ffn × top-k plus the shared expert's width — all summed into
-one output — and the router's softmax over E); the residual stream carries each layer's error
-forward, so over L layers and the output layer (L + 1 reductions in sequence) the first-order
-bound on a logit of size ≤ M is
+at most 2·n·u relative. The longest reductions of a layer have n = N = max(hidden, the output
+projection's heads × head dim, ffn, prompt length; with experts: the experts' ffn × top-k plus
+the shared expert's width — all summed into one output — and the router's softmax over E); the
+residual stream carries each layer's error forward, so over L layers and the output layer
+(L + 1 reductions in sequence) the first-order bound on a logit of size ≤ M is
 
     tolerance = 2 · N · u · (L + 1) · max(1, M)
 
@@ -42,7 +42,8 @@ def fixed_prompt(vocab_size: int) -> list[int]:
 
 def tolerance_for(config, max_abs_logit: float) -> float:
     """The summation-order bound of the module docstring."""
-    longest = max(config.hidden_size, config.ffn_hidden_size, PROMPT_LENGTH)
+    longest = max(config.hidden_size, config.num_attention_heads * config.kv_channels,
+                  config.ffn_hidden_size, PROMPT_LENGTH)
     if config.num_moe_experts is not None:
         routed = config.moe_ffn_hidden_size * config.moe_router_topk
         shared = config.moe_shared_expert_intermediate_size or 0

@@ -1,5 +1,5 @@
-"""``tpfuse-convert``: HuggingFace GPT-2 / Llama / Mistral / Qwen2 / Mixtral / Qwen2-MoE
-checkpoints to tpfuse and back.
+"""``tpfuse-convert``: HuggingFace GPT-2 / Llama / Mistral / Qwen2 / Mixtral / Qwen2-MoE / Qwen3 /
+Qwen3-MoE checkpoints to tpfuse and back.
 
     tpfuse-convert --from-hf HF_DIR --save DIR [--tensor-model-parallel-size N
                    --pipeline-model-parallel-size M] [--make-vocab-size-divisible-by 128]
@@ -25,7 +25,8 @@ import sys
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tpfuse-convert",
                                      description="Convert HuggingFace GPT-2 / Llama / Mistral / "
-                                                 "Qwen2 / Mixtral / Qwen2-MoE checkpoints.")
+                                                 "Qwen2 / Mixtral / Qwen2-MoE / Qwen3 / "
+                                                 "Qwen3-MoE checkpoints.")
     direction = parser.add_mutually_exclusive_group(required=True)
     direction.add_argument("--from-hf", metavar="HF_DIR", help="HuggingFace model directory")
     direction.add_argument("--to-hf", action="store_true", help="export --load to --save")

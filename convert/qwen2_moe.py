@@ -43,16 +43,16 @@ ARCHITECTURE = "Qwen2MoeForCausalLM"
 PREFIX = llama.PREFIX
 
 
-def _positive(hf: dict, key: str) -> int:
+def positive(hf: dict, key: str, family: str = "Qwen2-MoE") -> int:
     value = hf.get(key)
     if not is_int(value) or value < 1:
-        raise ValueError(f"Qwen2-MoE {key}={value!r} is not supported (needs a positive int)")
+        raise ValueError(f"{family} {key}={value!r} is not supported (needs a positive int)")
     return value
 
 
-def sparse_pattern(hf: dict, num_layers: int) -> list[int]:
+def sparse_pattern(hf: dict, num_layers: int, family: str = "Qwen2-MoE") -> list[int]:
     """One 0/1 per layer: 1 where HF builds a sparse MoE block."""
-    step = _positive(hf, "decoder_sparse_step") if "decoder_sparse_step" in hf else 1
+    step = positive(hf, "decoder_sparse_step", family) if "decoder_sparse_step" in hf else 1
     dense = set(hf.get("mlp_only_layers") or [])
     return [int(i not in dense and (i + 1) % step == 0) for i in range(num_layers)]
 
@@ -70,7 +70,7 @@ def config_from_hf(hf: dict) -> dict:
     _check_window(hf)
     for key in ("num_experts", "num_experts_per_tok", "moe_intermediate_size",
                 "shared_expert_intermediate_size"):
-        _positive(hf, key)
+        positive(hf, key)
     if hf.get("router_jitter_noise"):
         raise ValueError(f"Qwen2-MoE router_jitter_noise={hf['router_jitter_noise']} is not "
                          "supported (tpfuse's router has no input jitter)")
@@ -148,10 +148,16 @@ def _attention_from_hf(source, c, ours, theirs, out):
 
 
 def _experts_from_hf(source, c, ours, theirs, out):
+    take_experts(source, c, ours, theirs, out)
+    out[ours + "mlp.shared_experts.gate_weight"] = source.take(
+        theirs + "mlp.shared_expert_gate.weight", (1, c.hidden_size))
+
+
+def take_experts(source, c, ours: str, theirs: str, out: dict) -> None:
+    """The router ``mlp.gate`` and the experts ``mlp.experts.e.{gate,up,down}_proj`` of layer
+    (prefixes ``ours`` / ``theirs``) into tpfuse's router and stacked expert weights."""
     h, f, moe = c.hidden_size, c.moe_ffn_hidden_size, theirs + "mlp."
     out[ours + "mlp.router.weight"] = source.take(moe + "gate.weight", (c.num_moe_experts, h))
-    out[ours + "mlp.shared_experts.gate_weight"] = source.take(moe + "shared_expert_gate.weight",
-                                                               (1, h))
     fc1, fc2 = [], []
     for e in range(c.num_moe_experts):
         expert = f"{moe}experts.{e}."
@@ -190,17 +196,22 @@ def tensors_to_hf(full: dict, config) -> dict:
         for fused, _, parts in llama.qkv_parts(c, qkv_bias=c.add_qkv_bias):
             llama.put_fused(out, full[ours + fused], c, theirs, parts)
         if sparse:
-            moe = theirs + "mlp."
-            out[moe + "gate.weight"] = full[ours + "mlp.router.weight"]
-            out[moe + "shared_expert_gate.weight"] = full[ours + "mlp.shared_experts.gate_weight"]
-            for e in range(c.num_moe_experts):
-                expert = f"{moe}experts.{e}."
-                gate, up = full[ours + "mlp.experts.weight1"][e].t().chunk(2)   # (F, h) each
-                out[expert + "gate_proj.weight"] = gate.contiguous()
-                out[expert + "up_proj.weight"] = up.contiguous()
-                out[expert + "down_proj.weight"] = (
-                    full[ours + "mlp.experts.weight2"][e].t().contiguous())
+            put_experts(full, c, ours, theirs, out)
+            out[theirs + "mlp.shared_expert_gate.weight"] = (
+                full[ours + "mlp.shared_experts.gate_weight"])
         for fc1, fc2, gate, up, down, _ in _dense_mlps(c, ours, theirs, sparse):
             out[gate], out[up] = (t.contiguous() for t in full[fc1].chunk(2))
             out[down] = full[fc2]
     return llama.common_to_hf(full, c, out)
+
+
+def put_experts(full: dict, c, ours: str, theirs: str, out: dict) -> None:
+    """The inverse of ``take_experts``: HF's router and per-expert weights into ``out``."""
+    moe = theirs + "mlp."
+    out[moe + "gate.weight"] = full[ours + "mlp.router.weight"]
+    for e in range(c.num_moe_experts):
+        expert = f"{moe}experts.{e}."
+        gate, up = full[ours + "mlp.experts.weight1"][e].t().chunk(2)           # (F, h) each
+        out[expert + "gate_proj.weight"] = gate.contiguous()
+        out[expert + "up_proj.weight"] = up.contiguous()
+        out[expert + "down_proj.weight"] = full[ours + "mlp.experts.weight2"][e].t().contiguous()

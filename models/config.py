@@ -6,6 +6,7 @@ the field name with dashes, ``"flag"`` (Megatron's name; ``models/cli.py`` turns
 
 Derived values (Megatron's argument post-processing), filled in ``__post_init__`` when left ``None``:
 ``ffn_hidden_size`` (4·h; swiglu: int(4·h·2/3 / 64)·64 as Megatron), ``num_query_groups`` (= heads),
+``kv_channels`` (the head dim: h / heads, as Megatron's ``--kv-channels``),
 ``max_position_embeddings`` (= seq_length), ``virtual_pipeline_model_parallel_size`` (from
 ``num_layers_per_virtual_pipeline_stage``; a size of 1 is normalised to ``None``), ``params_dtype``
 (bf16 → bfloat16, fp16 → float16, else float32). ``padded_vocab_size`` is a property.
@@ -42,7 +43,7 @@ NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 ACTIVATIONS = ("gelu", "gelu_tanh", "swiglu")
 POSITION_EMBEDDINGS = ("learned_absolute", "rope")
 PIPELINE_SCHEDULES = ("1f1b", "interleaved", "zb-h1")
-DERIVED = ("num_query_groups", "ffn_hidden_size", "max_position_embeddings",
+DERIVED = ("num_query_groups", "kv_channels", "ffn_hidden_size", "max_position_embeddings",
            "virtual_pipeline_model_parallel_size", "params_dtype", "recompute_modules",
            "moe_ffn_hidden_size")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -66,6 +67,9 @@ class TransformerConfig:
         "model", "key/value head groups for grouped-query attention (default: = heads)", None)
     ffn_hidden_size: int | None = _f(
         "model", "MLP hidden size (default 4h; swiglu: int(8h/3 / 64)*64 as Megatron)", None)
+    kv_channels: int | None = _f(
+        "model", "projection width per attention head (default: hidden_size / "
+        "num_attention_heads; Qwen3's head_dim)", None)
     vocab_size: int | None = _f("model", "tokenizer vocabulary size before padding", None)
     make_vocab_size_divisible_by: int = _f(
         "model", "pad the vocabulary to a multiple of this times tensor_model_parallel_size", 128)
@@ -222,13 +226,12 @@ class TransformerConfig:
         multiple = self.make_vocab_size_divisible_by * self.tensor_model_parallel_size
         return -(-self.vocab_size // multiple) * multiple
 
-    @property
-    def kv_channels(self) -> int:
-        return self.hidden_size // self.num_attention_heads
-
     def _derive_defaults(self):
         if self.num_query_groups is None:
             self.num_query_groups = self.num_attention_heads
+        if self.kv_channels is None and is_int(self.hidden_size) and is_int(
+                self.num_attention_heads) and self.num_attention_heads:
+            self.kv_channels = self.hidden_size // self.num_attention_heads
         if self.ffn_hidden_size is None and isinstance(self.hidden_size, int):
             if self.activation == "swiglu":
                 self.ffn_hidden_size = int((4 * self.hidden_size * 2 / 3) / 64) * 64
@@ -302,8 +305,8 @@ class TransformerConfig:
     def validate(self):
         """Raise ValueError naming the fields of the first invalid setting found."""
         require_positive(self, "num_layers", "hidden_size", "num_attention_heads", "seq_length",
-                          "num_query_groups", "ffn_hidden_size", "max_position_embeddings",
-                          "make_vocab_size_divisible_by",
+                          "num_query_groups", "kv_channels", "ffn_hidden_size",
+                          "max_position_embeddings", "make_vocab_size_divisible_by",
                           "tensor_model_parallel_size", "pipeline_model_parallel_size",
                           "context_parallel_size", "expert_model_parallel_size")
         require_positive_or_none(self, "vocab_size", "expert_tensor_parallel_size",
@@ -340,9 +343,12 @@ class TransformerConfig:
                 and self.seq_length > self.max_position_embeddings):
             raise ValueError(f"seq_length={self.seq_length} exceeds max_position_embeddings="
                              f"{self.max_position_embeddings} (learned_absolute positions)")
-        if self.position_embedding_type == "rope" and self.kv_channels % 2:
+        d = self.kv_channels
+        if self.position_embedding_type == "rope" and d % 2 and d == h // heads:
             raise ValueError(f"rope needs an even head dim: hidden_size={h} / "
                              f"num_attention_heads={heads} = {self.kv_channels}")
+        if self.position_embedding_type == "rope" and d % 2:
+            raise ValueError(f"rope needs an even head dim: kv_channels={d}")
         for name in ("hidden_dropout", "attention_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"{name}={getattr(self, name)} must be in [0, 1)")

@@ -184,7 +184,7 @@ class GPTModel(nn.Module):
                                    if c.recompute_granularity == "selective" else ()),
                 state=self.state, window_size=c.attention_window, cp_comm_type=c.cp_comm_type,
                 mlp_builder=mlp_builder, layer_number=index + 1, add_qkv_bias=c.add_qkv_bias,
-                qk_layernorm=c.qk_layernorm)
+                qk_layernorm=c.qk_layernorm, kv_channels=c.kv_channels)
 
     def _build_output(self, word_master):
         c = self.config

@@ -744,3 +744,24 @@ def test_mtp_checkpoint_reshards_pp2_untied_to_tp2_sp(run_distributed, mtp_refer
     assert first + resumed == pytest.approx(reference_losses, rel=1e-5)
     assert first_mtp + resumed_mtp == pytest.approx(reference_mtp, rel=1e-5)
 # ================================================== multi-token prediction (end)
+
+
+# ---------------------------------------------------------------- kv_channels != h / heads
+# --kv-channels 8 with 4 heads of a hidden 16 (Qwen3's explicit head_dim, here twice h / heads):
+# the fused QKV has (4 + 2·2)·8 rows and the output projection 4·8 inputs, split over TP by whole
+# groups / heads. tp 2 + SP reproduces one process (the 1e-5 band of the layouts above); a head
+# dim taken as h / heads on some rank would not even build the same parameter shapes.
+KV_CHANNELS = QK_LAYERNORM + ["--kv-channels", "8"]
+
+
+@pytest.fixture(scope="module")
+def kv_channels_reference(run_distributed):
+    losses = _losses(run_distributed, 1, KV_CHANNELS)
+    assert len(losses) == 5 and losses[-1] < losses[0]
+    return losses
+
+
+def test_kv_channels_tp2_sp_reproduces_single_process_losses(run_distributed,
+                                                             kv_channels_reference):
+    losses = _losses(run_distributed, 2, KV_CHANNELS + _parallel(tp=2, sp=True))
+    assert losses == pytest.approx(kv_channels_reference, rel=1e-5)

@@ -1,8 +1,9 @@
 """ParallelAttention: causal self-attention with heads split over the TP group.
 
 Master fused-QKV weight ``[(nh + 2·ng)·d, h]`` (nh query heads, ng query groups = KV heads, head
-dim d) in Megatron's grouped layout: for each group g, ``[q heads of g (nh/ng · d rows); k_g (d);
-v_g (d)]``, groups one after another. A contiguous (stride 1) column-parallel split then gives each
+dim d = ``kv_channels``, h / nh unless given, e.g. Qwen3's head_dim) in Megatron's grouped
+layout: for each group g, ``[q heads of g (nh/ng · d rows); k_g (d); v_g (d)]``, groups one after
+another. A contiguous (stride 1) column-parallel split then gives each
 rank whole groups — its heads' q, k and v — for any tp dividing ng, and the draw is layout
 independent. Dataflow on rank r (h_l = nh/tp heads, g_l = ng/tp groups):
 
@@ -122,7 +123,8 @@ class ParallelAttention(nn.Module):
                  group=None, state=None, window_size: int | None = None,
                  cp_comm_type: str = "p2p", cp_group=None, layer_number: int = 1,
                  add_qkv_bias: bool = False, qk_layernorm: bool = False,
-                 normalization: str = "LayerNorm", layernorm_epsilon: float = 1e-5):
+                 normalization: str = "LayerNorm", layernorm_epsilon: float = 1e-5,
+                 kv_channels: int | None = None):
         super().__init__()
         self.layer_number = layer_number
         self.tp = resolve_tp_group(group, state)
@@ -139,10 +141,12 @@ class ParallelAttention(nn.Module):
                              f"got {position_embedding_type!r}")
         if not 0.0 <= attention_dropout < 1.0:
             raise ValueError(f"attention_dropout must be in [0, 1), got {attention_dropout}")
-        self.head_dim = hidden_size // num_attention_heads
-        if position_embedding_type == "rope" and self.head_dim % 2:
+        self.head_dim = kv_channels or hidden_size // num_attention_heads
+        if position_embedding_type == "rope" and self.head_dim % 2 and kv_channels is None:
             raise ValueError(f"rope needs an even head dim, got hidden_size/num_attention_heads="
                              f"{self.head_dim}")
+        if position_embedding_type == "rope" and self.head_dim % 2:
+            raise ValueError(f"rope needs an even head dim, got kv_channels={self.head_dim}")
         self.heads_local = num_attention_heads // self.tp.size
         self.groups_local = groups // self.tp.size
         self.heads_per_group = num_attention_heads // groups

@@ -62,7 +62,7 @@ class TransformerLayer(nn.Module):
                  params_dtype: torch.dtype = torch.float32, recompute_modules=(), state=None,
                  group=None, window_size: int | None = None, cp_comm_type: str = "p2p",
                  mlp_builder=None, layer_number: int = 1, add_qkv_bias: bool = False,
-                 qk_layernorm: bool = False):
+                 qk_layernorm: bool = False, kv_channels: int | None = None):
         super().__init__()
         if not 0.0 <= hidden_dropout < 1.0:
             raise ValueError(f"hidden_dropout must be in [0, 1), got {hidden_dropout}")
@@ -86,7 +86,7 @@ class TransformerLayer(nn.Module):
             rotary_base=rotary_base, recompute_core_attention="core_attn" in recompute_modules,
             window_size=window_size, cp_comm_type=cp_comm_type, add_qkv_bias=add_qkv_bias,
             qk_layernorm=qk_layernorm, normalization=normalization,
-            layernorm_epsilon=layernorm_epsilon,
+            layernorm_epsilon=layernorm_epsilon, kv_channels=kv_channels,
             cp_group=resolve_cp_group(None, state, group).group, layer_number=layer_number,
             **common)
         self.pre_mlp_norm = Norm(hidden_size, **norm)

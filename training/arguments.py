@@ -172,7 +172,7 @@ def parse_namespace(argv=None, defaults: dict | None = None) -> argparse.Namespa
 
 CHECKPOINT_SHAPE_FIELDS = (
     "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
-    "normalization", "layernorm_epsilon", "activation",
+    "kv_channels", "normalization", "layernorm_epsilon", "activation",
     "position_embedding_type", "rotary_base", "use_rope_scaling", "rope_scaling_factor",
     "window_size", "add_bias_linear", "add_qkv_bias", "qk_layernorm",
     "untie_embeddings_and_output_weights",
