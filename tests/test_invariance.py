@@ -505,3 +505,48 @@ def test_qk_layernorm_layout_reproduces_single_process_losses(run_distributed,
     world_size, argv = QK_LAYERNORM_LAYOUTS[name]
     losses = _losses(run_distributed, world_size, QK_LAYERNORM + argv)
     assert losses == pytest.approx(qk_layernorm_reference, rel=1e-5)
+
+
+# ================================================ hybrid sharding (begin; owned by the hsdp area)
+# --num-distributed-optimizer-instances 2 at dp 4: two replicas of a 2-rank shard group. The
+# distributed optimizer reduce-scatters each bucket over its instance and all-reduces the shard
+# across the instances; FSDP2 shards over a (replicate 2, shard 2) mesh. Both sum the same
+# gradients as dp 4 in another order (two partial sums of two, then their sum), so the curve is
+# the single process's within the bands above (1e-5, FSDP_REL for FSDP: the same fp32 reorderings
+# of a reduce-scatter's blocks). Composed: tp 2 + SP (world 8, FSDP: the TP shards are the mesh's
+# local tensors) and ep 2 (the experts' edp 2 = 2 instances of 1 rank: their shards are only
+# all-reduced across the instances).
+HSDP2 = ["--num-distributed-optimizer-instances", "2"]
+HSDP_LAYOUTS = {
+    # name: (world size, model flags, layout flags, relative tolerance)
+    "dp4-distopt-hsdp2": (4, [], DISTRIBUTED_OPTIMIZER + HSDP2, 1e-5),
+    "dp4-fsdp-zero3-hsdp2": (4, [], FSDP_ZERO3 + HSDP2, FSDP_REL),
+    "tp2-sp-dp4-fsdp-zero2-hsdp2": (8, [], _parallel(tp=2, sp=True) + FSDP_ZERO2 + HSDP2,
+                                    FSDP_REL),
+    "dp4-ep2-distopt-hsdp2": (4, MOE, DISTRIBUTED_OPTIMIZER + HSDP2
+                              + ["--expert-model-parallel-size", "2"], 1e-5),
+}
+
+
+@pytest.mark.parametrize("name", sorted(HSDP_LAYOUTS))
+def test_hybrid_sharding_reproduces_single_process_losses(run_distributed, reference,
+                                                          moe_reference, name):
+    world_size, model, argv, tolerance = HSDP_LAYOUTS[name]
+    losses = _losses(run_distributed, world_size, model + argv)
+    assert losses == pytest.approx(moe_reference if model else reference, rel=tolerance)
+
+
+def test_hybrid_sharding_checkpoint_resumes_as_plain_data_parallel(run_distributed, reference,
+                                                                   tmp_path):
+    """4 iterations at dp 4 = 2 instances x 2 shards (each rank saves its half of the fp32 state,
+    the two instances the same halves), 3 more at dp 4 with the distributed optimizer over all 4
+    ranks (the halves reassembled and cut in quarters), the last 3 at dp 2 as plain data
+    parallelism (whole-parameter state): the 10 losses are the single-process curve."""
+    save = ["--save", str(tmp_path / "ckpt"), "--load", str(tmp_path / "ckpt")]
+    first = _losses(run_distributed, 4, DISTRIBUTED_OPTIMIZER + HSDP2 + save
+                    + ["--train-iters", "4"])
+    sharded = _losses(run_distributed, 4, DISTRIBUTED_OPTIMIZER + save + ["--train-iters", "7"])
+    plain = _losses(run_distributed, 2, save)
+    assert (len(first), len(sharded), len(plain)) == (4, 3, 3)
+    assert first + sharded + plain == pytest.approx(reference, rel=1e-5)
+# ================================================== hybrid sharding (end)
