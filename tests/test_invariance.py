@@ -536,17 +536,18 @@ def test_hybrid_sharding_reproduces_single_process_losses(run_distributed, refer
     assert losses == pytest.approx(moe_reference if model else reference, rel=tolerance)
 
 
-def test_hybrid_sharding_checkpoint_resumes_as_plain_data_parallel(run_distributed, reference,
-                                                                   tmp_path):
-    """4 iterations at dp 4 = 2 instances x 2 shards (each rank saves its half of the fp32 state,
-    the two instances the same halves), 3 more at dp 4 with the distributed optimizer over all 4
-    ranks (the halves reassembled and cut in quarters), the last 3 at dp 2 as plain data
-    parallelism (whole-parameter state): the 10 losses are the single-process curve."""
+def test_hybrid_sharding_checkpoint_resumes_as_plain_data_parallel_and_back(run_distributed,
+                                                                            reference, tmp_path):
+    """4 iterations at dp 4 = 2 instances x 2 shards with the distributed optimizer (each rank
+    saves its half of the fp32 state, the two instances the same halves), 3 more at dp 2 as plain
+    data parallelism (the halves reassembled into whole-parameter state), the last 3 back at
+    hybrid sharding, FSDP2 ZeRO-3 over a (2, 2) mesh (the state cut into row blocks of each
+    instance): the 10 losses are the single-process curve."""
     save = ["--save", str(tmp_path / "ckpt"), "--load", str(tmp_path / "ckpt")]
     first = _losses(run_distributed, 4, DISTRIBUTED_OPTIMIZER + HSDP2 + save
                     + ["--train-iters", "4"])
-    sharded = _losses(run_distributed, 4, DISTRIBUTED_OPTIMIZER + save + ["--train-iters", "7"])
-    plain = _losses(run_distributed, 2, save)
-    assert (len(first), len(sharded), len(plain)) == (4, 3, 3)
-    assert first + sharded + plain == pytest.approx(reference, rel=1e-5)
+    plain = _losses(run_distributed, 2, save + ["--train-iters", "7"])
+    back = _losses(run_distributed, 4, FSDP_ZERO3 + HSDP2 + save)
+    assert (len(first), len(plain), len(back)) == (4, 3, 3)
+    assert first + plain + back == pytest.approx(reference, rel=1e-5)
 # ================================================== hybrid sharding (end)
