@@ -40,7 +40,8 @@ import torch.distributed as dist
 from .comm_options import CommOptions, options_or_default
 from .devices import collective_device
 from .layout import (DEFAULT_ORDER, GROUP_NAMES, INSTANCE_GROUP_NAMES, RankLayout,
-                     check_distributed_optimizer_instances, check_vpp, instance_groups)
+                     check_distributed_optimizer_instances, check_vpp, instance_group_of,
+                     instance_groups)
 
 def _default_group_timeout() -> datetime.timedelta | None:
     """The timeout the default (world) group was initialised with, when torch exposes it
@@ -141,8 +142,6 @@ class ParallelState:
                             order=order)
         check_vpp(vpp, pp)
         options_or_default(comm_options)
-        check_distributed_optimizer_instances(num_distributed_optimizer_instances,
-                                              layout.dp * layout.cp, layout.edp)
         state = cls(layout, vpp_size=vpp, comm_options=comm_options,
                     num_distributed_optimizer_instances=num_distributed_optimizer_instances)
         if set_default:
@@ -181,8 +180,7 @@ class ParallelState:
             if instances == 1:
                 ranks[name] = list(self._ranks[base]) if name.startswith("intra") else [self.rank]
             else:
-                ranks[name] = next(g for g in instance_groups(self.layout, name, instances)
-                                   if self.rank in g)
+                ranks[name] = instance_group_of(self.layout, name, instances, self.rank)
         return ranks
 
     def _build_instance_groups(self, by_ranks: dict, timeout) -> None:
