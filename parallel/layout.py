@@ -126,6 +126,58 @@ def _digits(rank: int, tokens: tuple[str, ...], sizes: dict[str, int]) -> dict[s
     return digits
 
 
+INSTANCE_GROUP_NAMES = ("intra-dp-cp", "inter-dp-cp", "intra-edp", "inter-edp")
+_INSTANCE_BASES = {"dp-cp": ("intra-dp-cp", "inter-dp-cp"), "edp": ("intra-edp", "inter-edp")}
+
+
+def split_into_instances(groups: list[list[int]], instances: int) -> tuple[list, list]:
+    """Megatron's distributed-optimizer instances (``--num-distributed-optimizer-instances``):
+    each data-parallel group of n ranks (dp x cp, or expert dp) is cut into ``instances``
+    consecutive blocks of s = n / instances ranks, the *intra* groups (one optimizer instance
+    each: the shards), and the ranks at the same place of every block form the *inter* groups
+    (the replicas of one shard)::
+
+        group [r_0 ... r_{n-1}]:   intra_i = [r_{i·s} ... r_{i·s+s-1}]   inter_j = [r_j, r_{j+s}, ...]
+
+    Megatron-core's ``create_hierarchical_groups(ranks, [s, instances])`` levels 0 and 1."""
+    intra, inter = [], []
+    for ranks in groups:
+        if len(ranks) % instances:
+            raise ValueError(f"--num-distributed-optimizer-instances {instances} must divide "
+                             f"the data-parallel group of {len(ranks)} ranks {ranks}")
+        size = len(ranks) // instances
+        intra += [ranks[i * size:(i + 1) * size] for i in range(instances)]
+        inter += [ranks[j::size] for j in range(size)]
+    return intra, inter
+
+
+def instance_groups(layout: "RankLayout", name: str, instances: int) -> list[list[int]]:
+    """Every group of kind ``name`` (one of ``INSTANCE_GROUP_NAMES``) of ``layout`` split into
+    ``instances`` (``split_into_instances`` of its dp-cp or edp groups)."""
+    for base, (intra_name, inter_name) in _INSTANCE_BASES.items():
+        if name in (intra_name, inter_name):
+            intra, inter = split_into_instances(layout.groups(base), instances)
+            return intra if name == intra_name else inter
+    raise ValueError(f"unknown instance group name {name!r}; known: "
+                     f"{', '.join(INSTANCE_GROUP_NAMES)}")
+
+
+def instance_group_of(layout: "RankLayout", name: str, instances: int, rank: int) -> list[int]:
+    """The group of kind ``name`` (``instance_groups``) holding ``rank``."""
+    return next(g for g in instance_groups(layout, name, instances) if rank in g)
+
+
+def check_distributed_optimizer_instances(instances, dp_cp: int, edp: int) -> int:
+    """``--num-distributed-optimizer-instances``: an int >= 1 dividing the data-parallel
+    (dp x cp) size and the expert data-parallel size (Megatron's asserts); returns it."""
+    check_int_at_least("--num-distributed-optimizer-instances", instances, 1)
+    for label, size in (("data-parallel (dp x cp)", dp_cp), ("expert data-parallel", edp)):
+        if size % instances:
+            raise ValueError(f"--num-distributed-optimizer-instances {instances} must divide "
+                             f"the {label} size {size}")
+    return instances
+
+
 class RankLayout:
     """The rank arithmetic of one parallel configuration.
 

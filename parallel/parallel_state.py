@@ -79,12 +79,15 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1,
                               context_parallel_size: int = 1, expert_model_parallel_size: int = 1,
                               expert_tensor_parallel_size: int | None = None,
                               distributed_timeout_minutes: float | None = None,
-                              order: str = DEFAULT_ORDER) -> ParallelState:
+                              order: str = DEFAULT_ORDER,
+                              num_distributed_optimizer_instances: int = 1) -> ParallelState:
     """Build every group of the layout and make it the default state (returned as well).
 
     dp = world / (tp·pp·cp); the expert side uses etp (default tp), ep and
     edp = world / (etp·ep·pp) over the same ranks. Every size is checked before any group is
     created. ``distributed_timeout_minutes`` defaults to the world group's timeout.
+    ``num_distributed_optimizer_instances`` (Megatron's): the dp-cp and edp groups are also cut
+    into that many optimizer instances (``ParallelState``'s intra / inter groups).
     """
     layout = model_parallel_layout(
         tensor_model_parallel_size, pipeline_model_parallel_size,
@@ -94,7 +97,8 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1,
     timeout = None
     if distributed_timeout_minutes is not None:
         timeout = datetime.timedelta(minutes=distributed_timeout_minutes)
-    state = ParallelState(layout, vpp_size=virtual_pipeline_model_parallel_size, timeout=timeout)
+    state = ParallelState(layout, vpp_size=virtual_pipeline_model_parallel_size, timeout=timeout,
+                          num_distributed_optimizer_instances=num_distributed_optimizer_instances)
     set_default_state(state)
     return state
 

@@ -18,6 +18,14 @@ Before any group is created, the ranks all-gather a fingerprint of their layout 
 order) over the world and raise a ValueError on every rank when they differ: mismatched
 ``new_group`` sequences would otherwise only fail at the collective timeout.
 
+Distributed-optimizer instances (``num_distributed_optimizer_instances`` N, Megatron's
+``--num-distributed-optimizer-instances``): the state also names ``intra-dp-cp`` / ``inter-dp-cp``
+and ``intra-edp`` / ``inter-edp`` (``layout.split_into_instances``: each dp-cp / edp group cut
+into N consecutive blocks, the shards' groups, and the groups across the blocks, the replicas').
+With N = 1 the intra groups are the dp-cp / edp groups themselves and the inter groups hold only
+the rank (no process group: ``group()`` is None, size 1); with N > 1 they are created after the
+layout's groups, on every rank in the same order. N joins the fingerprint.
+
 ``destroy()`` destroys the groups it created, in reverse order, identically on every rank, so a
 new ParallelState with other sizes can be built in the same processes.
 """
@@ -31,7 +39,9 @@ import torch.distributed as dist
 
 from .comm_options import CommOptions, options_or_default
 from .devices import collective_device
-from .layout import DEFAULT_ORDER, GROUP_NAMES, RankLayout, check_vpp
+from .layout import (DEFAULT_ORDER, GROUP_NAMES, INSTANCE_GROUP_NAMES, RankLayout,
+                     check_distributed_optimizer_instances, check_vpp, instance_group_of,
+                     instance_groups)
 
 def _default_group_timeout() -> datetime.timedelta | None:
     """The timeout the default (world) group was initialised with, when torch exposes it
@@ -44,21 +54,24 @@ def _default_group_timeout() -> datetime.timedelta | None:
     return timeout if isinstance(timeout, datetime.timedelta) else None
 
 
-def layout_fingerprint(layout: RankLayout, vpp_size: int | None) -> list[int]:
+def layout_fingerprint(layout: RankLayout, vpp_size: int | None,
+                       instances: int = 1) -> list[int]:
     """The numbers every rank must agree on before any group is created."""
     return [layout.world_size, layout.tp, layout.pp, layout.cp, layout.ep, layout.etp,
-            vpp_size or 0, zlib.crc32(layout.order.encode())]
+            vpp_size or 0, instances, zlib.crc32(layout.order.encode())]
 
 
-def check_same_layout_on_every_rank(layout: RankLayout, vpp_size: int | None) -> None:
+def check_same_layout_on_every_rank(layout: RankLayout, vpp_size: int | None,
+                                    instances: int = 1) -> None:
     """Collective over the world (one small all-gather): ValueError on every rank when ranks
     were given different sizes, instead of mismatched ``new_group`` calls that would only fail at
     the collective timeout."""
-    mine = torch.tensor(layout_fingerprint(layout, vpp_size), dtype=torch.int64,
+    mine = torch.tensor(layout_fingerprint(layout, vpp_size, instances), dtype=torch.int64,
                         device=collective_device())
     everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(everyone, mine)
-    fields = ("world_size", "tp", "pp", "cp", "ep", "etp", "vpp", "order")
+    fields = ("world_size", "tp", "pp", "cp", "ep", "etp", "vpp",
+              "num_distributed_optimizer_instances", "order")
     first = everyone[0].tolist()
     for rank, theirs in enumerate(everyone):
         theirs = theirs.tolist()
@@ -83,7 +96,8 @@ class ParallelState:
 
     def __init__(self, layout: RankLayout, vpp_size: int | None = None,
                  timeout: datetime.timedelta | None = None,
-                 comm_options: CommOptions | None = None):
+                 comm_options: CommOptions | None = None,
+                 num_distributed_optimizer_instances: int = 1):
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("ParallelState needs an initialised torch.distributed "
                                "(call torch.distributed.init_process_group first)")
@@ -96,10 +110,14 @@ class ParallelState:
         self.layout = layout
         self.comm_options = comm_options
         self.vpp_size = check_vpp(vpp_size, layout.pp)
-        check_same_layout_on_every_rank(layout, self.vpp_size)
+        self.num_distributed_optimizer_instances = check_distributed_optimizer_instances(
+            num_distributed_optimizer_instances, layout.dp * layout.cp, layout.edp)
+        check_same_layout_on_every_rank(layout, self.vpp_size,
+                                        self.num_distributed_optimizer_instances)
         self.vpp_rank = 0 if self.vpp_size is not None else None
         self.rank = dist.get_rank()
         self._ranks = {name: layout.group_of(name, self.rank) or [] for name in GROUP_NAMES}
+        self._ranks.update(self._instance_ranks())
         self._created: list = []        # every handle new_group returned, in creation order
         self._groups: dict = {}         # name -> this rank's ProcessGroup (or None)
         self._build_groups(_default_group_timeout() if timeout is None else timeout)
@@ -109,7 +127,8 @@ class ParallelState:
     def initialize(cls, tp: int = 1, pp: int = 1, vpp: int | None = None, cp: int = 1,
                    ep: int = 1, etp: int | None = None, order: str = DEFAULT_ORDER,
                    set_default: bool = False,
-                   comm_options: CommOptions | None = None) -> "ParallelState":
+                   comm_options: CommOptions | None = None,
+                   num_distributed_optimizer_instances: int = 1) -> "ParallelState":
         """Build the layout from the current world size and create its groups.
 
         All settings are validated (ValueError) before any group is created. With
@@ -123,7 +142,8 @@ class ParallelState:
                             order=order)
         check_vpp(vpp, pp)
         options_or_default(comm_options)
-        state = cls(layout, vpp_size=vpp, comm_options=comm_options)
+        state = cls(layout, vpp_size=vpp, comm_options=comm_options,
+                    num_distributed_optimizer_instances=num_distributed_optimizer_instances)
         if set_default:
             set_default_state(state)
         return state
@@ -149,6 +169,33 @@ class ParallelState:
                     self._created.append(by_ranks[key])
             mine = tuple(self._ranks[name])
             self._groups[name] = by_ranks[mine] if mine else None
+        self._build_instance_groups(by_ranks, timeout)
+
+    def _instance_ranks(self) -> dict:
+        """name → this rank's ranks of each instance group kind (module docstring)."""
+        instances = self.num_distributed_optimizer_instances
+        ranks = {}
+        for name in INSTANCE_GROUP_NAMES:
+            base = "dp-cp" if name.endswith("dp-cp") else "edp"
+            if instances == 1:
+                ranks[name] = list(self._ranks[base]) if name.startswith("intra") else [self.rank]
+            else:
+                ranks[name] = instance_group_of(self.layout, name, instances, self.rank)
+        return ranks
+
+    def _build_instance_groups(self, by_ranks: dict, timeout) -> None:
+        instances = self.num_distributed_optimizer_instances
+        for name in INSTANCE_GROUP_NAMES:
+            base = "dp-cp" if name.endswith("dp-cp") else "edp"
+            if instances == 1:
+                self._groups[name] = self._groups[base] if name.startswith("intra") else None
+                continue
+            for ranks in instance_groups(self.layout, name, instances):
+                key = tuple(ranks)
+                if key not in by_ranks:
+                    by_ranks[key] = dist.new_group(list(ranks), timeout=timeout)
+                    self._created.append(by_ranks[key])
+            self._groups[name] = by_ranks[tuple(self._ranks[name])]
 
     @property
     def destroyed(self) -> bool:

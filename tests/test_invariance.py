@@ -765,3 +765,49 @@ def test_kv_channels_tp2_sp_reproduces_single_process_losses(run_distributed,
                                                              kv_channels_reference):
     losses = _losses(run_distributed, 2, KV_CHANNELS + _parallel(tp=2, sp=True))
     assert losses == pytest.approx(kv_channels_reference, rel=1e-5)
+
+
+# ================================================ hybrid sharding (begin; owned by the hsdp area)
+# --num-distributed-optimizer-instances 2 at dp 4: two replicas of a 2-rank shard group. The
+# distributed optimizer reduce-scatters each bucket over its instance and all-reduces the shard
+# across the instances; FSDP2 shards over a (replicate 2, shard 2) mesh. Both sum the same
+# gradients as dp 4 in another order (two partial sums of two, then their sum), so the curve is
+# the single process's within the bands above (1e-5, FSDP_REL for FSDP: the same fp32 reorderings
+# of a reduce-scatter's blocks). Composed: tp 2 + SP (world 8, FSDP: the TP shards are the mesh's
+# local tensors) and ep 2 (the experts' edp 2 = 2 instances of 1 rank: their shards are only
+# all-reduced across the instances).
+HSDP2 = ["--num-distributed-optimizer-instances", "2"]
+HSDP_LAYOUTS = {
+    # name: (world size, model flags, layout flags, relative tolerance)
+    "dp4-distopt-hsdp2": (4, [], DISTRIBUTED_OPTIMIZER + HSDP2, 1e-5),
+    "dp4-fsdp-zero3-hsdp2": (4, [], FSDP_ZERO3 + HSDP2, FSDP_REL),
+    "tp2-sp-dp4-fsdp-zero2-hsdp2": (8, [], _parallel(tp=2, sp=True) + FSDP_ZERO2 + HSDP2,
+                                    FSDP_REL),
+    "dp4-ep2-distopt-hsdp2": (4, MOE, DISTRIBUTED_OPTIMIZER + HSDP2
+                              + ["--expert-model-parallel-size", "2"], 1e-5),
+}
+
+
+@pytest.mark.parametrize("name", sorted(HSDP_LAYOUTS))
+def test_hybrid_sharding_reproduces_single_process_losses(run_distributed, reference,
+                                                          moe_reference, name):
+    world_size, model, argv, tolerance = HSDP_LAYOUTS[name]
+    losses = _losses(run_distributed, world_size, model + argv)
+    assert losses == pytest.approx(moe_reference if model else reference, rel=tolerance)
+
+
+def test_hybrid_sharding_checkpoint_resumes_as_plain_data_parallel_and_back(run_distributed,
+                                                                            reference, tmp_path):
+    """4 iterations at dp 4 = 2 instances x 2 shards with the distributed optimizer (each rank
+    saves its half of the fp32 state, the two instances the same halves), 3 more at dp 2 as plain
+    data parallelism (the halves reassembled into whole-parameter state), the last 3 back at
+    hybrid sharding, FSDP2 ZeRO-3 over a (2, 2) mesh (the state cut into row blocks of each
+    instance): the 10 losses are the single-process curve."""
+    save = ["--save", str(tmp_path / "ckpt"), "--load", str(tmp_path / "ckpt")]
+    first = _losses(run_distributed, 4, DISTRIBUTED_OPTIMIZER + HSDP2 + save
+                    + ["--train-iters", "4"])
+    plain = _losses(run_distributed, 2, save + ["--train-iters", "7"])
+    back = _losses(run_distributed, 4, FSDP_ZERO3 + HSDP2 + save)
+    assert (len(first), len(plain), len(back)) == (4, 3, 3)
+    assert first + plain + back == pytest.approx(reference, rel=1e-5)
+# ================================================== hybrid sharding (end)

@@ -29,6 +29,18 @@ so every rank of the group issues the same collectives in the same order, whatev
 autograd engine finishes them in. ``finish_grad_sync()`` starts the rest (a parameter that got
 fewer contributions, e.g. an expert no token reached, counts as final then) and waits for all.
 
+Hybrid sharding (``--num-distributed-optimizer-instances`` N, Megatron's partial distributed
+optimizer): the distributed optimizer shards over one instance's ranks only (``intra-dp-cp`` /
+``intra-edp``, dp_cp/N and edp/N ranks) and each shard is all-reduced across the N instances
+(``inter-dp-cp`` / ``inter-edp``) after its reduce-scatter::
+
+    shard  ←  RS_intra(g / dp_cp)          then    shard  ←  AR_inter(shard)
+
+the sum over all dp_cp replicas, as with N = 1. With N > 1 the reduce-scatter of a bucket runs
+synchronously when it starts (the all-reduce needs its result; Megatron runs both on one side
+stream) and the all-reduce asynchronously with ``overlap_grad_reduce``. Parameters are gathered
+inside the instance.
+
 Parameters (distributed optimizer): after the optimizer has updated its shard, ``start_param_sync``
 all-gathers every bucket's parameters; with ``overlap_param_gather`` asynchronously, a forward
 pre-hook on each module waiting only for the buckets holding that module's parameters, so the
@@ -115,10 +127,12 @@ class DataParallelBuffers:
         if not config.overlap_grad_reduce:
             bucket_size = None
         self.bucket_size = bucket_size              # elements; None: one bucket per buffer
-        groups = {"dense": ("dp-cp", state.dp_cp_group), "expert": ("edp", state.group("edp"))}
+        groups = {"dense": "dp-cp", "expert": "edp"}
         tied = _tied_embedding(self.chunks, state)
         self.buffers = []
-        for kind, (name, group) in groups.items():
+        for kind, base in groups.items():
+            name = f"intra-{base}" if config.use_distributed_optimizer else base
+            replicas = state.size(f"inter-{base}") if config.use_distributed_optimizer else 1
             by_dtype = {}
             for param in self.params:
                 if (kind == "expert") == is_expert(param):
@@ -126,9 +140,10 @@ class DataParallelBuffers:
                     by_dtype.setdefault((param.dtype, grad_dtype), []).append(param)
             for (_, grad_dtype), params in by_dtype.items():
                 self.buffers.append(ParamAndGradBuffer(
-                    params, grad_dtype, group, state.size(name), state.rank_in(name), 1.0 / dp_cp,
-                    bucket_size, distributed=config.use_distributed_optimizer, kind=kind,
-                    own_bucket=tied))
+                    params, grad_dtype, state.group(name), state.size(name), state.rank_in(name),
+                    1.0 / dp_cp, bucket_size, distributed=config.use_distributed_optimizer,
+                    kind=kind, own_bucket=tied, replicas=replicas,
+                    replica_group=state.group(f"inter-{base}") if replicas > 1 else None))
         # buckets of one reduce group, in launch order (a group's buffers one after the other)
         self.queues = {kind: [b for buf in self.buffers if buf.kind == kind for b in buf.buckets]
                        for kind in groups}
@@ -189,12 +204,17 @@ class DataParallelBuffers:
             # also for a group of one: an expert gradient with edp = 1 < dp_cp still sums the
             # losses of dp_cp replicas (tokens came from every ep peer) and takes the 1/dp_cp
             bucket.grad_data.mul_(buffer.gradient_scaling_factor)
-        if buffer.dp_size == 1:
+        if buffer.dp_size == 1 and buffer.replicas == 1:
             return
         if buffer.distributed:      # the shard is a view into the bucket: reduce in place
-            bucket.grad_work = reduce_scatter_tensor(
-                bucket.shard(bucket.grad_data, buffer.dp_rank), bucket.grad_data, buffer.group,
-                options=self.state.comm_options, async_op=async_op, preserve_input=False)
+            shard = bucket.shard(bucket.grad_data, buffer.dp_rank)
+            if buffer.dp_size > 1:
+                bucket.grad_work = reduce_scatter_tensor(
+                    shard, bucket.grad_data, buffer.group, options=self.state.comm_options,
+                    async_op=async_op and buffer.replicas == 1, preserve_input=False)
+            if buffer.replicas > 1:  # hybrid sharding: the same shard of the other instances
+                bucket.grad_work = dist.all_reduce(shard, group=buffer.replica_group,
+                                                   async_op=async_op)
         else:
             bucket.grad_work = dist.all_reduce(bucket.grad_data, group=buffer.group,
                                                async_op=async_op)

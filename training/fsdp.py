@@ -50,6 +50,15 @@ does; on CUDA (NCCL) FSDP2 runs its own reduce-scatter. Mixed precision
 (``MixedPrecisionPolicy``): bf16/fp16 compute, fp32 reduce, fp32 sharded parameters, which are
 the optimizer's main parameters (``training/fsdp_optimizer.py``).
 
+Hybrid sharding (HSDP, ``--num-distributed-optimizer-instances`` N > 1: Megatron's flag of the
+distributed optimizer's instances, read for FSDP2 too, as torchtitan's dp_replicate × dp_shard):
+each unit's mesh is 2-D, (replicate N, shard n/N) over the dp·cp ranks (experts: over edp), rows
+the ``intra-*`` groups of ``ParallelState``, columns the ``inter-*`` ones. FSDP reduce-scatters
+inside the row and all-reduces the shard down the column (``fully_shard(mesh=...)``'s HSDP); a
+rank holds 1/(n/N) of every parameter, the same shard as its N − 1 replicas. On the host the
+reduce-scatter then completes at once (the all-reduce reads it) and both run as sums
+(``set_force_sum_reduction_for_comms``: gloo has no ``AVG``), FSDP dividing by n after.
+
 Zero-bubble (``--pipeline-schedule zb-h1``): a W action computes weight gradients after the I
 pass (the autograd backward) that deferred them, so no backward may reduce-scatter: every I pass
 accumulates, and ``finish_grad_sync`` reduce-scatters each chunk's accumulated gradients after
@@ -194,9 +203,11 @@ class FullyShardedModel:
         self.chunks, self.config, self.state = list(model_chunks), config, state
         self.dp_cp = state.size("dp-cp")
         device_type = _device_type()
-        dense_mesh = DeviceMesh.from_group(state.dp_cp_group, device_type)
+        self.hybrid = state.num_distributed_optimizer_instances > 1
+        dense_mesh = _data_parallel_mesh(DeviceMesh, state, "dp-cp", device_type)
         edp = state.size("edp")
-        expert_mesh = DeviceMesh.from_group(state.group("edp"), device_type) if edp > 1 else None
+        expert_mesh = (_data_parallel_mesh(DeviceMesh, state, "edp", device_type) if edp > 1
+                       else None)
         compute = config.compute_dtype
         policy = MixedPrecisionPolicy(
             param_dtype=None if compute == torch.float32 else compute,
@@ -232,9 +243,11 @@ class FullyShardedModel:
                     setattr(param, key, value)
         self.reduce_scatter = None                     # gloo's deferred reductions
         if device_type == "cpu":
-            reduce_scatter = self.reduce_scatter = _DeferredReduceScatter(state)
+            reduce_scatter = self.reduce_scatter = _DeferredReduceScatter(state, self.hybrid)
             for unit in units:
                 unit.set_custom_reduce_scatter(reduce_scatter)
+                if self.hybrid:
+                    unit.set_force_sum_reduction_for_comms(True)
             for chunk in self.chunks:
                 _prefetch_asynchronously(chunk)
         self.params = trainable_parameters(self.chunks)
@@ -255,8 +268,8 @@ class FullyShardedModel:
         sharded_state.py``): the process group, this rank's place in it and its size (read from
         the ParallelState: a DeviceMesh rebuilt over a reused worker's groups can name a group
         that is gone)."""
-        name = "edp" if is_expert(param) else "dp-cp"
-        param.fsdp_group = self.state.group(name) if name == "edp" else self.state.dp_cp_group
+        name = "intra-edp" if is_expert(param) else "intra-dp-cp"     # the mesh's shard dim
+        param.fsdp_group = self.state.group(name)
         param.fsdp_rank, param.fsdp_size = self.state.rank_in(name) or 0, self.state.size(name)
 
     # ------------------------------------------------------------------ the step
@@ -361,8 +374,9 @@ class _DeferredReduceScatter:
     ``SUM`` need no pre- or post-division (fp32), and each unit reduces once per step onto a
     gradient that ``zero_grad_buffer`` set to None (nothing to accumulate into)."""
 
-    def __init__(self, state):
+    def __init__(self, state, complete_at_once: bool = False):
         self.state = state
+        self.complete_at_once = complete_at_once   # HSDP: FSDP all-reduces the output next
         self.pending = []          # the handles of the started reductions
 
     def allocate(self, size, *, dtype, device) -> torch.Tensor:
@@ -372,6 +386,8 @@ class _DeferredReduceScatter:
         self.pending.append(reduce_scatter_tensor(
             output_tensor, input_tensor, group, options=self.state.comm_options, op=op,
             async_op=True, preserve_input=False))
+        if self.complete_at_once:
+            self.complete()
         return None
 
     def complete(self) -> None:
@@ -380,6 +396,20 @@ class _DeferredReduceScatter:
         for work in self.pending:
             work.wait()
         self.pending = []
+
+
+def _data_parallel_mesh(device_mesh, state, base: str, device_type: str):
+    """The DeviceMesh FSDP shards over: the ``base`` group (``"dp-cp"`` or ``"edp"``) itself,
+    or with N > 1 distributed-optimizer instances the 2-D (replicate N, shard) mesh whose row i
+    is instance i (``intra-<base>``) and whose column j holds the j-th rank of every instance
+    (``inter-<base>``)."""
+    instances = state.num_distributed_optimizer_instances
+    if instances == 1:
+        return device_mesh.from_group(state.group(base), device_type)
+    ranks = torch.tensor(state.ranks(base), dtype=torch.int64).view(instances, -1)
+    return device_mesh.from_group([state.group(f"inter-{base}"), state.group(f"intra-{base}")],
+                                  device_type, mesh=ranks,
+                                  mesh_dim_names=("dp_replicate", "dp_shard"))
 
 
 def _prefetch_asynchronously(chunk) -> None:

@@ -18,6 +18,11 @@ reduce-scattered into that shard, the optimizer updates it, and the parameters a
 back. The word embedding tied between the first and last pipeline stage gets a bucket of its own
 there on both stages, so they cut it into identical shards (its gradients are summed across the
 stages after the reduce-scatter).
+
+Hybrid sharding (``--num-distributed-optimizer-instances`` N > 1): the buffer is sharded over the
+ranks of one optimizer instance (the intra group, dp/N ranks) and ``replica_group`` holds the
+ranks of the other instances with the same shard (N ranks): a shard reduce-scattered inside the
+instance is then all-reduced across the instances, so every replica of it holds the full sum.
 """
 from __future__ import annotations
 
@@ -116,13 +121,17 @@ class ParamAndGradBuffer:
     ``group`` / ``dp_size`` / ``dp_rank``: the group the gradients are reduced over;
     ``gradient_scaling_factor`` multiplies every gradient before the (sum) reduction (1/dp for an
     average). ``distributed``: hold the parameters too and pad for sharding (see module docstring);
-    ``own_bucket``: ids of parameters that get a bucket of their own then.
+    ``own_bucket``: ids of parameters that get a bucket of their own then; ``replica_group`` /
+    ``replicas``: the group holding the same shard in the other optimizer instances and its size
+    (1: no hybrid sharding).
     """
 
     def __init__(self, params: list, grad_dtype: torch.dtype, group, dp_size: int, dp_rank: int,
                  gradient_scaling_factor: float, bucket_size: int | None,
-                 distributed: bool = False, kind: str = "dense", own_bucket=frozenset()):
+                 distributed: bool = False, kind: str = "dense", own_bucket=frozenset(),
+                 replica_group=None, replicas: int = 1):
         self.params, self.group, self.kind = params, group, kind
+        self.replica_group, self.replicas = replica_group, replicas
         self.param_dtype, self.grad_dtype = params[0].dtype, grad_dtype
         self.dp_size, self.dp_rank = dp_size, dp_rank
         self.gradient_scaling_factor = gradient_scaling_factor

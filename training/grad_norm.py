@@ -9,7 +9,9 @@ squares of the gradients it *counts*, and one all-reduce over the world adds the
 same sum when a rank counts:
 
 - a dense parameter only on data(+context)-parallel rank 0 (an expert one on expert-data rank 0),
-  unless the distributed optimizer owns disjoint shards (then every rank counts its own shard);
+  unless the distributed optimizer owns disjoint shards (then every rank counts its own shard;
+  with hybrid sharding, ``--num-distributed-optimizer-instances`` > 1, only in the first
+  instance: the others hold copies of the same shards);
 - a parameter replicated over the tensor-parallel group (``tensor_model_parallel`` False: norm
   weights, row-parallel biases) only on TP rank 0 (expert: expert-TP rank 0);
 - never the last stage's copy of the tied word embedding (``shared_embedding``).
@@ -33,6 +35,8 @@ def counted_on_this_rank(param, state, sharded: bool) -> bool:
         return False
     expert = is_expert(param)
     if not sharded and (state.rank_in("edp" if expert else "dp-cp") or 0) != 0:
+        return False
+    if sharded and (state.rank_in("inter-edp" if expert else "inter-dp-cp") or 0) != 0:
         return False
     if getattr(param, "tensor_model_parallel", False):
         return True

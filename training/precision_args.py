@@ -106,6 +106,19 @@ def check_sharding_strategy(data_parallel) -> None:
                              "--use-torch-fsdp2 reduces and gathers per FSDP unit (drop it)")
 
 
+def check_instances_shard(data_parallel) -> None:
+    """More than one distributed-optimizer instance needs something to shard inside each
+    (Megatron's ``--num-distributed-optimizer-instances`` is the distributed optimizer's; tpfuse
+    reads it for FSDP2's hybrid mesh too). That N divides the data-parallel sizes is checked
+    with the layout, before any group (``check_distributed_optimizer_instances``)."""
+    instances = data_parallel.num_distributed_optimizer_instances
+    if instances > 1 and not (data_parallel.use_distributed_optimizer
+                              or data_parallel.use_torch_fsdp2):
+        raise ValueError(f"--num-distributed-optimizer-instances {instances} needs a sharded "
+                         "mode to replicate: --use-distributed-optimizer or --use-torch-fsdp2 "
+                         "(plain data parallelism already replicates everything)")
+
+
 @dataclass(frozen=True, kw_only=True)
 class DataParallelSettings(SettingsGroup):
     """How gradients are reduced over the data-parallel group and where optimizer state lives."""
@@ -136,6 +149,12 @@ class DataParallelSettings(SettingsGroup):
                     "says); without it no_shard is plain data parallelism, optim the "
                     "distributed optimizer",
         choices=SHARDING_STRATEGIES)
+    num_distributed_optimizer_instances: int = setting(
+        1, "hybrid sharding: cut the data-parallel (dp x cp) group into this many replicas, "
+           "each sharding optimizer state (--use-distributed-optimizer) or the model "
+           "(--use-torch-fsdp2, a (replicate, shard) mesh) over its own ranks; gradients are "
+           "reduce-scattered inside a replica and all-reduced across replicas",
+        minimum=1, metavar="N")
 
     @property
     def fsdp_strategy(self) -> str:
@@ -146,6 +165,7 @@ class DataParallelSettings(SettingsGroup):
         check_sharding_strategy(self)
         if self.overlap_param_gather and not self.use_distributed_optimizer:
             raise ValueError("--overlap-param-gather needs --use-distributed-optimizer")
+        check_instances_shard(self)
         if self.ddp_bucket_size is not None and self.ddp_bucket_size < 1:
             raise ValueError(f"--ddp-bucket-size must be >= 1 elements, got "
                              f"{self.ddp_bucket_size}")

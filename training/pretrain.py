@@ -444,7 +444,9 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step,
         virtual_pipeline_model_parallel_size=config.virtual_pipeline_model_parallel_size,
         context_parallel_size=config.context_parallel_size,
         expert_model_parallel_size=config.expert_model_parallel_size,
-        expert_tensor_parallel_size=config.expert_tensor_parallel_size)
+        expert_tensor_parallel_size=config.expert_tensor_parallel_size,
+        num_distributed_optimizer_instances=(
+            settings.data_parallel.num_distributed_optimizer_instances))
     parallel_state.get_default_state().comm_options = settings.distributed.comm_options()
     if dist.get_rank() == 0 and not settings.logging.no_layout_table:
         from tpfuse.parallel.report import format_layout_table

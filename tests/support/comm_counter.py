@@ -18,7 +18,8 @@ from collections import defaultdict
 
 import torch.distributed as dist
 
-KINDS = ("tp", "dp-cp", "edp", "embedding", "cp", "tp-cp", "ep", "etp", "etp-ep", "pp")
+KINDS = ("tp", "dp-cp", "edp", "embedding", "cp", "tp-cp", "ep", "etp", "etp-ep", "pp",
+         "intra-dp-cp", "inter-dp-cp", "intra-edp", "inter-edp")
 SEND_KINDS = ("cp", "pp")
 SCALAR_BYTES = 32           # norms, loss logs, flags: left out (the plan does not count them)
 

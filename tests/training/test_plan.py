@@ -31,7 +31,9 @@ def measured_memory_body(flag_sets):
         state = ParallelState.initialize(
             tp=config.tensor_model_parallel_size, pp=config.pipeline_model_parallel_size,
             vpp=config.virtual_pipeline_model_parallel_size, cp=config.context_parallel_size,
-            ep=config.expert_model_parallel_size, etp=config.expert_tensor_parallel_size)
+            ep=config.expert_model_parallel_size, etp=config.expert_tensor_parallel_size,
+            num_distributed_optimizer_instances=(
+                settings.data_parallel.num_distributed_optimizer_instances))
         try:
             model = build_model(make_gpt_model_provider(config), config, state)
             _, optimizer = build_buffers_and_optimizer(
@@ -492,3 +494,71 @@ def test_cli_rejects_a_layout_that_does_not_divide_the_world():
         main(BASE + ["--world-size", "6", "--tensor-model-parallel-size", "4"])
     with pytest.raises(SystemExit, match="--gpu-memory-gib"):
         main(BASE + ["--world-size", "4", "--search"])
+
+
+# -------------------------------------------------------------------- hybrid sharding (hsdp)
+HSDP2 = ["--num-distributed-optimizer-instances", "2"]
+HSDP_GRID = [["--use-distributed-optimizer"] + HSDP2,
+             FSDP + ["optim_grads_params"] + HSDP2,
+             ["--num-experts", "4", "--expert-model-parallel-size", "2", "--moe-router-topk", "2",
+              "--use-distributed-optimizer", "--bf16"] + HSDP2]
+
+
+def test_hybrid_sharding_memory_is_one_shard_of_one_process_and_the_plan(run_distributed):
+    """dp 4 = 2 instances x 2 shards: every rank's record is the plan's; with FSDP2 a rank holds
+    exactly half of one process's parameters, gradients and optimizer state (every dim 0 of
+    this model is even: no row padding), with the distributed optimizer the two ranks of an
+    instance hold one process's optimizer state between them (the buffers are cut in halves,
+    each padded to lcm(2, 128): the halves are not equal), and each rank holds exactly what its
+    replica in the other instance holds."""
+    single = dict(run_distributed(1, measured_memory_body, [[]]))[0][0][0]
+    measured = dict(run_distributed(4, measured_memory_body, HSDP_GRID))
+    for index, flags in enumerate(HSDP_GRID):
+        config, settings = parse_args(BASE + flags)
+        layout = layout_of(config, 4)
+        buffers = buffer_settings(config, settings, 4)
+        assert buffers.instances == 2
+        for rank in range(4):
+            held, line = measured[rank][index]
+            assert static_memory(config, layout, rank, buffers) == held, (flags, rank)
+            assert "!=" not in line, line
+            assert held == measured[(rank + 2) % 4][index][0]    # its replica (ranks r, r + 2)
+    fsdp = [measured[rank][1][0] for rank in range(4)]
+    for held in fsdp:
+        for kind in ("parameters", "gradients", "optimizer_state"):
+            assert 2 * held[kind] == single[kind], kind
+    distributed = [measured[rank][0][0] for rank in (0, 1)]    # instance 0
+    assert sum(h["optimizer_state"] for h in distributed) == single["optimizer_state"]
+    assert all(h["parameters"] >= single["parameters"] for h in distributed)   # ZeRO-1: whole
+
+
+HSDP_COMM_GRID = [["--use-distributed-optimizer", "--global-batch-size", "8"] + HSDP2,
+                  ["--global-batch-size", "8"] + FSDP + ["optim_grads_params"] + HSDP2]
+
+
+def _hsdp_as_counted(planned: dict, layout, rank: int) -> dict:
+    """``_as_counted`` with the instance kinds (``intra-dp`` ...) under the state's names."""
+    instance = {k: v for k, v in planned.items() if k.startswith(("intra-", "inter-"))}
+    merged = _as_counted({k: v for k, v in planned.items() if k not in instance}, layout, rank)
+    for key, value in instance.items():
+        kind, op = key.split("_", 1)
+        op = "all_gather" if op == "param_all_gather" else op
+        name = {"intra-dp": "intra-dp-cp", "inter-dp": "inter-dp-cp"}.get(kind, kind)
+        merged[f"{name}_{op}"] = merged.get(f"{name}_{op}", 0) + value
+    return merged
+
+
+@pytest.mark.parametrize("flags", HSDP_COMM_GRID, ids=["distopt", "fsdp-zero3"])
+def test_hybrid_sharding_comm_bytes_equal_the_collectives_of_a_real_step(run_distributed, flags):
+    """dp 4 = 2 x 2 on gloo: the plan's reduction and gathers inside the instance and its
+    all-reduce of the shard across the instances are the bytes the step's collectives pass."""
+    from tpfuse.training.plan.comm import step_comm_bytes
+
+    counted = dict(run_distributed(4, counted_step_body, flags))
+    config, settings = parse_args(BASE + STEP + flags)
+    layout = layout_of(config, 4)
+    buffers = buffer_settings(config, settings, 4)
+    for rank in range(4):
+        planned = step_comm_bytes(config, layout, rank, buffers, 2, 1, backend="gloo")
+        assert any(k.startswith("inter-dp") for k in planned), planned
+        assert _hsdp_as_counted(planned, layout, rank) == counted[rank], rank

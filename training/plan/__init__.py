@@ -20,6 +20,6 @@ _EXPORTS = {
     "layer_shapes": "memory", "chunk_shapes": "memory", "rank_shapes": "memory",
     "BufferSettings": "memory", "buffer_settings": "memory", "buffer_plans": "memory",
     "FsdpUnit": "memory", "fsdp_units": "memory", "fsdp_static_memory": "memory",
-    "static_memory": "memory",
+    "static_memory": "memory", "shard_group": "memory", "replica_group": "memory",
 }
 __getattr__, __dir__, __all__ = lazy_exports(__name__, _EXPORTS, globals())

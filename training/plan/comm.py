@@ -58,6 +58,11 @@ micro-batch (ZeRO-3, forward and backward; without a pipeline the root once per 
 last layer once per micro-batch and the first once more), the padded fp32 gradients reduced
 once per step (reduce-scattered on NCCL, all-reduced on gloo).
 
+Hybrid sharding (``--num-distributed-optimizer-instances`` N > 1): the reduction and the
+gathers above run inside one instance of s = n/N ranks (kinds ``intra-dp`` / ``intra-edp``:
+the buffer or unit reduce-scattered and all-gathered over s ranks), and each rank's shard
+(1/s of it) is all-reduced across the N instances once per step (``inter-dp`` / ``inter-edp``).
+
 A forward re-run by recompute (full: the layer; selective ``mlp``: its MLP block, an MoE
 layer's dispatch included) repeats the forward's collectives.
 
@@ -87,7 +92,7 @@ from tpfuse.models.moe_config import moe_layer_pattern
 from tpfuse.parallel.comm_options import resolve_reduce_scatter
 
 from ..fsdp import gathers_per_step, keeps_seams, padded_shard_numel, shard_rows
-from .memory import buffer_plans, element_bytes, fsdp_units
+from .memory import buffer_plans, element_bytes, fsdp_units, replica_group, shard_group
 
 
 @dataclass(frozen=True)
@@ -414,8 +419,15 @@ def pipeline_bytes(config, micro_batch_size: int, pp_rank: int) -> dict:
     return {"pp_send": sends * message}
 
 
+def _kind(group: str, instances: int, where: str = "intra") -> str:
+    """The plan's name of the reduce group ``group`` ("dp-cp" → "dp", "edp"), with N > 1
+    instances that of its ``where`` ("intra" / "inter") part."""
+    kind = "dp" if group == "dp-cp" else "edp"
+    return kind if instances == 1 else f"{where}-{kind}"
+
+
 def fsdp_bytes(config, layout, rank: int, strategy: str, num_microbatches: int,
-               backend: str = "nccl", reduce_scatter: str = "auto") -> dict:
+               backend: str = "nccl", reduce_scatter: str = "auto", instances: int = 1) -> dict:
     """FSDP per step (``training/fsdp.py``): every unit sharded over n > 1 ranks all-gathers its
     padded parameters (n · ⌈rows/n⌉ rows each, in the compute dtype) once per step with ZeRO-2
     (kept over the micro-batches), in every micro-batch's forward and backward with ZeRO-3
@@ -424,18 +436,24 @@ def fsdp_bytes(config, layout, rank: int, strategy: str, num_microbatches: int,
     padded fp32 gradients, accumulated over the micro-batches, are reduced once, in the last
     backward (a reduce-scatter on NCCL; on gloo as ``reduce_scatter`` resolves, by default an
     all-reduce). The tied embedding's fp32 gradient shard is all-reduced over the embedding
-    group once per step (pp > 1)."""
+    group once per step (pp > 1). With N > 1 ``instances`` all of that runs over the unit's
+    instance, and its padded fp32 gradient shard is all-reduced across the instances."""
     seams = keeps_seams(strategy, config.pipeline_model_parallel_size)
     host = "native" if backend == "nccl" else resolve_reduce_scatter(reduce_scatter, backend)
     reduce_op = "reduce_scatter" if host == "native" else "all_reduce"
     compute = element_bytes(config.params_dtype)
     volume = defaultdict(int)
     for unit in fsdp_units(config, layout, rank):
-        size = len(layout.group_of(unit.group, rank)) if unit.group else 1
+        if unit.group is None:
+            continue
+        size = len(shard_group(layout, unit.group, rank, instances))
+        replicas = len(replica_group(layout, unit.group, rank, instances))
+        numel = sum(padded_shard_numel(s.fsdp_shape, size) * size for s in unit.shapes)
+        if replicas > 1:
+            volume[f"{_kind(unit.group, instances, 'inter')}_all_reduce"] += numel // size * 4
         if size == 1:
             continue
-        numel = sum(padded_shard_numel(s.fsdp_shape, size) * size for s in unit.shapes)
-        kind = "dp" if unit.group == "dp-cp" else "edp"
+        kind = _kind(unit.group, instances)
         gathers = gathers_per_step(
             strategy, num_microbatches,
             kept_after_forward=seams and (unit.last_layer or unit.root),
@@ -444,7 +462,7 @@ def fsdp_bytes(config, layout, rank: int, strategy: str, num_microbatches: int,
         volume[f"{kind}_{reduce_op}"] += numel * 4
     if _tied_across_stages(config, layout.rank_in("pp", rank)):
         rows = config.padded_vocab_size // config.tensor_model_parallel_size
-        dp_cp = layout.group_of("dp-cp", rank)
+        dp_cp = shard_group(layout, "dp-cp", rank, instances)
         lo, hi = shard_rows(rows, len(dp_cp), dp_cp.index(rank))
         volume["embedding_all_reduce"] += (hi - lo) * config.hidden_size * 4
     return dict(volume)
@@ -461,16 +479,22 @@ def data_parallel_bytes(config, layout, rank: int, buffers, backend: str,
                         reduce_scatter: str = "auto") -> dict:
     """Per step: gradient reduction (the distributed optimizer's reduce-scatter as
     ``reduce_scatter`` resolves for ``backend``) and (distributed optimizer) parameter
-    all-gather."""
+    all-gather; with N > 1 instances (``buffers.instances``) both inside the instance, then each
+    bucket's shard all-reduced across the instances."""
     param_bytes = element_bytes(config.params_dtype)
     grad_bytes = 4 if buffers.grad_reduce_in_fp32 else param_bytes
     native = resolve_reduce_scatter(reduce_scatter, backend) == "native"
     reduce_op = "reduce_scatter" if buffers.use_distributed_optimizer and native else "all_reduce"
     volume = defaultdict(int)
+    instances = buffers.instances if buffers.use_distributed_optimizer else 1
     for kind, plan, size, _ in buffer_plans(config, layout, rank, buffers):
+        base = "dp-cp" if kind == "dense" else "edp"
+        if len(replica_group(layout, base, rank, instances)) > 1:
+            volume[f"{_kind(base, instances, 'inter')}_all_reduce"] += \
+                plan.numel // size * grad_bytes
         if size == 1:
             continue
-        group = "dp" if kind == "dense" else "edp"
+        group = _kind(base, instances)
         volume[f"{group}_{reduce_op}"] += plan.numel * grad_bytes
         if buffers.use_distributed_optimizer:
             volume[f"{group}_param_all_gather"] += plan.numel * param_bytes
@@ -550,7 +574,7 @@ def step_comm_bytes(config, layout, rank: int, buffers, micro_batch_size: int,
             volume[as_run(key, run_as)] += value
     if buffers.fsdp_strategy is not None:
         data = fsdp_bytes(config, layout, rank, buffers.fsdp_strategy, num_microbatches,
-                          backend, reduce_scatter)
+                          backend, reduce_scatter, buffers.instances)
     else:
         data = data_parallel_bytes(config, layout, rank, buffers, backend, reduce_scatter)
     for key, value in data.items():

@@ -35,6 +35,11 @@ unsharded otherwise, the chunk's remaining parameters one) hold every parameter'
     optimizer_state          Σ (this rank's rows of the torch.chunk split) · (numel/rows) · b
 
 the moments being made for the unpadded shards (``FullyShardedOptimizer.memory_bytes``).
+
+Hybrid sharding (``--num-distributed-optimizer-instances`` N > 1, the distributed optimizer or
+FSDP2): the shard group is one instance, ``intra-dp-cp`` / ``intra-edp`` of dp·cp/N and edp/N
+ranks (``shard_group``), so every formula above holds with n the instance's size: a rank holds
+1/(n/N) of what one process would, and the instances hold the same shards.
 """
 from __future__ import annotations
 
@@ -43,7 +48,7 @@ from dataclasses import dataclass
 
 from tpfuse.models.layer_assignment import layers_for
 from tpfuse.models.moe_config import moe_layer_pattern
-from tpfuse.parallel.layout import RankLayout
+from tpfuse.parallel.layout import RankLayout, instance_group_of
 
 from ..fsdp import fsdp_rank_bytes, shard_rows
 from ..grad_buffers import plan_buffer
@@ -235,6 +240,7 @@ class BufferSettings:
     fsdp_strategy: str | None = None  # --use-torch-fsdp2's optim_grads | optim_grads_params
     optimizer: str = "adam"          # --optimizer (the optimizer state's bytes per element)
     sgd_momentum: float = 0.9
+    instances: int = 1               # --num-distributed-optimizer-instances
 
 
 def state_bytes(shape: ParamShape, buffers: BufferSettings) -> int:
@@ -250,7 +256,8 @@ def buffer_settings(config, settings, dp_cp: int) -> BufferSettings:
     from ..precision_args import ddp_config_from_settings
 
     optimizer = dict(optimizer=settings.optimizer.optimizer,
-                     sgd_momentum=settings.optimizer.sgd_momentum)
+                     sgd_momentum=settings.optimizer.sgd_momentum,
+                     instances=settings.data_parallel.num_distributed_optimizer_instances)
     if settings.data_parallel.use_torch_fsdp2:      # fp32 shards and an fp32 reduce
         return BufferSettings(True, False, None, settings.data_parallel.fsdp_strategy,
                               **optimizer)
@@ -258,6 +265,22 @@ def buffer_settings(config, settings, dp_cp: int) -> BufferSettings:
     bucket = ddp.bucket_size or max(40_000_000, 1_000_000 * dp_cp)
     return BufferSettings(ddp.grad_reduce_in_fp32, ddp.use_distributed_optimizer,
                           bucket if ddp.overlap_grad_reduce else None, **optimizer)
+
+
+def shard_group(layout: RankLayout, group: str, rank: int, instances: int = 1) -> list:
+    """The ranks ``rank`` shards ``group``'s parameters over (``"dp-cp"`` or ``"edp"``): the
+    group itself, or its instance with N > 1 (``intra-<group>``)."""
+    if instances == 1:
+        return layout.group_of(group, rank)
+    return instance_group_of(layout, f"intra-{group}", instances, rank)
+
+
+def replica_group(layout: RankLayout, group: str, rank: int, instances: int = 1) -> list:
+    """The ranks holding ``rank``'s shard in the other instances (``inter-<group>``; the rank
+    alone when N = 1)."""
+    if instances == 1:
+        return [rank]
+    return instance_group_of(layout, f"inter-{group}", instances, rank)
 
 
 def _owned_elements(plan, shard_over: int, shard_rank: int) -> int:
@@ -294,12 +317,14 @@ def buffer_plans(config, layout: RankLayout, rank: int, buffers: BufferSettings)
         mine = [s for s in shapes if s.expert == (kind == "expert")]
         if not mine:
             continue
-        size = len(layout.group_of(group, rank))
+        sharded = shard_group(layout, group, rank, buffers.instances
+                              if buffers.use_distributed_optimizer else 1)
+        size = len(sharded)
         plan = plan_buffer([s.numel for s in mine], buffers.bucket_size,
                            size if buffers.use_distributed_optimizer else None,
                            [buffers.use_distributed_optimizer
                             and _tied_embedding_bucket(config, pp_rank, s) for s in mine])
-        plans.append((kind, plan, size, layout.rank_in(group, rank)))
+        plans.append((kind, plan, size, sharded.index(rank)))
     return plans
 
 
@@ -344,11 +369,12 @@ def fsdp_units(config, layout: RankLayout, rank: int) -> list:
 def fsdp_static_memory(config, layout: RankLayout, rank: int,
                        buffers: BufferSettings | None = None) -> dict:
     """The four kinds of ``FullyShardedOptimizer.memory_bytes`` on ``rank`` (module docstring);
-    ``buffers`` names the optimizer (default: Adam)."""
+    ``buffers`` names the optimizer (default: Adam) and the instances (default: 1)."""
     buffers = buffers or BufferSettings(True, False, None, "optim_grads")
+    instances = buffers.instances
     held = dict.fromkeys(MEMORY_KINDS, 0)
     for unit in fsdp_units(config, layout, rank):
-        group = layout.group_of(unit.group, rank) if unit.group else [rank]
+        group = shard_group(layout, unit.group, rank, instances) if unit.group else [rank]
         size, shard_rank = len(group), group.index(rank)
         padded = fsdp_rank_bytes([s.fsdp_shape for s in unit.shapes], size)
         held["parameters"] += padded["parameters"]

@@ -17,6 +17,8 @@ can take it to).
 """
 from __future__ import annotations
 
+from tpfuse.parallel.layout import check_distributed_optimizer_instances
+
 from .memory import MEMORY_KINDS, buffer_settings, layout_of, static_memory
 from .activations import activation_peaks, bubble_fraction
 from .comm import step_comm_bounds, step_comm_bytes
@@ -55,6 +57,9 @@ def rank_memory(config, layout, rank: int, buffers, activation_peak: dict) -> di
 def plan_layout(config, settings, world_size: int, ranks=None) -> dict:
     """The plan of every rank (or of ``ranks``); see the module docstring."""
     layout = layout_of(config, world_size)
+    check_distributed_optimizer_instances(
+        settings.data_parallel.num_distributed_optimizer_instances, layout.dp * layout.cp,
+        layout.edp)
     dp = data_parallel_size(config, world_size)
     m = num_microbatches(settings, dp)
     b = settings.training.micro_batch_size
@@ -82,7 +87,8 @@ def plan_layout(config, settings, world_size: int, ranks=None) -> dict:
                        "sequence_parallel": config.sequence_parallel,
                        "use_distributed_optimizer":
                            settings.data_parallel.use_distributed_optimizer,
-                       "fsdp": buffers.fsdp_strategy},
+                       "fsdp": buffers.fsdp_strategy,
+                       "num_distributed_optimizer_instances": buffers.instances},
             "num_microbatches": m, "micro_batch_size": b, "backend": backend,
             "bubble_fraction": bubble_fraction(config, m), "ranks": rows}
 

@@ -33,8 +33,9 @@ from __future__ import annotations
 import dataclasses
 
 from tpfuse.models.flops import H200_BF16_DENSE_TFLOPS, flops_per_iteration
+from tpfuse.parallel.layout import check_distributed_optimizer_instances
 
-from .memory import MEMORY_KINDS, buffer_settings, layout_of
+from .memory import MEMORY_KINDS, buffer_settings, layout_of, replica_group, shard_group
 from .activations import activation_peaks, bubble_fraction
 from .comm import step_comm_bytes
 from .report import (GIB, data_parallel_size, num_microbatches, planned_backend,
@@ -110,11 +111,21 @@ GROUP_OF_KIND = {"tp": "tp", "cp": "cp", "ep": "ep", "pp": "pp", "dp": "dp-cp", 
                  "embedding": "embedding", "etp": "etp", "etp-ep": "etp-ep", "tp-cp": "tp-cp"}
 
 
-def comm_seconds(comm: dict, layout, rank: int, cluster: Cluster) -> float:
+def _group_of_kind(kind: str, layout, rank: int, instances: int) -> list:
+    """The ranks of ``rank``'s group of the plan's kind ``kind`` (``intra-dp`` / ``inter-dp``
+    / ``intra-edp`` / ``inter-edp``: the distributed-optimizer instances')."""
+    where, _, base = kind.partition("-")
+    if where in ("intra", "inter") and base in ("dp", "edp"):
+        pick = shard_group if where == "intra" else replica_group
+        return pick(layout, GROUP_OF_KIND[base], rank, instances)
+    return layout.group_of(GROUP_OF_KIND[kind], rank) or [rank]
+
+
+def comm_seconds(comm: dict, layout, rank: int, cluster: Cluster, instances: int = 1) -> float:
     seconds = 0.0
     for key, nbytes in comm.items():
         kind, op = key.split("_", 1)
-        group = layout.group_of(GROUP_OF_KIND[kind], rank) or [rank]
+        group = _group_of_kind(kind, layout, rank, instances)
         one_node = len({r // cluster.gpus_per_node for r in group}) == 1
         bandwidth = (cluster.intra_node_gbps if one_node else cluster.inter_node_gbps) * 1e9
         seconds += nbytes * _ring_factor(op, len(group)) / bandwidth
@@ -126,6 +137,9 @@ def evaluate(config, settings, world_size: int, cluster: Cluster, cache=None) ->
     shared by the candidates (schedules and bubbles by shape)."""
     cache = {} if cache is None else cache
     layout = layout_of(config, world_size)
+    check_distributed_optimizer_instances(
+        settings.data_parallel.num_distributed_optimizer_instances, layout.dp * layout.cp,
+        layout.edp)
     dp = data_parallel_size(config, world_size)
     m = num_microbatches(settings, dp)
     if config.virtual_pipeline_model_parallel_size and m % config.pipeline_model_parallel_size:
@@ -140,7 +154,7 @@ def evaluate(config, settings, world_size: int, cluster: Cluster, cache=None) ->
         stages.append(held)
         comm = step_comm_bytes(config, layout, rank, buffers, b, m, backend,
                                settings.distributed.reduce_scatter_strategy)
-        comm_time = max(comm_time, comm_seconds(comm, layout, rank, cluster))
+        comm_time = max(comm_time, comm_seconds(comm, layout, rank, cluster, buffers.instances))
     compute = compute_seconds(config, m * b * dp, world_size, cluster)
     bubble = bubble_fraction(config, m, cache)
     idle = compute * bubble / (1 - bubble) if bubble < 1 else float("inf")
