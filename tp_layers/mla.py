@@ -121,6 +121,8 @@ def check_mla_sizes(hidden_size, num_attention_heads, q_lora_rank, kv_lora_rank,
 
 
 class MultiLatentAttention(nn.Module):
+    takes_batch_first = False       # sequence-first GEMMs (TransformerLayer._attention_input)
+
     def __init__(self, hidden_size: int, num_attention_heads: int, *,
                  q_lora_rank: int | None = None, kv_lora_rank: int = 32, qk_head_dim: int = 128,
                  qk_pos_emb_head_dim: int = 64, v_head_dim: int = 128,

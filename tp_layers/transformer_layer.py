@@ -127,7 +127,12 @@ class TransformerLayer(nn.Module):
         batch-first (CPU without sequence parallelism: ``qkv_layout.py``) the norm works on a
         (b, s, h) copy of the hidden states and the attention gets an (s, b, h) view of its
         output: the norm's forward and backward read contiguous rows, and the QKV GEMM takes the
-        (b, s, h) rows as they are. The one copy is the one the GEMM would otherwise make."""
+        (b, s, h) rows as they are. The one copy is the one the GEMM would otherwise make.
+        An attention with ``takes_batch_first = False`` (MLA, whose GEMMs run on sequence-first
+        rows) gets the norm's output of a sequence-first contiguous copy of the hidden states
+        (none when they already are), which its GEMMs read as (s·b, h) rows without a copy."""
+        if not getattr(self.self_attention, "takes_batch_first", True):
+            return input_norm(hidden_states.contiguous())
         if not batch_first_attention(hidden_states, self.sequence_parallel, self.tp.size):
             return input_norm(hidden_states)
         return input_norm(hidden_states.transpose(0, 1).contiguous()).transpose(0, 1)
