@@ -16,6 +16,12 @@ parallelism gives each rank ng/tp of them, so a rank's cache is ``2·b·S·(ng/t
 per layer. A step with s new tokens writes positions ``offset .. offset+s−1`` and the layer
 attends over ``0 .. offset+s−1``.
 
+Multi-latent attention (``tp_layers/mla.py``) caches, per token, its normalised kv latent and its
+rotated rope key instead: ``[b_max, 1, S, kv_lora_rank]`` and ``[b_max, 1, S, qk_pos_emb_head_dim]``,
+the same on every TP rank, i.e. ``(kv_lora_rank + qk_pos_emb_head_dim) · bytes`` per token per
+layer (DeepSeek-V3 in bf16: (512 + 64) · 2 = 1152 bytes, against 2 · 128 · 192 · 2 = 98 304 for its
+128 heads' full keys and values), expanded to keys and values at every step.
+
 Left padding: batched prompts of different lengths are padded on the left to one length (the last
 prompt token of every sequence then sits at the same index). ``set_left_padding`` marks the pads
 as document 0 and real tokens as document 1; attention only looks within a document, so real
@@ -59,7 +65,8 @@ class InferenceContext:
         return ids[:, offset:end], ids[:, :end]
 
     def update_kv_cache(self, layer, key: torch.Tensor, value: torch.Tensor):
-        """Write the step's key/value ``[b, g_l, s, d]``; return the cached
+        """Write the step's key/value ``[b, g_l, s, d]`` (the value may have its own head count
+        and dim: an MLA layer's latent and rope key); return the cached
         ``[b, g_l, offset + s, d]``."""
         batch, groups, seq, dim = key.shape
         offset, end = self.sequence_len_offset, self.sequence_len_offset + seq
@@ -72,7 +79,10 @@ class InferenceContext:
                 raise RuntimeError("InferenceContext: a layer's first step must be the prefill "
                                    f"(offset 0), got offset {offset}")
             shape = (self.max_batch_size, groups, self.max_sequence_length, dim)
-            self.key_value_memory_dict[layer] = (key.new_empty(shape), value.new_empty(shape))
+            value_shape = (self.max_batch_size, value.shape[1], self.max_sequence_length,
+                           value.shape[3])
+            self.key_value_memory_dict[layer] = (key.new_empty(shape),
+                                                 value.new_empty(value_shape))
         key_cache, value_cache = self.key_value_memory_dict[layer]
         key_cache[:batch, :, offset:end] = key
         value_cache[:batch, :, offset:end] = value

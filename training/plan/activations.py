@@ -54,6 +54,7 @@ from tpfuse.pipeline.schedules import (build_interleaved_schedule, build_no_pipe
 from tpfuse.pipeline.simulate import simulate
 
 from .memory import element_bytes
+from .mla import mla_attention_bytes, mla_rope_table_bytes
 
 
 def _sizes(config, micro_batch_size: int):
@@ -107,6 +108,9 @@ def layer_activation_bytes(config, micro_batch_size: int, recompute_modules=None
         terms["qkv input"] = terms["fc1 input"] = 0.0
         terms["input norm stats"] = terms["pre-mlp norm stats"] = 0.0
         terms["fp32 norm weights"] = 0.0
+    if config.multi_latent_attention:            # q / kv latents, padded heads: plan/mla.py
+        terms["attention"] = mla_attention_bytes(config, s, b, t, t_sp, e, recompute_modules)
+        terms["rope"] = terms["lse"] = 0.0
     return sum(terms.values())
 
 
@@ -192,8 +196,8 @@ def chunk_activation_bytes(config, micro_batch_size: int, pp_rank: int, chunk: i
     pre = pp_rank == 0 and chunk == 0
     post = pp_rank == pp - 1 and chunk == (vpp or 1) - 1
     mtp = _mtp_bytes(config, micro_batch_size) if post else 0.0
-    return kept + _end_bytes(config, micro_batch_size, pre, post) + mtp + _rope_tables(config), \
-        transient
+    return kept + _end_bytes(config, micro_batch_size, pre, post) + mtp \
+        + _rope_tables(config, micro_batch_size), transient
 
 
 def _mtp_bytes(config, micro_batch_size: int) -> float:
@@ -220,8 +224,10 @@ def _mtp_bytes(config, micro_batch_size: int) -> float:
     return config.mtp_num_layers * per_depth
 
 
-def _rope_tables(config) -> float:
+def _rope_tables(config, micro_batch_size: int = 2) -> float:
     """The (cos, sin) tables the chunk computes once per forward, as q and k each keep them."""
+    if config.multi_latent_attention:
+        return mla_rope_table_bytes(config, micro_batch_size)
     if config.position_embedding_type != "rope":
         return 0.0
     s = config.seq_length // config.context_parallel_size

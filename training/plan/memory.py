@@ -139,6 +139,32 @@ def _moe_mlp(prefix: str, config, ep: int, etp: int, tp: int) -> list:
     return shapes
 
 
+def _mla_attention(prefix: str, config, tp: int) -> list:
+    """MultiLatentAttention's parameters in registration order: linear_proj (row-parallel),
+    the query projection (column-parallel) or the replicated q down and column-parallel q up
+    projections, the replicated kv down and column-parallel kv up projections, then the q / kv
+    latent norms (--qk-layernorm)."""
+    h, heads, rq = config.hidden_size, config.num_attention_heads, config.q_lora_rank
+    q_rows = heads * (config.qk_head_dim + config.qk_pos_emb_head_dim) // tp
+    shapes = _linear(f"{prefix}.linear_proj", h, heads * config.v_head_dim // tp,
+                     h if config.add_bias_linear else None)
+    if rq is None:
+        shapes += _linear(f"{prefix}.linear_q_proj", q_rows, h, None)
+    else:
+        shapes += _linear(f"{prefix}.linear_q_down_proj", rq, h, None)
+        shapes += _linear(f"{prefix}.linear_q_up_proj", q_rows, rq, None)
+    shapes += _linear(f"{prefix}.linear_kv_down_proj",
+                      config.kv_lora_rank + config.qk_pos_emb_head_dim, h, None)
+    shapes += _linear(f"{prefix}.linear_kv_up_proj",
+                      heads * (config.qk_head_dim + config.v_head_dim) // tp,
+                      config.kv_lora_rank, None)
+    if config.qk_layernorm:
+        if rq is not None:
+            shapes += _norm(f"{prefix}.q_layernorm", config, rq)
+        shapes += _norm(f"{prefix}.kv_layernorm", config, config.kv_lora_rank)
+    return shapes
+
+
 def layer_shapes(config, index: int) -> list:
     """The parameters of global layer ``index`` on one rank, in registration order."""
     h, tp, bias = config.hidden_size, config.tensor_model_parallel_size, config.add_bias_linear
@@ -148,11 +174,14 @@ def layer_shapes(config, index: int) -> list:
     qkv_rows = (heads + 2 * groups) * head_dim // tp
     prefix = f"layers.{index}"
     shapes = _norm(f"{prefix}.input_norm", config)
-    shapes += _linear(f"{prefix}.self_attention.linear_qkv", qkv_rows, h,
-                      qkv_rows if bias else None)
-    shapes += _linear(f"{prefix}.self_attention.linear_proj", h, heads * head_dim // tp,
-                      h if bias else None)
-    if config.qk_layernorm:                     # one (d,) norm for q, one for k, replicated
+    if config.multi_latent_attention:
+        shapes += _mla_attention(f"{prefix}.self_attention", config, tp)
+    else:
+        shapes += _linear(f"{prefix}.self_attention.linear_qkv", qkv_rows, h,
+                          qkv_rows if bias else None)
+        shapes += _linear(f"{prefix}.self_attention.linear_proj", h, heads * head_dim // tp,
+                          h if bias else None)
+    if config.qk_layernorm and not config.multi_latent_attention:                     # one (d,) norm for q, one for k, replicated
         shapes += _norm(f"{prefix}.self_attention.q_layernorm", config, head_dim)
         shapes += _norm(f"{prefix}.self_attention.k_layernorm", config, head_dim)
     shapes += _norm(f"{prefix}.pre_mlp_norm", config)
