@@ -315,6 +315,7 @@ ACTIVATION_GRID = [
      "--recompute-num-layers", "1", "--bf16"],
     ["--qk-layernorm", "--position-embedding-type", "rope"],
     ["--qk-layernorm", "--normalization", "RMSNorm", "--bf16"] + SELECTIVE + ["core_attn"],
+    ["--kv-channels", "24", "--position-embedding-type", "rope", "--qk-layernorm"],
     ["--mtp-num-layers", "2"], ["--mtp-num-layers", "1", "--bf16", "--swiglu"],
 ]
 TP_ACTIVATION_GRID = [["--tensor-model-parallel-size", "2"],

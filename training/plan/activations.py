@@ -7,18 +7,20 @@ else 1, ``e`` the activation element size (the params dtype), ``f`` the MLP widt
 
     norm inputs            2 · sbh/t' · 4        (LayerNorm keeps its input in fp32)
     QKV and fc1 inputs     2 · sbh/t' · e        (replicated over TP unless SP)
-    q, k, v + attn output  4 · sbh/t · e
+    q, k, v + attn output  4 · s·b·a·d/t · e   (d the head dim, ``kv_channels``: h/a by default)
     MLP inside             2·sbf/t · e  (gelu: pre-activation, fc2 input)
                            4·sbf/t · e  (swiglu: fc1 output, silu(gate), fc2 input)
-    rope                   2 · sbh/t · e         (the rotated q and k)
+    rope                   2 · s·b·a·d/t · e     (the rotated q and k)
     dropout masks          2 · sbh/t' · e        (hidden_dropout > 0)
     norm statistics        2 norms · 2 · sb/t' · 4, attention log-sum-exp b·(a/t)·s · 4
     fp32 norm weights      (norm parameters) · h · 4 when the params are 16-bit
     q/k norm statistics    norm statistics · sb · (a + g)/t · 4   (``qk_layernorm``, g the kv
                                                   heads; their inputs are views of the saved QKV)
+    context copy           s·b·a·d/t · e   (LayerNorm q/k norms: the attention output is
+                                            head-major, the output projection's input a copy)
 
 Selective recompute takes out what it re-runs: ``core_attn`` the log-sum-exp and rope's rotated
-q, k (with q/k norms its checkpoint keeps their outputs, sb·(h + g·h/a)/t · e); ``mlp`` fc1's input, the MLP inside, its dropout mask and the pre-MLP norm's input copy and
+q, k (with q/k norms its checkpoint keeps their outputs, sb·(a + g)·d/t · e); ``mlp`` fc1's input, the MLP inside, its dropout mask and the pre-MLP norm's input copy and
 statistics (the block's checkpoint keeps its input, sbh/t' · e, instead); ``layernorm`` the norm
 outputs QKV and fc1 saved (discarded once consumed, re-run in backward), the statistics and fp32
 weights, each norm's checkpoint keeping its input (sbh/t' · e). RMSNorm keeps its input in the
@@ -73,6 +75,7 @@ def layer_activation_bytes(config, micro_batch_size: int, recompute_modules=None
             if config.recompute_granularity == "selective" else ()
     heads = config.num_attention_heads
     sbh = s * b * h
+    sbw = s * b * heads * config.kv_channels     # q, k, v and the attention output: a·d wide
     ffn = config.ffn_hidden_size
     mlp_inside = (4 if config.activation == "swiglu" else 2) * s * b * ffn / t * e
     dropout = config.hidden_dropout > 0
@@ -81,19 +84,20 @@ def layer_activation_bytes(config, micro_batch_size: int, recompute_modules=None
     norm_copy = sbh / t_sp * (4 if layer_norm else e)     # LayerNorm keeps an fp32 input
     norm_stats = (2 if layer_norm else 1) * s * b / t_sp * 4
     terms = {"norm inputs": 2 * norm_copy, "qkv input": sbh / t_sp * e,
-             "fc1 input": sbh / t_sp * e, "attention": 4 * sbh / t * e, "mlp": mlp_inside,
-             "rope": 2 * sbh / t * e if rope else 0.0,
+             "fc1 input": sbh / t_sp * e, "attention": 4 * sbw / t * e, "mlp": mlp_inside,
+             "rope": 2 * sbw / t * e if rope else 0.0,
              "attention dropout mask": sbh / t_sp * e if dropout else 0.0,
              "mlp dropout mask": sbh / t_sp * e if dropout else 0.0,
              "input norm stats": norm_stats, "pre-mlp norm stats": norm_stats,
              "lse": b * (heads // t) * s * 4,
              "fp32 norm weights": 2 * 2 * h * 4 if layer_norm and e != 4 else 0.0,
-             "q/k norm stats": _qk_norm_stats(config, s, b, t)}
+             "q/k norm stats": _qk_norm_stats(config, s, b, t),
+             "context copy": sbw / t * e if _contiguous_qk_norms(config) else 0.0}
     if "core_attn" in recompute_modules:
-        terms["lse"] = terms["rope"] = 0.0
-        if config.qk_layernorm:      # the checkpoint keeps the normed q, k: copies, not views
+        terms["lse"] = terms["rope"] = terms["context copy"] = 0.0
+        if config.qk_layernorm and not config.multi_latent_attention:  # normed q, k: copies
             groups = config.num_query_groups or heads
-            terms["q/k norm outputs"] = (h + groups * h // heads) * s * b / t * e
+            terms["q/k norm outputs"] = (heads + groups) * config.kv_channels * s * b / t * e
     if "mlp" in recompute_modules:
         for key in ("fc1 input", "mlp", "mlp dropout mask", "pre-mlp norm stats"):
             terms[key] = 0.0
@@ -114,10 +118,18 @@ def layer_activation_bytes(config, micro_batch_size: int, recompute_modules=None
     return sum(terms.values())
 
 
+def _contiguous_qk_norms(config) -> bool:
+    """LayerNorm q/k norms return head-major contiguous q, k, so the attention output is too and
+    the output projection's (s, b, a·d) input is a copy of it (RMSNorm keeps the QKV views'
+    strides and the input stays a view)."""
+    return config.qk_layernorm and config.normalization == "LayerNorm" and \
+        not config.multi_latent_attention
+
+
 def _qk_norm_stats(config, s: int, b: int, t: int) -> float:
     """The per-head q and k norms' fp32 statistics (one per row for RMSNorm, two for
     LayerNorm) over this rank's a/t query and g/t key heads; 0 without ``qk_layernorm``."""
-    if not config.qk_layernorm:
+    if not config.qk_layernorm or config.multi_latent_attention:   # MLA's: its latent norms
         return 0.0
     heads = config.num_attention_heads
     rows = s * b * (heads + (config.num_query_groups or heads)) / t
@@ -231,7 +243,7 @@ def _rope_tables(config, micro_batch_size: int = 2) -> float:
     if config.position_embedding_type != "rope":
         return 0.0
     s = config.seq_length // config.context_parallel_size
-    return 4 * s * (config.hidden_size // config.num_attention_heads) * 4
+    return 4 * s * config.kv_channels * 4
 
 
 def schedule_actions(config, num_microbatches: int) -> list:
