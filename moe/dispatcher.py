@@ -17,6 +17,10 @@ AlltoAllDispatcher (Megatron's ``alltoall``):
     sort chunks [etp src][ep src][expert] → [expert][etp src][ep src]
     combine: unsort → reduce-scatter over etp (sums the etp partials) → all-to-all back →
     unpermute with the probabilities
+``begin_dispatch`` / ``end_dispatch`` (alltoall) split ``dispatch`` at the all-to-all over ep,
+which travels in between (``comm.start_all_to_all``): the MoE layer runs its shared expert there
+(``moe_shared_expert_overlap``), in backward too (autograd reaches the shared expert's nodes
+between the wait's backward, which starts the gradient's exchange, and the start's, which ends it).
 With ``capacity`` (``moe_pad_expert_input_to_capacity``) every expert gets exactly C rows from
 every rank — zero rows where it kept fewer tokens — so the split sizes are known without counting.
 
@@ -33,7 +37,8 @@ from tpfuse.kernels.moe_permute import permute_tokens, unpermute_tokens
 from tpfuse.parallel.mappings import (all_gather_first_dim, gather_from_sequence_parallel_region,
                                       reduce_scatter_to_sequence_parallel_region)
 
-from .comm import all_gather_v, all_to_all, reduce_scatter_v
+from .comm import (all_gather_v, all_to_all, reduce_scatter_v, start_all_to_all,
+                   wait_all_to_all)
 from .routing import expert_capacity
 
 
@@ -142,6 +147,11 @@ class AlltoAllDispatcher:
         return all_gather_first_dim(counts[None], self.groups.etp_ep).tolist()
 
     def dispatch(self, tokens, probs, routing_map):
+        return self.end_dispatch(self.begin_dispatch(tokens, probs, routing_map))
+
+    def begin_dispatch(self, tokens, probs, routing_map):
+        """``dispatch`` up to the all-to-all over ep, left in flight (``end_dispatch`` finishes
+        it); whatever runs in between overlaps the exchange (--moe-shared-expert-overlap)."""
         g, L, e0 = self.groups, self.num_local, self.first_expert
         capacity = self._capacity(tokens.shape[0])
         row_map, slot_probs, rows_per_expert = routing_row_map(routing_map, probs, self.topk,
@@ -157,13 +167,19 @@ class AlltoAllDispatcher:
 
         in_splits = [sum(rows_per_expert[r * L:(r + 1) * L]) for r in range(g.ep_size)]
         out_splits = [sum(sent(g.etp_rank, r)) for r in range(g.ep_size)]
-        rows = all_to_all(rows, g.ep, out_splits, in_splits)                  # [ep src][expert]
+        rows, pending = start_all_to_all(rows, g.ep, out_splits, in_splits)
+        return rows, pending, sent, row_map, slot_probs, in_splits, out_splits, tokens.device
+
+    def end_dispatch(self, begun):
+        g, L = self.groups, self.num_local
+        rows, pending, sent, row_map, slot_probs, in_splits, out_splits, device = begun
+        rows = wait_all_to_all(rows, pending)                                 # [ep src][expert]
         etp_sizes = [sum(sum(sent(q, r)) for r in range(g.ep_size)) for q in range(g.etp_size)]
         rows = all_gather_v(rows, g.etp, etp_sizes, g.options)           # [etp src][ep src][expert]
         chunk_sizes = [n for q in range(g.etp_size) for r in range(g.ep_size) for n in sent(q, r)]
         order = [(q * g.ep_size + r) * L + local for local in range(L)
                  for q in range(g.etp_size) for r in range(g.ep_size)]
-        sort_map = chunk_row_map(chunk_sizes, order, tokens.device)
+        sort_map = chunk_row_map(chunk_sizes, order, device)
         rows = permute_tokens(rows, sort_map, len(sort_map))            # [expert][etp][ep src]
         per_expert = [sum(chunk_sizes[c] for c in order[local * g.etp_size * g.ep_size:
                                                          (local + 1) * g.etp_size * g.ep_size])

@@ -6,6 +6,9 @@
                         ─ dispatcher.combine (weighted by probs) → (T, h)
                         [+ shared expert: a dense MLP every token goes through, optionally
                            gated by σ(x w_gᵀ) (``shared_experts.py``)]
+                        (--moe-shared-expert-overlap, alltoall: the shared expert runs
+                         between begin_dispatch and end_dispatch, while the all-to-all travels;
+                         the same sum, so the same output)
                         → (s/tp, b, h), returned as ``(output, None)`` like ParallelMLP
 
 Under tensor parallelism the layer requires sequence parallelism (as Megatron-core): each TP rank
@@ -54,14 +57,22 @@ class MoELayer(nn.Module):
         if config.moe_shared_expert_intermediate_size is not None:
             self.shared_experts = SharedExpertMLP(config, self.groups,
                                                   output_layer_init_std=output_std)
+        self.overlap_shared_expert = (self.shared_experts is not None
+                                      and config.moe_shared_expert_overlap)
 
     def forward(self, hidden):
         """``hidden (s_local, b, h)`` → ``(output (s_local, b, h), None)``."""
         probs, routing_map = self.router(hidden)                            # (T, E) each
         tokens = hidden.reshape(-1, hidden.shape[-1])                        # (T, h)
-        rows, tokens_per_expert, plan = self.dispatcher.dispatch(tokens, probs, routing_map)
+        shared = None
+        if self.overlap_shared_expert:
+            begun = self.dispatcher.begin_dispatch(tokens, probs, routing_map)
+            shared = self.shared_experts(hidden)              # while the all-to-all travels
+            rows, tokens_per_expert, plan = self.dispatcher.end_dispatch(begun)
+        else:
+            rows, tokens_per_expert, plan = self.dispatcher.dispatch(tokens, probs, routing_map)
         expert_rows = self.experts(rows, tokens_per_expert)
         output = self.dispatcher.combine(expert_rows, plan).view_as(hidden)
         if self.shared_experts is not None:
-            output = output + self.shared_experts(hidden)
+            output = output + (self.shared_experts(hidden) if shared is None else shared)
         return output, None

@@ -851,3 +851,90 @@ def test_mla_layout_reproduces_single_process_losses(run_distributed, mla_refere
     world_size, argv = MLA_LAYOUTS[name]
     losses = _losses(run_distributed, world_size, MLA + argv)
     assert losses == pytest.approx(mla_reference, rel=1e-5)
+
+
+# ================================================ MoE expert bias (begin; owned by the moe area)
+# Aux-loss-free balancing (DeepSeek-V3): sigmoid routing whose top-k choice adds a per-expert bias,
+# moved after every step by rate·sign(mean(n) − n) with n the tokens each expert got over the whole
+# global batch (counts all-reduced over the stage's tp-dp-cp ranks). Rate 1e-2 so that the bias
+# (±1e-2 per step) reaches the size of the routers' score gaps within the run. ep 2 (alltoall,
+# grouped GEMM; two data-parallel replicas) and tp 2 + SP with ep 2 reproduce one process (1e-5
+# band) and end with the same bias, exactly (counts are integers, every step ±rate or 0, so any
+# difference in what was counted shows); a checkpoint written at ep 2 resumed at tp 2 + SP (experts
+# re-cut over etp) keeps the bias: the losses and the final bias are the uninterrupted run's.
+# DeepSeek's first-k-dense pattern as Megatron writes it, 5 dense layers then 3 MoE layers: at pp 2
+# (with ep 2) the first stage holds no MoE layer (no bias update, no collective there).
+MOE_BIAS = MOE + ["--moe-layer-freq", "([0]*5+[1]*3)", "--moe-router-score-function", "sigmoid",
+                  "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate", "1e-2",
+                  "--train-iters", "5", "--lr-decay-iters", "5"]
+MOE_BIAS_LAYOUTS = {
+    "pp2-ep2": (4, _parallel(pp=2) + ["--expert-model-parallel-size", "2"]),
+    "ep2-alltoall-grouped": (2, ["--expert-model-parallel-size", "2",
+                                 "--moe-token-dispatcher-type", "alltoall", "--moe-grouped-gemm"]),
+    "tp2-sp-ep2": (4, _parallel(tp=2, sp=True) + ["--expert-model-parallel-size", "2"]),
+}
+
+
+def _saved_expert_biases(root):
+    """{global buffer name: bias} of the newest checkpoint under ``root``; every rank's copy of a
+    bias must be the same."""
+    import glob
+
+    import torch
+
+    from tpfuse.checkpoint import format as ckpt
+
+    folder = ckpt.iteration_dir(root, ckpt.latest_iteration(root))
+    biases = {}
+    for path in sorted(glob.glob(os.path.join(folder, "rank_*.pt"))):
+        payload = torch.load(path, weights_only=True)
+        for chunk_state, names in zip(payload["model"], payload["reshard"].get("buffers", [])):
+            for local, name in names.items():
+                bias = biases.setdefault(name, chunk_state[local])
+                assert torch.equal(bias, chunk_state[local]), f"{path}: {name} differs"
+    return biases
+
+
+def _bias_run(run_distributed, world_size, argv, root):
+    save = ["--save", str(root), "--save-interval", "5"]
+    return _losses(run_distributed, world_size, MOE_BIAS + argv + save), _saved_expert_biases(root)
+
+
+@pytest.fixture(scope="module")
+def moe_bias_reference(run_distributed, tmp_path_factory):
+    losses, biases = _bias_run(run_distributed, 1, [], tmp_path_factory.mktemp("bias") / "ckpt")
+    assert len(losses) == 5 and losses[-1] < losses[0]
+    assert sorted(biases) == [f"layers.{i}.mlp.router.expert_bias" for i in (5, 6, 7)]
+    assert all(b.abs().max() > 0 for b in biases.values())
+    return losses, biases
+
+
+def _assert_same_biases(biases, reference):
+    import torch
+
+    assert sorted(biases) == sorted(reference)
+    for name, bias in biases.items():
+        assert torch.equal(bias, reference[name]), name
+
+
+@pytest.mark.parametrize("name", sorted(MOE_BIAS_LAYOUTS))
+def test_moe_expert_bias_layout_reproduces_single_process(run_distributed, moe_bias_reference,
+                                                          tmp_path, name):
+    world_size, argv = MOE_BIAS_LAYOUTS[name]
+    losses, biases = _bias_run(run_distributed, world_size, argv, tmp_path / "ckpt")
+    assert losses == pytest.approx(moe_bias_reference[0], rel=1e-5)
+    _assert_same_biases(biases, moe_bias_reference[1])
+
+
+def test_moe_expert_bias_survives_resume_at_another_expert_layout(run_distributed,
+                                                                  moe_bias_reference, tmp_path):
+    root = tmp_path / "ckpt"
+    save = ["--save", str(root), "--save-interval", "5"]
+    first = _losses(run_distributed, 2, MOE_BIAS + save + [
+        "--expert-model-parallel-size", "2", "--train-iters", "3"])
+    resumed = _losses(run_distributed, 2, MOE_BIAS + save + _parallel(tp=2, sp=True)
+                      + ["--load", str(root)])
+    assert (len(first), len(resumed)) == (3, 2)
+    assert first + resumed == pytest.approx(moe_bias_reference[0], rel=1e-5)
+    _assert_same_biases(_saved_expert_biases(root), moe_bias_reference[1])
+# ================================================== MoE expert bias (end)
