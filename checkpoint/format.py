@@ -228,10 +228,21 @@ def publish(root: str, iteration: int, staging: str, digest: dict | None,
     agree(error, f"writing checkpoint iteration {iteration}")
     digests = [None] * dist.get_world_size()
     dist.all_gather_object(digests, digest)
+    return publish_folder(root, iteration, staging, lambda: {
+        os.path.basename(_rank_file(staging, r)): d for r, d in enumerate(digests)}, header,
+        keep_last)
+
+
+def publish_folder(root: str, iteration: int, staging: str, files_of, header: dict,
+                   keep_last: int | None = None) -> str:
+    """Collective, once every rank's files are in ``staging``: rank 0 writes the manifest (the
+    ``header``, the format version, the iteration and ``files_of()``: file name → its sha256
+    and size), moves the folder into place, replaces the tracker and prunes old checkpoints;
+    every rank returns the final folder after a barrier."""
     final = iteration_dir(root, iteration)
     if dist.get_rank() == 0:
-        files = {os.path.basename(_rank_file(staging, r)): d for r, d in enumerate(digests)}
-        manifest = dict(header, format_version=FORMAT_VERSION, iteration=iteration, files=files)
+        manifest = dict(header, format_version=FORMAT_VERSION, iteration=iteration,
+                        files=files_of())
         file_io.atomic_write_bytes(os.path.join(staging, MANIFEST),
                                    json.dumps(manifest, indent=1).encode())
         file_io.publish_dir(staging, final)
@@ -406,6 +417,12 @@ def verify_checkpoint(root: str) -> int | None:
     iteration = latest_iteration(root)
     if iteration is None:
         return None
+    dist_folder = _torch_dist_folder(root)
+    if dist_folder is not None:
+        from . import torch_dist_format
+
+        torch_dist_format.verify_folder(dist_folder)
+        return iteration
     folder, manifest = read_manifest(root, iteration)
     read = verified_reader(manifest)
     for name in sorted(manifest["files"]):
@@ -458,9 +475,21 @@ def _load_other_layout(folder: str, model_chunks, optimizer, state, read) -> dic
     return payload
 
 
+def _torch_dist_folder(root: str) -> str | None:
+    """The torch_dist folder ``root`` names (``torch_dist_format.checkpoint_dir_of``), if any."""
+    from . import torch_dist_format
+
+    return torch_dist_format.checkpoint_dir_of(root)
+
+
 def load_weights_only(root: str, model_chunks, state) -> None:
     """``--finetune``: the model's weights from a checkpoint of any layout (verified against its
     manifest, another model refused); nothing else is read. Collective: all ranks agree."""
+    dist_folder = _torch_dist_folder(root)
+    if dist_folder is not None:
+        from . import torch_dist_format
+
+        return torch_dist_format.load_weights_only(dist_folder, model_chunks, state)
     error = None
     try:
         folder, manifest = read_manifest(root, latest_iteration(root))
@@ -477,8 +506,15 @@ def load_checkpoint(root: str, model_chunks, optimizer, scheduler, state) -> dic
     """Restore this rank's shards and states; returns {"iteration", "consumed_samples", "extra"}.
 
     A collective over the world (see the module docstring). FileNotFoundError when ``root``
-    holds no checkpoint at all (no tracker).
+    holds no checkpoint at all (no tracker). A torch_dist checkpoint (``--ckpt-format
+    torch_dist``, or one megatron-core wrote) is loaded by ``torch_dist_format``.
     """
+    dist_folder = _torch_dist_folder(root)
+    if dist_folder is not None:
+        from . import torch_dist_format
+
+        return torch_dist_format.load_checkpoint(dist_folder, model_chunks, optimizer,
+                                                 scheduler, state)
     iteration = latest_iteration(root)
     if iteration is None:
         raise FileNotFoundError(f"--load {root}: no {TRACKER} there (no complete checkpoint)")

@@ -149,6 +149,15 @@ def save(sharded_state_dict, checkpoint_dir, sharded_strategy=None, common_strat
             raise ValueError(f"{name} is not supported by tpfuse's dist_checkpointing")
     if not Path(checkpoint_dir).is_dir():
         raise CheckpointingException(f"checkpoint directory {checkpoint_dir} does not exist")
+    prepared = prepare_save(sharded_state_dict, validate_access_integrity)
+    write_prepared(*prepared, str(checkpoint_dir))
+    _barrier()
+
+
+def prepare_save(sharded_state_dict, validate_access_integrity: bool = True) -> tuple:
+    """(rank 0's common entries, main-replica ShardedTensors, main-replica ShardedObjects) of a
+    sharded state dict, factories built; with ``validate_access_integrity`` the tiling check of
+    the module docstring (a collective over the world)."""
     sharded_state_dict = apply_factories(sharded_state_dict)
     leaves = [leaf for _, leaf in _leaves(sharded_state_dict)]
     tensors = [leaf for leaf in leaves if isinstance(leaf, ShardedTensor)]
@@ -157,14 +166,18 @@ def save(sharded_state_dict, checkpoint_dir, sharded_strategy=None, common_strat
         validate_sharding_integrity(tensors)
     common = _rebuild_top(sharded_state_dict, lambda leaf: _DROP if isinstance(leaf, _SHARDED)
                           else leaf)
+    return (common, [sh for sh in tensors if is_main_replica(sh.replica_id)],
+            [sh for sh in objects if is_main_replica(sh.replica_id)])
+
+
+def write_prepared(common, tensors, objects, checkpoint_dir: str, process_group=None) -> None:
+    """Write what ``prepare_save`` gave: ``common.pt`` (rank 0), the torch.distributed.checkpoint
+    files (a collective over ``process_group``, default the world), ``metadata.json`` (rank 0)."""
     if _rank() == 0:
         torch.save(common, os.path.join(checkpoint_dir, COMMON_STATE_FNAME))
-    torch_dist.save_sharded([sh for sh in tensors if is_main_replica(sh.replica_id)],
-                            [sh for sh in objects if is_main_replica(sh.replica_id)],
-                            str(checkpoint_dir))
+    torch_dist.save_sharded(tensors, objects, checkpoint_dir, process_group)
     if _rank() == 0:
-        save_config(CheckpointingConfig("torch_dist", 1), str(checkpoint_dir))
-    _barrier()
+        save_config(CheckpointingConfig("torch_dist", 1), checkpoint_dir)
 
 
 def load_common_state_dict(checkpoint_dir):

@@ -106,15 +106,17 @@ class _SavePlanner(DefaultSavePlanner):
         return self.chunks[key][0]
 
 
-def save_sharded(tensors: list, objects: list, checkpoint_dir: str) -> None:
-    """Collective: write the main replicas of ``tensors`` (ShardedTensor) and ``objects``."""
+def save_sharded(tensors: list, objects: list, checkpoint_dir: str, process_group=None) -> None:
+    """Collective (over ``process_group``, default the world): write the main replicas of
+    ``tensors`` (ShardedTensor) and ``objects``."""
     chunks = {}
     for sh in tensors:
         key = (sh.key, tuple(sh.global_offset))
         chunks[key] = (sh.data.detach().reshape(sh.chunk_sizes()).contiguous(), sh.global_shape)
     by_key = {sh.unique_key: sh.data for sh in objects}
     dcp_save({}, storage_writer=FileSystemWriter(checkpoint_dir, thread_count=1),
-             planner=_SavePlanner(chunks, by_key), no_dist=not _distributed())
+             planner=_SavePlanner(chunks, by_key), process_group=process_group,
+             no_dist=not _distributed())
 
 
 # ----------------------------------------------------------------------------------- load
