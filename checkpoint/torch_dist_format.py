@@ -475,21 +475,25 @@ def _apply_model(model_chunks, loaded: dict) -> None:
                 copy_into(param, loaded[f"model{c}/{name}"])
 
 
-def _apply_optimizer(optimizer, model_chunks, sharded, loaded: dict, common: dict | None) -> None:
-    """Every piece from the loaded whole states, sliced to ``[start, end)``; the scalars, the
-    loss scaler from common.pt (a Megatron-written checkpoint: the step from its own entry)."""
+def _apply_optimizer(optimizer, model_chunks, sharded, loaded: dict, common: dict | None,
+                     megatron_step=None) -> None:
+    """Every piece from the loaded whole states, sliced to ``[start, end)``; the scalars and the
+    loss scaler from common.pt (``common``; None for a megatron-core checkpoint: its pieces
+    with a stored state take ``megatron_step``, the others keep this run's fresh state)."""
     by_param = _entries_by_param(model_chunks, sharded)
     scalars = (common or {}).get("scalars", {})
     for piece in optimizer.pieces:
         _, unique, global_name = by_param[id(piece.model_param)]
         saved = {"start": piece.start, "end": piece.end}
         saved.update(scalars.get(global_name, {}))
+        if common is None:
+            saved["step"] = torch.tensor(0.0) if megatron_step is None else megatron_step
         prefix = f"{unique}/"
-        for name, tensor in loaded.items():
-            if name.startswith(prefix):
-                saved[_optimizer_name(name[len(prefix):])] = \
-                    tensor.reshape(-1)[piece.start:piece.end]
-        optimizer.load_piece(piece, saved)
+        states = {_optimizer_name(name[len(prefix):]): tensor.reshape(-1)[piece.start:piece.end]
+                  for name, tensor in loaded.items() if name.startswith(prefix)}
+        if not states and common is None:
+            continue                # a megatron-core checkpoint without this optimizer state
+        optimizer.load_piece(piece, dict(saved, **states))
     if common and optimizer.grad_scaler is not None and common.get("grad_scaler") is not None:
         optimizer.grad_scaler.load_state_dict(common["grad_scaler"])
 
@@ -510,9 +514,6 @@ def _plan_load(folder, model_chunks, optimizer, state, weights_only: bool):
     no collective."""
     common = _verified_common(folder)
     ours = isinstance(common.get(COMMON), dict)
-    if ours:
-        ckpt.check_same_model(common[COMMON].get("model_signature"),
-                              ckpt.model_signature(model_chunks), f"checkpoint {folder}")
     sharded = _model_sharded(model_chunks, _load_templates(model_chunks))
     metadata = torch_dist.read_metadata(folder)
     requests = _model_requests(model_chunks, sharded)
@@ -522,6 +523,9 @@ def _plan_load(folder, model_chunks, optimizer, state, weights_only: bool):
     config = getattr(model_chunks[0], "config", None)
     requests = _check_shapes(requests, metadata, folder, getattr(config, "vocab_size", None),
                              (state.tp_size, state.tp_rank))
+    if ours:                    # the keys and shapes fit: what differs beyond them
+        ckpt.check_same_model(common[COMMON].get("model_signature"),
+                              ckpt.model_signature(model_chunks), f"checkpoint {folder}")
     return common, requests, sharded, ours
 
 
@@ -542,13 +546,9 @@ def _load(folder, model_chunks, optimizer, state, weights_only: bool, what: str)
     try:
         _apply_model(model_chunks, loaded)
         if not weights_only:
-            optimizer_common = common[COMMON]["optimizer"] if ours else None
-            if not ours:
-                step = _megatron_step(common)
-                optimizer_common = {"scalars": {} if step is None else {
-                    global_name: {"step": step} for _, _, global_name in
-                    _entries_by_param(model_chunks, sharded).values()}}
-            _apply_optimizer(optimizer, model_chunks, sharded, loaded, optimizer_common)
+            _apply_optimizer(optimizer, model_chunks, sharded, loaded,
+                             common[COMMON]["optimizer"] if ours else None,
+                             None if ours else _megatron_step(common))
     except Exception as caught:  # noqa: BLE001 — re-raised below, after every rank has agreed
         error = caught
     ckpt.agree(error, what)
