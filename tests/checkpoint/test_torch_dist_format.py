@@ -1,0 +1,102 @@
+"""``--ckpt-format torch_dist`` (checkpoint/torch_dist_format.py) beyond the loss invariance of
+tests/test_invariance.py: checkpoints megatron-core 0.16 wrote load into the trainer with
+megatron-core's logits; a job killed during a torch_dist save resumes from the previous
+checkpoint with the uninterrupted run's losses; tpfuse-convert goes between the two formats
+and back; bad input fails clearly, before any collective, and loses nothing saved."""
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+from support.pretrain_run import logged_train_losses, pretrain_error, run_pretrain
+from tpfuse.checkpoint import format as ckpt
+
+FIXTURES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data",
+                        "megatron_core_checkpoints")
+TINY = ["--num-layers", "2", "--hidden-size", "16", "--num-attention-heads", "2",
+        "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "4",
+        "--lr", "1e-3", "--mock-data", "--vocab-size", "64", "--hidden-dropout", "0",
+        "--attention-dropout", "0", "--eval-iters", "0", "--log-interval", "1",
+        "--no-progress-bar", "--no-layout-table"]
+TORCH_DIST = ["--ckpt-format", "torch_dist"]
+
+
+# ------------------------------------------------------------------ megatron-core's checkpoints
+def fixture_flags(case: str) -> list:
+    """tpfuse-train's flags for the model of a fixture (its config.json: megatron-core's
+    TransformerConfig fields and GPTModel arguments; core's ffn default 4h, untied unless
+    asked, learned absolute positions, LayerNorm)."""
+    with open(os.path.join(FIXTURES, case, "config.json")) as handle:
+        recorded = json.load(handle)
+    fields = recorded["config"]
+    flags = ["--num-layers", str(fields["num_layers"]), "--hidden-size", str(fields["hidden_size"]),
+             "--num-attention-heads", str(fields["num_attention_heads"]),
+             "--ffn-hidden-size", str(4 * fields["hidden_size"]),
+             "--seq-length", str(recorded["max_sequence_length"]),
+             "--max-position-embeddings", str(recorded["max_sequence_length"]),
+             # the null tokenizer adds EOD: --vocab-size V - 1 gives the model V token ids
+             "--vocab-size", str(recorded["vocab_size"] - 1), "--hidden-dropout", "0",
+             "--attention-dropout", "0", "--position-embedding-type", "learned_absolute"]
+    if not recorded["model"].get("share_embeddings_and_output_weights"):
+        flags.append("--untie-embeddings-and-output-weights")
+    if fields.get("activation") == "silu" and fields.get("gated_linear_unit"):
+        flags.append("--swiglu")
+    if fields.get("add_bias_linear") is False:
+        flags.append("--disable-bias-linear")
+    if fields.get("num_moe_experts"):
+        flags += ["--num-experts", str(fields["num_moe_experts"]),
+                  "--moe-router-topk", str(fields["moe_router_topk"]),
+                  "--moe-ffn-hidden-size", str(fields["moe_ffn_hidden_size"]),
+                  "--moe-token-dispatcher-type", fields["moe_token_dispatcher_type"],
+                  "--moe-aux-loss-coeff", "0"]
+        if fields.get("moe_grouped_gemm"):
+            flags.append("--moe-grouped-gemm")
+    return flags
+
+
+def trainer_logits_after_load(argv, tokens, positions):
+    """pretrain(argv) on this rank; its model's logits (b, s, padded V, gathered over tp) on
+    the probe, computed in the first forward step (before any optimizer step changes it)."""
+    from tpfuse import pretrain_gpt
+    from tpfuse.parallel.state import get_default_state
+
+    captured = []
+
+    def forward_step(data_iterator, model, *, data=None, config=None):
+        if not captured and model.post_process:
+            with torch.no_grad():
+                model.eval()
+                logits = model(tokens, positions)                        # (b, s, V/tp)
+                model.train()
+            state = get_default_state()
+            parts = [torch.empty_like(logits) for _ in range(state.tp_size)]
+            torch.distributed.all_gather(parts, logits.contiguous(), group=state.tp_group)
+            captured.append(torch.cat(parts, dim=-1))
+        return pretrain_gpt.forward_step(data_iterator, model, data=data, config=config)
+
+    run_pretrain(argv, forward_step=forward_step)
+    return captured[0] if captured else None
+
+
+@pytest.mark.parametrize("case", ["dense", "swiglu", "moe", "moe_grouped"])
+def test_megatron_core_checkpoint_loads_into_the_trainer_with_its_logits(run_distributed, case):
+    """tpfuse-train --load of the folder megatron-core's dist_checkpointing.save wrote (tp 1,
+    vocabulary unpadded: refitted to the trainer's 128 padded rows) at tp 2 (MoE with sequence
+    parallelism): the first forward gives megatron-core's logits on its probe batch. Tolerance
+    as tests/megatron_compat/test_dist_checkpointing_megatron_fixtures.py: fp32, the same
+    weights, sums of length ≤ 128 ordered differently (K·eps ≈ 1e-5 relative on O(1) logits);
+    a wrong key, shard or gate/up order moves them by ≥ 1e-2."""
+    reference = torch.load(os.path.join(FIXTURES, case, "reference.pt"))
+    sp = ["--sequence-parallel"] if case.startswith("moe") else []
+    argv = fixture_flags(case) + sp + [
+        "--tensor-model-parallel-size", "2", "--micro-batch-size", "2",
+        "--global-batch-size", "2", "--train-iters", "1", "--lr", "1e-4", "--mock-data",
+        "--eval-iters", "0", "--no-progress-bar", "--no-layout-table",
+        "--load", os.path.join(FIXTURES, case, "checkpoint")]
+    vocab = reference["logits"].shape[-1]
+    for logits in run_distributed(2, trainer_logits_after_load, argv, reference["tokens"],
+                                  reference["position_ids"]):
+        torch.testing.assert_close(logits[..., :vocab], reference["logits"], rtol=1e-5,
+                                   atol=1e-5)
