@@ -35,8 +35,8 @@ replaced last, so a kill at any moment leaves the last complete checkpoint named
 ``AsyncTorchDistSaver`` the files are written by a background thread through a process group of
 its own (gloo), and published like a synchronous save.
 
-Loading checks, before any collective read: every file against the manifest (rank 0; a
-truncated or altered ``.distcp`` is a ValueError naming it, on every rank), the requested keys
+Loading checks, before any collective read: every file against the manifest (on every rank; a
+truncated or altered ``.distcp`` is a ValueError naming it, agreed by all), the requested keys
 and global shapes against the checkpoint's index (a ValueError naming the key and both shapes),
 and the model signature. The vocabulary rows (padded to a multiple that changes with tp) are
 refitted as in ``reshard.py``: the real ``vocab_size`` rows kept, zero rows appended. A folder

@@ -5,7 +5,8 @@ checkpoint with the uninterrupted run's losses; tpfuse-convert goes between the 
 and back; bad input fails clearly, before any collective, and loses nothing saved."""
 import json
 import os
-import shutil
+import signal
+import time
 
 import pytest
 import torch
@@ -100,3 +101,110 @@ def test_megatron_core_checkpoint_loads_into_the_trainer_with_its_logits(run_dis
                                   reference["position_ids"]):
         torch.testing.assert_close(logits[..., :vocab], reference["logits"], rtol=1e-5,
                                    atol=1e-5)
+
+
+# ------------------------------------------------------------------ kill -9 and SIGTERM
+def test_killed_during_torch_dist_save_resumes_from_the_previous_checkpoint(run_distributed,
+                                                                            tmp_path):
+    """tpfuse-train with asynchronous torch_dist saves every iteration, killed (-9) at a random
+    moment while a save is in flight, relaunched with the same command: the tracker names a
+    complete checkpoint (every file matches the manifest), the relaunch resumes from it and
+    the losses are the uninterrupted run's (same layout, RNG restored: rel 1e-6, as
+    test_restart_safety)."""
+    import random
+
+    from test_restart_safety import _iterations, _kill_group, _launch, _wait_for
+
+    iters = 8
+    save, metrics = str(tmp_path / "ckpt"), str(tmp_path / "m.jsonl")
+    command = ["--nproc-per-node", "1", *TINY, *TORCH_DIST, "--train-iters", str(iters),
+               "--save", save, "--load", save, "--async-save", "--save-interval", "1",
+               "--keep-last-checkpoints", "2", "--metrics-file", metrics]
+    seed = random.randrange(10**6)
+    job = _launch(command, tmp_path)
+    try:
+        _wait_for(lambda: ckpt.latest_iteration(save) is not None or job.poll() is not None)
+        time.sleep(random.Random(seed).uniform(0.0, 1.0))
+        assert job.poll() is None, (f"the job ended before the kill (rc {job.returncode}): "
+                                    f"{job.stderr.read()[-3000:]}")
+        os.kill(job.pid, signal.SIGKILL)
+        job.wait()
+    finally:
+        _kill_group(job)
+    survived = ckpt.verify_checkpoint(save)
+    assert survived >= 1, f"seed {seed}"
+    assert os.path.isfile(os.path.join(ckpt.iteration_dir(save, survived), "metadata.json"))
+    done = _launch(command, tmp_path)
+    out, err = done.communicate(timeout=300)
+    assert done.returncode == 0, err[-3000:]
+    assert not any(".staging-" in name for name in os.listdir(save))    # cleaned at start
+    assert _iterations(metrics)[-1] == iters and _iterations(metrics)[:survived] == \
+        list(range(1, survived + 1))
+    with open(metrics) as handle:
+        records = [r for r in map(json.loads, handle) if "memory_bytes" not in r]
+    losses = {r["iteration"]: r["loss"] for r in records}            # the resumed run's last
+    reference, = run_distributed(1, logged_train_losses, TINY + ["--train-iters", str(iters)])
+    assert [losses[i] for i in range(1, iters + 1)] == pytest.approx(reference, rel=1e-6), \
+        f"seed {seed}"
+
+
+def test_sigterm_saves_a_torch_dist_checkpoint(run_distributed, tmp_path):
+    from test_restart_safety import _iterations, _train_until_sigterm
+
+    save, metrics = str(tmp_path / "ckpt"), str(tmp_path / "m.jsonl")
+    (reason, iterations), = run_distributed(
+        1, _train_until_sigterm, TINY + TORCH_DIST + [
+            "--train-iters", "100000", "--save", save, "--exit-signal-handler",
+            "--metrics-file", metrics], metrics)
+    assert reason == "SIGTERM received (--exit-signal-handler)"
+    assert ckpt.verify_checkpoint(save) == iterations[-1] == _iterations(metrics)[-1] < 100000
+    assert os.path.isfile(os.path.join(ckpt.iteration_dir(save, iterations[-1]), ".metadata"))
+
+
+# ------------------------------------------------------------------ bad input
+def test_unknown_checkpoint_format_is_refused_at_parsing(capsys):
+    from tpfuse.training.arguments import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(TINY + ["--train-iters", "1", "--ckpt-format", "torch"])
+    assert "--ckpt-format: invalid choice: 'torch'" in capsys.readouterr().err
+
+
+def _digests(folder):
+    return {name: open(os.path.join(folder, name), "rb").read()
+            for name in sorted(os.listdir(folder))}
+
+
+def test_incompatible_model_names_the_key_and_shapes(run_distributed, tmp_path):
+    save = str(tmp_path / "ckpt")
+    run_distributed(2, logged_train_losses, TINY + TORCH_DIST + ["--train-iters", "2",
+                                                                 "--save", save])
+    before = _digests(ckpt.iteration_dir(save, 2))
+    wider = [("32" if flag == "16" and TINY[i - 1] == "--hidden-size" else flag)
+             for i, flag in enumerate(TINY)]
+    errors = run_distributed(2, pretrain_error, wider + TORCH_DIST + [
+        "--train-iters", "4", "--load", save, "--save", save])
+    for message in errors:            # every rank, raised before the collective read
+        assert "does not fit this model: tensor 'embedding.word_embeddings.weight' has the " \
+               "global shape (128, 16) there, this model's is (128, 32)" in message
+    assert _digests(ckpt.iteration_dir(save, 2)) == before      # nothing saved is lost
+    assert ckpt.latest_iteration(save) == 2
+
+
+def test_truncated_distcp_shard_is_refused_on_every_rank(run_distributed, tmp_path):
+    """One .distcp file cut short: every rank finds it against the manifest's size and hash and
+    fails before any collective read; the folder is left as it was."""
+    save = str(tmp_path / "ckpt")
+    run_distributed(2, logged_train_losses, TINY + TORCH_DIST + ["--train-iters", "2",
+                                                                 "--save", save])
+    folder = ckpt.iteration_dir(save, 2)
+    shard = os.path.join(folder, "__1_0.distcp")
+    with open(shard, "r+b") as handle:
+        handle.truncate(os.path.getsize(shard) // 2)
+    before = _digests(folder)
+    errors = run_distributed(2, pretrain_error, TINY + TORCH_DIST + [
+        "--train-iters", "4", "--load", save, "--save", save])
+    for message in errors:
+        assert f"checkpoint file {shard} is corrupt: {os.path.getsize(shard)} bytes" in message
+    assert _digests(folder) == before and ckpt.latest_iteration(save) == 2
+    assert sorted(n for n in os.listdir(save) if n.startswith("iter_")) == ["iter_0000002"]
