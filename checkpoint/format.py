@@ -238,9 +238,11 @@ def publish_folder(root: str, iteration: int, staging: str, files_of, header: di
     """Collective, once every rank's files are in ``staging``: rank 0 writes the manifest (the
     ``header``, the format version, the iteration and ``files_of()``: file name → its sha256
     and size), moves the folder into place, replaces the tracker and prunes old checkpoints;
-    every rank returns the final folder after a barrier."""
+    every rank returns the final folder after a barrier (a single process without
+    torch.distributed, e.g. a conversion, does it all alone)."""
     final = iteration_dir(root, iteration)
-    if dist.get_rank() == 0:
+    distributed = dist.is_available() and dist.is_initialized()
+    if not distributed or dist.get_rank() == 0:
         manifest = dict(header, format_version=FORMAT_VERSION, iteration=iteration,
                         files=files_of())
         file_io.atomic_write_bytes(os.path.join(staging, MANIFEST),
@@ -250,7 +252,8 @@ def publish_folder(root: str, iteration: int, staging: str, files_of, header: di
         file_io.finish_replacement(final)
         if keep_last:
             file_io.prune(root, keep_last, protected=iteration)
-    dist.barrier()
+    if distributed:
+        dist.barrier()
     return final
 
 

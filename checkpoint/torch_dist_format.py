@@ -124,7 +124,7 @@ def _entries_by_param(model_chunks, sharded: list[dict]) -> dict:
     return out
 
 
-def _state_entry(entry, state_name: str, data: torch.Tensor):
+def state_entry(entry, state_name: str, data: torch.Tensor):
     """Megatron's ``make_sharded_optimizer_tensor``: the parameter's entry with ``data``."""
     key = f"{OPTIMIZER_PREFIX}.{state_name}.{entry.key}"
     if isinstance(entry, ShardedTensorFactory):
@@ -138,11 +138,11 @@ def _is_flat_state(value, piece: dict) -> bool:
         value.numel() == piece["end"] - piece["start"]
 
 
-def _stored_name(name: str) -> str:
+def stored_name(name: str) -> str:
     return MAIN_COPY[1] if name == MAIN_COPY[0] else name
 
 
-def _optimizer_name(stored: str) -> str:
+def optimizer_name(stored: str) -> str:
     return MAIN_COPY[0] if stored == MAIN_COPY[1] else stored
 
 
@@ -221,7 +221,7 @@ def _optimizer_sharded(optimizer, model_chunks, sharded, state) -> tuple[dict, d
         piece = entries[position]
         for name in names.get(global_name, []):
             whole = _whole_state(param, piece, name, _dp_group(param, state) if spread else None)
-            out[f"{unique}/{name}"] = _state_entry(entry, _stored_name(name), whole)
+            out[f"{unique}/{name}"] = state_entry(entry, stored_name(name), whole)
         if piece is not None:
             scalars[global_name] = {k: cpu_snapshot(v) for k, v in piece.items()
                                     if k not in ("start", "end") and not _is_flat_state(v, piece)}
@@ -232,7 +232,7 @@ def _optimizer_sharded(optimizer, model_chunks, sharded, state) -> tuple[dict, d
         merged.update(part)
     common = {"param_groups": saved.get("param_groups"), "grad_scaler": saved.get("grad_scaler"),
               "format": saved.get("format"),
-              "state_names": {key: [_stored_name(n) for n in found]
+              "state_names": {key: [stored_name(n) for n in found]
                               for key, found in names.items()},
               "scalars": merged}
     return out, common
@@ -357,7 +357,7 @@ def _check_files(folder: str, manifest: dict) -> None:
                              f"{expected['bytes']} bytes with sha256 {expected['sha256'][:16]}…")
 
 
-def _verified_common(folder: str) -> dict:
+def verified_common(folder: str) -> dict:
     """common.pt after the files are checked against the manifest (when tpfuse wrote it)."""
     manifest_path = os.path.join(folder, ckpt.MANIFEST)
     if os.path.exists(manifest_path):
@@ -394,7 +394,7 @@ class _VocabRefit:
         return shard_for(full, 0 if self.entry.local_shape[0] != rows else None, 1, tp, tp_rank)
 
 
-def _check_shapes(requests: dict, metadata, folder: str, vocab_size: int | None, sizes) -> dict:
+def check_shapes(requests: dict, metadata, folder: str, vocab_size: int | None, sizes) -> dict:
     """Every requested tensor is in the checkpoint with this model's global shape (a ValueError
     naming the key and both shapes); vocabulary tensors whose padding differs become
     ``_VocabRefit`` requests."""
@@ -427,7 +427,7 @@ def _flat(leaves):
             yield leaf
 
 
-def _load_requests(requests: dict, folder: str) -> dict:
+def load_requests(requests: dict, folder: str) -> dict:
     """Collective: name → the loaded tensor of every request (refits applied)."""
     tree = {name: (r.request if isinstance(r, _VocabRefit) else r) for name, r in requests.items()}
     loaded = serialization.load(tree, folder)
@@ -464,7 +464,7 @@ def _optimizer_requests(optimizer, model_chunks, sharded, metadata, state_names)
             if f"{OPTIMIZER_PREFIX}.{n}.{entry.key}" in metadata.state_dict_metadata]
         template = torch.empty(tuple(param.shape), dtype=torch.float32)
         for name in names:
-            requests[f"{unique}/{name}"] = _state_entry(entry, name, template)
+            requests[f"{unique}/{name}"] = state_entry(entry, name, template)
     return requests
 
 
@@ -489,7 +489,7 @@ def _apply_optimizer(optimizer, model_chunks, sharded, loaded: dict, common: dic
         if common is None:
             saved["step"] = torch.tensor(0.0) if megatron_step is None else megatron_step
         prefix = f"{unique}/"
-        states = {_optimizer_name(name[len(prefix):]): tensor.reshape(-1)[piece.start:piece.end]
+        states = {optimizer_name(name[len(prefix):]): tensor.reshape(-1)[piece.start:piece.end]
                   for name, tensor in loaded.items() if name.startswith(prefix)}
         if not states and common is None:
             continue                # a megatron-core checkpoint without this optimizer state
@@ -512,7 +512,7 @@ def _megatron_step(common: dict):
 def _plan_load(folder, model_chunks, optimizer, state, weights_only: bool):
     """(common, requests, sharded, whether the checkpoint is tpfuse's): every check that needs
     no collective."""
-    common = _verified_common(folder)
+    common = verified_common(folder)
     ours = isinstance(common.get(COMMON), dict)
     sharded = _model_sharded(model_chunks, _load_templates(model_chunks))
     metadata = torch_dist.read_metadata(folder)
@@ -521,7 +521,7 @@ def _plan_load(folder, model_chunks, optimizer, state, weights_only: bool):
         names = common[COMMON]["optimizer"]["state_names"] if ours else None
         requests.update(_optimizer_requests(optimizer, model_chunks, sharded, metadata, names))
     config = getattr(model_chunks[0], "config", None)
-    requests = _check_shapes(requests, metadata, folder, getattr(config, "vocab_size", None),
+    requests = check_shapes(requests, metadata, folder, getattr(config, "vocab_size", None),
                              (state.tp_size, state.tp_rank))
     if ours:                    # the keys and shapes fit: what differs beyond them
         ckpt.check_same_model(common[COMMON].get("model_signature"),
@@ -539,7 +539,7 @@ def _load(folder, model_chunks, optimizer, state, weights_only: bool, what: str)
     ckpt.agree(error, what)
     common, requests, sharded, ours = planned
     try:
-        loaded = _load_requests(requests, folder)
+        loaded = load_requests(requests, folder)
     except CheckpointingException as caught:      # raised on every rank alike
         raise ValueError(f"{what}: {caught}") from caught
     error = None
@@ -598,13 +598,13 @@ def load_weights_only(folder: str, model_chunks, state) -> None:
 def verify_folder(folder: str) -> None:
     """Check (no collective) a torch_dist folder's files against its manifest and that its
     common.pt reads; ValueError / FileNotFoundError naming the file otherwise."""
-    _verified_common(folder)
+    verified_common(folder)
 
 
 def read_head(folder: str) -> dict:
     """What every rank file of the per-rank format shares (``model_config``, ``extra``, ...),
     from common.pt (checked against the manifest); local, no collective."""
-    common = _verified_common(folder)
+    common = verified_common(folder)
     head = common.get(COMMON)
     if not isinstance(head, dict):
         raise ValueError(f"checkpoint {folder} was written by megatron-core: it records no "
