@@ -420,12 +420,6 @@ def verify_checkpoint(root: str) -> int | None:
     iteration = latest_iteration(root)
     if iteration is None:
         return None
-    dist_folder = _torch_dist_folder(root)
-    if dist_folder is not None:
-        from . import torch_dist_format
-
-        torch_dist_format.verify_folder(dist_folder)
-        return iteration
     folder, manifest = read_manifest(root, iteration)
     read = verified_reader(manifest)
     for name in sorted(manifest["files"]):
@@ -478,21 +472,9 @@ def _load_other_layout(folder: str, model_chunks, optimizer, state, read) -> dic
     return payload
 
 
-def _torch_dist_folder(root: str) -> str | None:
-    """The torch_dist folder ``root`` names (``torch_dist_format.checkpoint_dir_of``), if any."""
-    from . import torch_dist_format
-
-    return torch_dist_format.checkpoint_dir_of(root)
-
-
 def load_weights_only(root: str, model_chunks, state) -> None:
     """``--finetune``: the model's weights from a checkpoint of any layout (verified against its
     manifest, another model refused); nothing else is read. Collective: all ranks agree."""
-    dist_folder = _torch_dist_folder(root)
-    if dist_folder is not None:
-        from . import torch_dist_format
-
-        return torch_dist_format.load_weights_only(dist_folder, model_chunks, state)
     error = None
     try:
         folder, manifest = read_manifest(root, latest_iteration(root))
@@ -509,15 +491,8 @@ def load_checkpoint(root: str, model_chunks, optimizer, scheduler, state) -> dic
     """Restore this rank's shards and states; returns {"iteration", "consumed_samples", "extra"}.
 
     A collective over the world (see the module docstring). FileNotFoundError when ``root``
-    holds no checkpoint at all (no tracker). A torch_dist checkpoint (``--ckpt-format
-    torch_dist``, or one megatron-core wrote) is loaded by ``torch_dist_format``.
+    holds no checkpoint at all (no tracker).
     """
-    dist_folder = _torch_dist_folder(root)
-    if dist_folder is not None:
-        from . import torch_dist_format
-
-        return torch_dist_format.load_checkpoint(dist_folder, model_chunks, optimizer,
-                                                 scheduler, state)
     iteration = latest_iteration(root)
     if iteration is None:
         raise FileNotFoundError(f"--load {root}: no {TRACKER} there (no complete checkpoint)")

@@ -610,3 +610,31 @@ def read_head(folder: str) -> dict:
         raise ValueError(f"checkpoint {folder} was written by megatron-core: it records no "
                          "tpfuse model config")
     return head
+
+
+# ---------------------------------------------------------------------------- either format
+def load_any(root: str, model_chunks, optimizer, scheduler, state) -> dict:
+    """``format.load_checkpoint``, or this module's for a torch_dist checkpoint (tpfuse's or
+    megatron-core's) — recognised by what ``root`` holds. Collective."""
+    folder = checkpoint_dir_of(root)
+    if folder is None:
+        return ckpt.load_checkpoint(root, model_chunks, optimizer, scheduler, state)
+    return load_checkpoint(folder, model_chunks, optimizer, scheduler, state)
+
+
+def load_weights_only_any(root: str, model_chunks, state) -> None:
+    """``--finetune`` of either format. Collective."""
+    folder = checkpoint_dir_of(root)
+    if folder is None:
+        return ckpt.load_weights_only(root, model_chunks, state)
+    return load_weights_only(folder, model_chunks, state)
+
+
+def verify_checkpoint(root: str) -> int | None:
+    """``format.verify_checkpoint`` of either format (no collective): the newest complete
+    checkpoint's iteration, None without one; ValueError / FileNotFoundError naming the file."""
+    folder = checkpoint_dir_of(root)
+    if folder is None:
+        return ckpt.verify_checkpoint(root)
+    verify_folder(folder)
+    return ckpt.latest_iteration(root)

@@ -13,6 +13,7 @@ import torch
 
 from support.pretrain_run import logged_train_losses, pretrain_error, run_pretrain
 from tpfuse.checkpoint import format as ckpt
+from tpfuse.checkpoint import torch_dist_format as tdf
 
 FIXTURES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data",
                         "megatron_core_checkpoints")
@@ -131,7 +132,7 @@ def test_killed_during_torch_dist_save_resumes_from_the_previous_checkpoint(run_
         job.wait()
     finally:
         _kill_group(job)
-    survived = ckpt.verify_checkpoint(save)
+    survived = tdf.verify_checkpoint(save)
     assert survived >= 1, f"seed {seed}"
     assert os.path.isfile(os.path.join(ckpt.iteration_dir(save, survived), "metadata.json"))
     done = _launch(command, tmp_path)
@@ -157,7 +158,7 @@ def test_sigterm_saves_a_torch_dist_checkpoint(run_distributed, tmp_path):
             "--train-iters", "100000", "--save", save, "--exit-signal-handler",
             "--metrics-file", metrics], metrics)
     assert reason == "SIGTERM received (--exit-signal-handler)"
-    assert ckpt.verify_checkpoint(save) == iterations[-1] == _iterations(metrics)[-1] < 100000
+    assert tdf.verify_checkpoint(save) == iterations[-1] == _iterations(metrics)[-1] < 100000
     assert os.path.isfile(os.path.join(ckpt.iteration_dir(save, iterations[-1]), ".metadata"))
 
 
