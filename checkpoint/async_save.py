@@ -17,6 +17,7 @@ save is in flight is the same on every rank and the collectives match.
 """
 from __future__ import annotations
 
+import functools
 import threading
 
 import torch
@@ -39,17 +40,18 @@ def cpu_snapshot(obj):
 
 
 class _Write:
-    """One rank file being written by a background thread."""
+    """This rank's files being written by a background thread: ``job()`` writes them and
+    returns what publication needs (a rank file's digest)."""
 
-    def __init__(self, staging: str, payload: dict):
+    def __init__(self, staging: str, job):
         self.staging, self.digest, self.error = staging, None, None
-        self.thread = threading.Thread(target=self._run, args=(payload,), daemon=True,
+        self.thread = threading.Thread(target=self._run, args=(job,), daemon=True,
                                        name="tpfuse-async-checkpoint")
         self.thread.start()
 
-    def _run(self, payload) -> None:
+    def _run(self, job) -> None:
         try:
-            self.digest = ckpt.write_rank_file(self.staging, payload)
+            self.digest = job()
         except Exception as error:  # noqa: BLE001 — reported to every rank at publication
             self.error = error
 
@@ -71,7 +73,8 @@ class AsyncCheckpointSaver:
         payload = cpu_snapshot(ckpt.build_payload(iteration, model_chunks, optimizer, scheduler,
                                                   state, consumed_samples, extra))
         header = {"layout": payload["layout"], "model_signature": payload["model_signature"]}
-        self.pending = (iteration, _Write(staging, payload), header)
+        job = functools.partial(ckpt.write_rank_file, staging, payload)
+        self.pending = (iteration, _Write(staging, job), header)
 
     def poll(self, block: bool = False) -> int | None:
         """Publish the pending save if every rank's write is done (or, with ``block``, once it
@@ -86,10 +89,14 @@ class AsyncCheckpointSaver:
         if not flag.item():
             return None
         self.pending = None
-        ckpt.publish(self.root, iteration, write.staging, write.digest, write.error, header,
-                     self.keep_last)
+        self.publish(iteration, write, header)
         self.published.append(iteration)
         return iteration
+
+    def publish(self, iteration: int, write: _Write, header: dict) -> None:
+        """Collective: publish a save whose every rank's write is done."""
+        ckpt.publish(self.root, iteration, write.staging, write.digest, write.error, header,
+                     self.keep_last)
 
     def wait(self) -> int | None:
         """Block until the pending save (if any) is published."""

@@ -229,10 +229,23 @@ def publish(root: str, iteration: int, staging: str, digest: dict | None,
     agree(error, f"writing checkpoint iteration {iteration}")
     digests = [None] * dist.get_world_size()
     dist.all_gather_object(digests, digest)
+    return publish_folder(root, iteration, staging, lambda: {
+        os.path.basename(_rank_file(staging, r)): d for r, d in enumerate(digests)}, header,
+        keep_last)
+
+
+def publish_folder(root: str, iteration: int, staging: str, files_of, header: dict,
+                   keep_last: int | None = None) -> str:
+    """Collective, once every rank's files are in ``staging``: rank 0 writes the manifest (the
+    ``header``, the format version, the iteration and ``files_of()``: file name → its sha256
+    and size), moves the folder into place, replaces the tracker and prunes old checkpoints;
+    every rank returns the final folder after a barrier (a single process without
+    torch.distributed, e.g. a conversion, does it all alone)."""
     final = iteration_dir(root, iteration)
-    if dist.get_rank() == 0:
-        files = {os.path.basename(_rank_file(staging, r)): d for r, d in enumerate(digests)}
-        manifest = dict(header, format_version=FORMAT_VERSION, iteration=iteration, files=files)
+    distributed = dist.is_available() and dist.is_initialized()
+    if not distributed or dist.get_rank() == 0:
+        manifest = dict(header, format_version=FORMAT_VERSION, iteration=iteration,
+                        files=files_of())
         file_io.atomic_write_bytes(os.path.join(staging, MANIFEST),
                                    json.dumps(manifest, indent=1).encode())
         file_io.publish_dir(staging, final)
@@ -240,7 +253,8 @@ def publish(root: str, iteration: int, staging: str, digest: dict | None,
         file_io.finish_replacement(final)
         if keep_last:
             file_io.prune(root, keep_last, protected=iteration)
-    dist.barrier()
+    if distributed:
+        dist.barrier()
     return final
 
 

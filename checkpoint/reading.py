@@ -26,7 +26,14 @@ def checkpoint_folder(checkpoint_dir: str):
 
 
 def read_checkpoint_head(checkpoint_dir: str) -> dict:
-    """Rank 0's payload of the newest checkpoint (verified; what every rank file shares)."""
+    """Rank 0's payload of the newest checkpoint (verified; what every rank file shares); of a
+    torch_dist checkpoint the same entries from its common.pt."""
+    from . import torch_dist_format
+
+    dist_folder = torch_dist_format.checkpoint_dir_of(checkpoint_dir) \
+        if os.path.isdir(checkpoint_dir) else None
+    if dist_folder is not None:
+        return torch_dist_format.read_head(dist_folder)
     folder, read = checkpoint_folder(checkpoint_dir)
     return read(os.path.join(folder, "rank_00000.pt"), mmap=True)
 

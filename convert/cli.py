@@ -6,6 +6,7 @@ Qwen3-MoE checkpoints to tpfuse and back.
                    [--params-dtype float32|bfloat16|float16]
     tpfuse-convert --to-hf --load DIR --save HF_DIR
     tpfuse-convert --verify DIR
+    tpfuse-convert --ckpt-convert-format torch_dist|tpfuse --load DIR --save OUT
 
 ``--from-hf`` reads ``config.json`` + safetensors (no ``transformers`` needed) and writes a tpfuse
 checkpoint for that layout (``tpfuse-generate --load DIR`` and ``load_model`` read it at any
@@ -14,7 +15,9 @@ layout); ``--to-hf`` writes ``config.json`` + ``model.safetensors`` that
 is left half-written. Every conversion writes ``certificate.json`` into the folder it wrote: the
 max |Δ logit| between transformers and tpfuse on a fixed prompt and its derived tolerance
 (``certificate.py``); above the tolerance the conversion is refused. ``--verify DIR`` recomputes
-a written folder's certificate.
+a written folder's certificate. ``--ckpt-convert-format`` (Megatron's flag name) rewrites a
+training checkpoint — model, optimizer, scheduler, iteration — in the other checkpoint format
+(``torch_dist_io.py``).
 """
 from __future__ import annotations
 
@@ -32,6 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
     direction.add_argument("--to-hf", action="store_true", help="export --load to --save")
     direction.add_argument("--verify", metavar="DIR",
                            help="recompute the logit certificate of a converted folder")
+    direction.add_argument("--ckpt-convert-format", choices=["tpfuse", "torch_dist"],
+                           help="rewrite the training checkpoint --load in this format to --save")
     parser.add_argument("--load", help="tpfuse checkpoint directory (with --to-hf)")
     parser.add_argument("--save", help="directory to write (new or empty)")
     parser.add_argument("--tensor-model-parallel-size", type=int, default=1)
@@ -54,6 +59,9 @@ def main(argv=None) -> int:
     try:
         if args.verify:
             _print_certificate(certificate.verify(args.verify), args.verify)
+            return 0
+        if args.ckpt_convert_format:
+            _convert_format(args)
             return 0
         if not args.save:
             raise ValueError("--from-hf and --to-hf need --save DIR")
@@ -81,6 +89,18 @@ def main(argv=None) -> int:
         print(f"tpfuse-convert: error: {error}", file=sys.stderr, flush=True)
         return 2
     return 0
+
+
+def _convert_format(args) -> None:
+    from .torch_dist_io import torch_dist_to_tpfuse, tpfuse_to_torch_dist
+
+    if not (args.load and args.save):
+        raise ValueError("--ckpt-convert-format needs --load DIR (the checkpoint to rewrite) "
+                         "and --save OUT")
+    convert = tpfuse_to_torch_dist if args.ckpt_convert_format == "torch_dist" \
+        else torch_dist_to_tpfuse
+    final = convert(args.load, args.save)
+    print(f"> wrote {final} ({args.ckpt_convert_format} format)", flush=True)
 
 
 def _print_certificate(result: dict, folder: str) -> None:

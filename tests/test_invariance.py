@@ -938,3 +938,35 @@ def test_moe_expert_bias_survives_resume_at_another_expert_layout(run_distribute
     assert first + resumed == pytest.approx(moe_bias_reference[0], rel=1e-5)
     _assert_same_biases(_saved_expert_biases(root), moe_bias_reference[1])
 # ================================================== MoE expert bias (end)
+
+
+# ======================================== torch_dist checkpoints (begin; owned by the checkpoint area)
+# --ckpt-format torch_dist stores Megatron's layout-independent tensors (checkpoint/
+# torch_dist_format.py): a save at one layout resumes at another with the uninterrupted run's
+# losses (rel 1e-5, the bound of this file: only the order of fp32 sums differs).
+TORCH_DIST = ["--ckpt-format", "torch_dist"]
+
+
+def test_torch_dist_tp2_save_resumes_at_pp2(run_distributed, reference, tmp_path):
+    """4 iterations at tp 2 (vocabulary padded to 256 rows), saved in torch_dist; the last 6
+    resumed at pp 2 (128 rows, the tied embedding split over the first and last stage)."""
+    save = TORCH_DIST + ["--save", str(tmp_path / "ckpt"), "--load", str(tmp_path / "ckpt")]
+    first = _losses(run_distributed, 2, _parallel(tp=2) + save + ["--train-iters", "4"])
+    resumed = _losses(run_distributed, 2, _parallel(pp=2) + save)
+    assert os.path.isfile(tmp_path / "ckpt" / "iter_0000004" / "metadata.json")
+    assert (len(first), len(resumed)) == (4, 6)
+    assert first + resumed == pytest.approx(reference, rel=1e-5)
+
+
+def test_torch_dist_fsdp_dp4_resumes_at_dp2(run_distributed, reference, tmp_path):
+    """FSDP ZeRO-3 at dp 4 saved asynchronously (the row-block pieces gathered into whole
+    tensors), 3 iterations at dp 2 with ZeRO-2, the last 3 at dp 2 with the distributed
+    optimizer (its flat pieces cut from the same tensors)."""
+    save = TORCH_DIST + ["--save", str(tmp_path / "ckpt"), "--load", str(tmp_path / "ckpt")]
+    first = _losses(run_distributed, 4, FSDP_ZERO3 + save + ["--train-iters", "4",
+                                                             "--async-save", "--save-interval", "2"])
+    halved = _losses(run_distributed, 2, FSDP_ZERO2 + save + ["--train-iters", "7"])
+    distributed = _losses(run_distributed, 2, DISTRIBUTED_OPTIMIZER + save)
+    assert (len(first), len(halved), len(distributed)) == (4, 3, 3)
+    assert first + halved + distributed == pytest.approx(reference, rel=1e-5)
+# ========================================== torch_dist checkpoints (end)

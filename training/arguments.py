@@ -14,7 +14,11 @@ command line means the same here; Megatron's required settings (``--micro-batch-
 lowest first: those defaults, the caller's ``defaults`` (Megatron's ``args_defaults``), a
 ``--preset`` (``training/presets.py``), the command line; a default or preset naming no flag is an
 error. Deliberate differences: ``--distributed-backend`` defaults to nccl only where CUDA is
-available (gloo otherwise), and the trainer's own additions (``--preset``, ``--metrics-file``,
+available (gloo otherwise); ``--ckpt-format`` defaults to ``tpfuse`` (the per-rank format,
+so existing runs and checkpoints are unchanged; Megatron-LM's default is ``torch_dist``, chosen
+with ``--ckpt-format torch_dist``), and Megatron's ``torch`` (``mp_rank_XX/model_optim_rng.pt``)
+is not offered, as no tpfuse format is that one — ``--load`` reads either of the two; and the
+trainer's own additions (``--preset``, ``--metrics-file``,
 ``--keep-last-checkpoints``, ``--peak-tflops``, ...) are listed by ``tpfuse-train --help-trainer``.
 
 Validation happens here, on every rank before any process group exists, each error naming the

@@ -8,6 +8,10 @@
   save every ``--save-interval``; an early exit (``exit_conditions.py``) saves first.
 - End: the final state is saved unless the last iteration was just saved, and an asynchronous
   save is waited for, so the job never exits with a checkpoint half published.
+- ``--ckpt-format``: ``tpfuse`` (one file per rank, ``checkpoint/format.py``) or ``torch_dist``
+  (Megatron's layout, ``checkpoint/torch_dist_format.py``), with the same guarantees (staging
+  folder and rename, manifest of hashes, tracker last, ``--async-save``, the SIGTERM save);
+  ``--load`` recognises either by what the folder holds.
 - ``--keep-last-checkpoints N`` deletes all but the newest N published checkpoints (never the one
   just published, never one newer than it) after each publication.
 - A checkpoint folder is recognised by its manifest (``format.latest_iteration``), so a folder
@@ -23,6 +27,7 @@ import torch.distributed as dist
 
 from tpfuse.checkpoint import file_io as checkpoint_io
 from tpfuse.checkpoint import format as ckpt
+from tpfuse.checkpoint import torch_dist_format
 from tpfuse.checkpoint.async_save import AsyncCheckpointSaver
 from tpfuse.training.exit_conditions import ExitConditions
 
@@ -42,8 +47,9 @@ def prepare_save_dir(root: str) -> None:
 
 
 def resume_point(root: str, exit_on_missing: bool) -> bool:
-    """True when ``root`` holds a checkpoint to load; False (with a warning) when it holds none."""
-    if ckpt.latest_iteration(root) is not None:
+    """True when ``root`` holds a checkpoint to load (of either format, or a folder megatron-core
+    wrote); False (with a warning) when it holds none."""
+    if ckpt.latest_iteration(root) is not None or torch_dist_format.is_dist_folder(root):
         return True
     message = f"--load {root}: no checkpoint there ({ckpt.TRACKER} is missing)"
     if exit_on_missing:
@@ -67,7 +73,11 @@ class Checkpointing:
         if resumed_from is not None and settings.load and settings.save and \
                 os.path.realpath(settings.load) == os.path.realpath(settings.save):
             self.own.add(resumed_from)
-        self.saver = AsyncCheckpointSaver(settings.save, settings.keep_last_checkpoints) \
+        torch_dist = settings.ckpt_format == torch_dist_format.FORMAT
+        self.save_checkpoint = torch_dist_format.save_checkpoint if torch_dist \
+            else ckpt.save_checkpoint
+        saver = torch_dist_format.AsyncTorchDistSaver if torch_dist else AsyncCheckpointSaver
+        self.saver = saver(settings.save, settings.keep_last_checkpoints) \
             if settings.save and settings.async_save else None
         self.exits = ExitConditions(settings)
         # resumed from --save itself: that iteration is saved already (a requeued finished job
@@ -95,7 +105,7 @@ class Checkpointing:
         if self.saver is not None:
             self.saver.save(*items)
         else:
-            ckpt.save_checkpoint(self.settings.save, *items,
+            self.save_checkpoint(self.settings.save, *items,
                                  keep_last=self.settings.keep_last_checkpoints)
         self.last_saved = run.iteration
 

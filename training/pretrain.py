@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from tpfuse.checkpoint import format as ckpt
+from tpfuse.checkpoint import torch_dist_format
 from tpfuse.moe.expert_bias import update_expert_biases
 from tpfuse.parallel import parallel_state
 from tpfuse.parallel.devices import model_device
@@ -101,7 +102,8 @@ class _Run:
         resumes = checkpoint.load and resume_point(checkpoint.load,
                                                    checkpoint.exit_on_missing_checkpoint)
         if resumes and checkpoint.finetune:
-            ckpt.load_weights_only(checkpoint.load, self.model, self.state)  # before the optimizer
+            torch_dist_format.load_weights_only_any(checkpoint.load, self.model,
+                                                    self.state)  # before the optimizer
         self.params = [p for chunk in self.model for p in chunk.parameters() if p.requires_grad]
         self.ddp, self.optimizer = build_buffers_and_optimizer(
             self.model, config, self.state, optimizer=settings.optimizer,
@@ -121,8 +123,8 @@ class _Run:
         self.is_logger = (self.state.is_pipeline_last_stage() and self.state.tp_rank == 0
                           and self.state.dp_rank == 0 and self.state.rank_in("cp") == 0)
         if resumes and not checkpoint.finetune:
-            loaded = ckpt.load_checkpoint(checkpoint.load, self.model, self.optimizer,
-                                          self.scheduler, self.state)
+            loaded = torch_dist_format.load_any(checkpoint.load, self.model, self.optimizer,
+                                                self.scheduler, self.state)
             self.iteration, self.consumed_samples = loaded["iteration"], loaded["consumed_samples"]
             self.resumed_from = self.iteration
         self.train_ds, self.valid_ds = self._build_datasets(datasets_provider)

@@ -275,6 +275,10 @@ def _check_load_folder(load: str) -> None:
                          "train from it with --load DIR --finetune")
 
 
+# the per-rank format is not Megatron's "torch" (mp_rank_XX/model_optim_rng.pt): it has its own name
+CKPT_FORMATS = ("tpfuse", "torch_dist")
+
+
 @dataclass(frozen=True, kw_only=True)
 class CheckpointSettings(SettingsGroup):
     """Saving, loading, and the early exits (each of which saves first)."""
@@ -297,6 +301,11 @@ class CheckpointSettings(SettingsGroup):
     async_save: bool = setting(
         False, "write checkpoints beside training (at most one in flight, published atomically, "
                "waited for at exit)")
+    ckpt_format: str = setting(
+        "tpfuse", "format --save writes: tpfuse (one file per rank, reshardable by tpfuse) | "
+                  "torch_dist (Megatron's torch.distributed.checkpoint layout: any layout, "
+                  "megatron-core reads it); --load reads either",
+        choices=CKPT_FORMATS)
     keep_last_checkpoints: int | None = setting(
         None, "after each save delete all but the newest N checkpoints (default: keep all)",
         minimum=1, metavar="N")

@@ -1,7 +1,7 @@
 """megatron-core 0.16's ``dist_checkpointing``: ``save`` / ``load`` of sharded state dicts in
 Megatron's ``torch_dist`` layout, ``ShardedTensor``, ``ShardedObject``,
 ``LocalNonpersistentObject``, ``ShardedTensorFactory`` (see ``serialization.py``,
-``torch_dist.py`` and docs/megatron_coverage.md for the key mapping of a GPT)."""
+``torch_dist.py`` — in ``tpfuse.checkpoint.dist`` — and docs/megatron_coverage.md for the key mapping of a GPT)."""
 from .core import CheckpointingException, check_is_distributed_checkpoint
 from .mapping import (LocalNonpersistentObject, ShardedObject, ShardedTensor,
                       ShardedTensorFactory)

@@ -1,38 +1,6 @@
-"""megatron-core 0.16's ``dist_checkpointing.core``: ``metadata.json`` and the exception type."""
-from __future__ import annotations
+"""megatron-core 0.16's ``dist_checkpointing.core``: metadata.json and the exception type.
 
-import json
-import os
-from dataclasses import asdict, dataclass
-from typing import Optional
-
-CONFIG_FNAME = "metadata.json"
-
-
-class CheckpointingException(Exception):
-    """A checkpoint that cannot be written or read as asked (the message names the tensor)."""
-
-
-@dataclass
-class CheckpointingConfig:
-    sharded_backend: str
-    sharded_backend_version: int = 1
-    common_backend: str = "torch"
-    common_backend_version: int = 1
-
-
-def maybe_load_config(checkpoint_dir: str) -> Optional[CheckpointingConfig]:
-    path = os.path.join(checkpoint_dir, CONFIG_FNAME)
-    if not checkpoint_dir or not os.path.exists(path):
-        return None
-    with open(path) as f:
-        return CheckpointingConfig(**json.load(f))
-
-
-def check_is_distributed_checkpoint(checkpoint_dir) -> bool:
-    return maybe_load_config(checkpoint_dir) is not None
-
-
-def save_config(config: CheckpointingConfig, checkpoint_dir: str) -> None:
-    with open(os.path.join(checkpoint_dir, CONFIG_FNAME), "w") as f:
-        json.dump(asdict(config), f)
+The layout-independent machinery lives below the trainer, in ``tpfuse.checkpoint.dist.core``
+(the trainer's ``--ckpt-format torch_dist`` writes and reads through it too); this module gives
+it its megatron-core name."""
+from tpfuse.checkpoint.dist.core import *  # noqa: F401,F403

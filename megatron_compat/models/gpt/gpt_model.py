@@ -34,24 +34,19 @@ from __future__ import annotations
 
 import torch
 
+from tpfuse.checkpoint.dist.gpt_layout import (  # noqa: F401 (the layout's names, re-exported)
+    EXTRA_STATE, LAYERS_PREFIX, LINEARS_WITH_EXTRA_STATE, WORD_EMBEDDING_KEY,
+    gpt_sharded_state_dict)
 from tpfuse.models.gpt import GPTModel as _NativeGPT
 
 from ...enums import ModelType
-from ...dist_checkpointing.mapping import ShardedObject, sharded_tensor_for
 from ...tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 from ...transformer._native import native_config
 from ...transformer.attention import qk_norm_slots_checked
 from ...transformer.module import MegatronModule
-from ...transformer.moe.experts import experts_extra_state_objects, experts_sharded_state_dict
 from ...transformer.transformer_block import TransformerBlock
 from ...transformer.transformer_layer import check_causal_mask, check_layer_spec, reject
 
-LAYERS_PREFIX = "decoder.layers."
-WORD_EMBEDDING_KEY = "embedding.word_embeddings.weight"
-EXTRA_STATE = "._extra_state"
-# the linear layers whose (empty) extra state Megatron's local spec checkpoints, per layer
-LINEARS_WITH_EXTRA_STATE = ("self_attention.linear_proj", "self_attention.linear_qkv",
-                            "mlp.linear_fc1", "mlp.linear_fc2")
 
 
 def _refuse_options(**options) -> None:
@@ -162,18 +157,6 @@ class GPTModel(LanguageModule):
         return output                                                     # (b, s, V/tp)
 
     # ------------------------------------------------------------------ checkpoints
-    def _global_key(self, name: str, keys_map: dict):
-        """(Megatron key, prepended layer axis) of a local state-dict name."""
-        if not name.startswith(LAYERS_PREFIX):
-            return name, ()
-        local, rest = name[len(LAYERS_PREFIX):].split(".", 1)
-        for old, new in keys_map.items():
-            if rest.startswith(old):
-                rest = new + rest[len(old):]
-                break
-        layer = self.native.layer_indices[int(local)]
-        return LAYERS_PREFIX + rest, ((0, layer, self.config.num_layers),)
-
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
                            metadata: dict | None = None) -> dict:
         if sharded_offsets:
@@ -182,64 +165,8 @@ class GPTModel(LanguageModule):
         if (metadata or {}).get("singleton_local_shards"):
             raise ValueError("sharded_state_dict(metadata={'singleton_local_shards': True}) is "
                              "not supported by tpfuse (it writes Megatron's default layout)")
-        keys_map = self._spec_info["keys_map"]
-        tied = self.share_embeddings_and_output_weights
-        out = {}
-        for name, tensor in self.state_dict(keep_vars=True).items():
-            if getattr(tensor, "allreduce", True) is False:
-                continue                                     # MoE experts: below
-            key, layer_axis = self._global_key(name, keys_map)
-            if tied and name == "output_layer.weight":
-                sharded = sharded_tensor_for(prefix + WORD_EMBEDDING_KEY, tensor)
-                sharded.replica_id = (1,) + tuple(sharded.replica_id)[1:]  # read, never written
-            else:
-                sharded = sharded_tensor_for(prefix + key, tensor, layer_axis)
-            out[prefix + name] = sharded
-        out.update(self._experts_sharded(prefix))
-        out.update(self._extra_state_objects(prefix))
-        return out
-
-    def _moe_layers(self):
-        """(local index, global layer, native MoE layer) of this chunk's MoE layers."""
-        for local, (layer, native) in enumerate(zip(self.native.layer_indices,
-                                                    self.native.layers)):
-            if self._spec_info["moe"]:
-                yield local, layer, native.mlp
-
-    def _experts_sharded(self, prefix: str) -> dict:
-        """The experts of every MoE layer in Megatron's layout (``transformer/moe/experts``)."""
-        out = {}
-        for local, layer, moe in self._moe_layers():
-            out.update(experts_sharded_state_dict(
-                moe.experts, f"{prefix}{LAYERS_PREFIX}{local}.mlp.experts.",
-                f"{prefix}{LAYERS_PREFIX}mlp.experts.", (0, layer, self.config.num_layers),
-                grouped=bool(self.config.moe_grouped_gemm)))
-        return out
-
-    def _extra_state_objects(self, prefix: str) -> dict:
-        """Megatron's local spec saves each linear layer's extra state (None) per layer, as a
-        ShardedObject on the layer axis (an expert's on the layer and expert axes); they are
-        written too, so megatron-core can load the checkpoint (and dropped again by
-        ``load_state_dict``)."""
-        from ...dist_checkpointing.mapping import tp_coordinates
-
-        _, tp_rank, dp_rank = tp_coordinates()
-        linears = LINEARS_WITH_EXTRA_STATE
-        if self._spec_info["moe"]:
-            linears = linears[:2] + (("mlp.shared_experts.linear_fc1",
-                                      "mlp.shared_experts.linear_fc2")
-                                     if self.config.moe_shared_expert_intermediate_size else ())
-        objects = {}
-        for local, layer in enumerate(self.native.layer_indices):
-            for linear in linears:
-                key = f"{prefix}{LAYERS_PREFIX}{linear}{EXTRA_STATE}"
-                objects[f"{prefix}{LAYERS_PREFIX}{local}.{linear}{EXTRA_STATE}"] = ShardedObject(
-                    key, None, (self.config.num_layers,), (layer,), (0, tp_rank, dp_rank))
-        for local, layer, moe in self._moe_layers():
-            objects.update(experts_extra_state_objects(
-                moe.experts.num_local, f"{prefix}{LAYERS_PREFIX}{local}.mlp.experts.",
-                f"{prefix}{LAYERS_PREFIX}mlp.experts.", layer, self.config.num_layers))
-        return objects
+        # the native chunk's state under this module's (Megatron's) names: checkpoint/dist
+        return gpt_sharded_state_dict(self.native, self._spec_info["keys_map"], prefix)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """torch's load_state_dict, without Megatron's ``*._extra_state`` entries (the linear

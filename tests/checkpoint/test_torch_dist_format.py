@@ -1,0 +1,242 @@
+"""``--ckpt-format torch_dist`` (checkpoint/torch_dist_format.py) beyond the loss invariance of
+tests/test_invariance.py: checkpoints megatron-core 0.16 wrote load into the trainer with
+megatron-core's logits; a job killed during a torch_dist save resumes from the previous
+checkpoint with the uninterrupted run's losses; tpfuse-convert goes between the two formats
+and back; bad input fails clearly, before any collective, and loses nothing saved."""
+import json
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from support.pretrain_run import logged_train_losses, pretrain_error, run_pretrain
+from tpfuse.checkpoint import format as ckpt
+from tpfuse.checkpoint import torch_dist_format as tdf
+
+FIXTURES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data",
+                        "megatron_core_checkpoints")
+TINY = ["--num-layers", "2", "--hidden-size", "16", "--num-attention-heads", "2",
+        "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "4",
+        "--lr", "1e-3", "--mock-data", "--vocab-size", "64", "--hidden-dropout", "0",
+        "--attention-dropout", "0", "--eval-iters", "0", "--log-interval", "1",
+        "--no-progress-bar", "--no-layout-table"]
+TORCH_DIST = ["--ckpt-format", "torch_dist"]
+
+
+# ------------------------------------------------------------------ megatron-core's checkpoints
+def fixture_flags(case: str) -> list:
+    """tpfuse-train's flags for the model of a fixture (its config.json: megatron-core's
+    TransformerConfig fields and GPTModel arguments; core's ffn default 4h, untied unless
+    asked, learned absolute positions, LayerNorm)."""
+    with open(os.path.join(FIXTURES, case, "config.json")) as handle:
+        recorded = json.load(handle)
+    fields = recorded["config"]
+    flags = ["--num-layers", str(fields["num_layers"]), "--hidden-size", str(fields["hidden_size"]),
+             "--num-attention-heads", str(fields["num_attention_heads"]),
+             "--ffn-hidden-size", str(4 * fields["hidden_size"]),
+             "--seq-length", str(recorded["max_sequence_length"]),
+             "--max-position-embeddings", str(recorded["max_sequence_length"]),
+             # the null tokenizer adds EOD: --vocab-size V - 1 gives the model V token ids
+             "--vocab-size", str(recorded["vocab_size"] - 1), "--hidden-dropout", "0",
+             "--attention-dropout", "0", "--position-embedding-type", "learned_absolute"]
+    if not recorded["model"].get("share_embeddings_and_output_weights"):
+        flags.append("--untie-embeddings-and-output-weights")
+    if fields.get("activation") == "silu" and fields.get("gated_linear_unit"):
+        flags.append("--swiglu")
+    if fields.get("add_bias_linear") is False:
+        flags.append("--disable-bias-linear")
+    if fields.get("num_moe_experts"):
+        flags += ["--num-experts", str(fields["num_moe_experts"]),
+                  "--moe-router-topk", str(fields["moe_router_topk"]),
+                  "--moe-ffn-hidden-size", str(fields["moe_ffn_hidden_size"]),
+                  "--moe-token-dispatcher-type", fields["moe_token_dispatcher_type"],
+                  "--moe-aux-loss-coeff", "0"]
+        if fields.get("moe_grouped_gemm"):
+            flags.append("--moe-grouped-gemm")
+    return flags
+
+
+def trainer_logits_after_load(argv, tokens, positions):
+    """pretrain(argv) on this rank; its model's logits (b, s, padded V, gathered over tp) on
+    the probe, computed in the first forward step (before any optimizer step changes it)."""
+    from tpfuse import pretrain_gpt
+    from tpfuse.parallel.state import get_default_state
+
+    captured = []
+
+    def forward_step(data_iterator, model, *, data=None, config=None):
+        if not captured and model.post_process:
+            with torch.no_grad():
+                model.eval()
+                logits = model(tokens, positions)                        # (b, s, V/tp)
+                model.train()
+            state = get_default_state()
+            parts = [torch.empty_like(logits) for _ in range(state.tp_size)]
+            torch.distributed.all_gather(parts, logits.contiguous(), group=state.tp_group)
+            captured.append(torch.cat(parts, dim=-1))
+        return pretrain_gpt.forward_step(data_iterator, model, data=data, config=config)
+
+    run_pretrain(argv, forward_step=forward_step)
+    return captured[0] if captured else None
+
+
+@pytest.mark.parametrize("case", ["dense", "swiglu", "moe", "moe_grouped"])
+def test_megatron_core_checkpoint_loads_into_the_trainer_with_its_logits(run_distributed, case):
+    """tpfuse-train --load of the folder megatron-core's dist_checkpointing.save wrote (tp 1,
+    vocabulary unpadded: refitted to the trainer's 128 padded rows) at tp 2 (MoE with sequence
+    parallelism): the first forward gives megatron-core's logits on its probe batch. Tolerance
+    as tests/megatron_compat/test_dist_checkpointing_megatron_fixtures.py: fp32, the same
+    weights, sums of length ≤ 128 ordered differently (K·eps ≈ 1e-5 relative on O(1) logits);
+    a wrong key, shard or gate/up order moves them by ≥ 1e-2."""
+    reference = torch.load(os.path.join(FIXTURES, case, "reference.pt"))
+    sp = ["--sequence-parallel"] if case.startswith("moe") else []
+    argv = fixture_flags(case) + sp + [
+        "--tensor-model-parallel-size", "2", "--micro-batch-size", "2",
+        "--global-batch-size", "2", "--train-iters", "1", "--lr", "1e-4", "--mock-data",
+        "--eval-iters", "0", "--no-progress-bar", "--no-layout-table",
+        "--load", os.path.join(FIXTURES, case, "checkpoint")]
+    vocab = reference["logits"].shape[-1]
+    for logits in run_distributed(2, trainer_logits_after_load, argv, reference["tokens"],
+                                  reference["position_ids"]):
+        torch.testing.assert_close(logits[..., :vocab], reference["logits"], rtol=1e-5,
+                                   atol=1e-5)
+
+
+# ------------------------------------------------------------------ kill -9 and SIGTERM
+def test_killed_during_torch_dist_save_resumes_from_the_previous_checkpoint(run_distributed,
+                                                                            tmp_path):
+    """tpfuse-train with asynchronous torch_dist saves every iteration, killed (-9) at a random
+    moment while a save is in flight, relaunched with the same command: the tracker names a
+    complete checkpoint (every file matches the manifest), the relaunch resumes from it and
+    the losses are the uninterrupted run's (same layout, RNG restored: rel 1e-6, as
+    test_restart_safety)."""
+    import random
+
+    from test_restart_safety import _iterations, _kill_group, _launch, _wait_for
+
+    iters = 8
+    save, metrics = str(tmp_path / "ckpt"), str(tmp_path / "m.jsonl")
+    command = ["--nproc-per-node", "1", *TINY, *TORCH_DIST, "--train-iters", str(iters),
+               "--save", save, "--load", save, "--async-save", "--save-interval", "1",
+               "--keep-last-checkpoints", "2", "--metrics-file", metrics]
+    seed = random.randrange(10**6)
+    job = _launch(command, tmp_path)
+    try:
+        _wait_for(lambda: ckpt.latest_iteration(save) is not None or job.poll() is not None)
+        time.sleep(random.Random(seed).uniform(0.0, 1.0))
+        assert job.poll() is None, (f"the job ended before the kill (rc {job.returncode}): "
+                                    f"{job.stderr.read()[-3000:]}")
+        os.kill(job.pid, signal.SIGKILL)
+        job.wait()
+    finally:
+        _kill_group(job)
+    survived = tdf.verify_checkpoint(save)
+    assert survived >= 1, f"seed {seed}"
+    assert os.path.isfile(os.path.join(ckpt.iteration_dir(save, survived), "metadata.json"))
+    done = _launch(command, tmp_path)
+    out, err = done.communicate(timeout=300)
+    assert done.returncode == 0, err[-3000:]
+    assert not any(".staging-" in name for name in os.listdir(save))    # cleaned at start
+    assert _iterations(metrics)[-1] == iters and _iterations(metrics)[:survived] == \
+        list(range(1, survived + 1))
+    with open(metrics) as handle:
+        records = [r for r in map(json.loads, handle) if "memory_bytes" not in r]
+    losses = {r["iteration"]: r["loss"] for r in records}            # the resumed run's last
+    reference, = run_distributed(1, logged_train_losses, TINY + ["--train-iters", str(iters)])
+    assert [losses[i] for i in range(1, iters + 1)] == pytest.approx(reference, rel=1e-6), \
+        f"seed {seed}"
+
+
+def test_sigterm_saves_a_torch_dist_checkpoint(run_distributed, tmp_path):
+    from test_restart_safety import _iterations, _train_until_sigterm
+
+    save, metrics = str(tmp_path / "ckpt"), str(tmp_path / "m.jsonl")
+    (reason, iterations), = run_distributed(
+        1, _train_until_sigterm, TINY + TORCH_DIST + [
+            "--train-iters", "100000", "--save", save, "--exit-signal-handler",
+            "--metrics-file", metrics], metrics)
+    assert reason == "SIGTERM received (--exit-signal-handler)"
+    assert tdf.verify_checkpoint(save) == iterations[-1] == _iterations(metrics)[-1] < 100000
+    assert os.path.isfile(os.path.join(ckpt.iteration_dir(save, iterations[-1]), ".metadata"))
+
+
+# ------------------------------------------------------------------ bad input
+def test_unknown_checkpoint_format_is_refused_at_parsing(capsys):
+    from tpfuse.training.arguments import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(TINY + ["--train-iters", "1", "--ckpt-format", "torch"])
+    assert "--ckpt-format: invalid choice: 'torch'" in capsys.readouterr().err
+
+
+def _digests(folder):
+    return {name: open(os.path.join(folder, name), "rb").read()
+            for name in sorted(os.listdir(folder))}
+
+
+def test_incompatible_model_names_the_key_and_shapes(run_distributed, tmp_path):
+    save = str(tmp_path / "ckpt")
+    run_distributed(2, logged_train_losses, TINY + TORCH_DIST + ["--train-iters", "2",
+                                                                 "--save", save])
+    before = _digests(ckpt.iteration_dir(save, 2))
+    wider = [("32" if flag == "16" and TINY[i - 1] == "--hidden-size" else flag)
+             for i, flag in enumerate(TINY)]
+    errors = run_distributed(2, pretrain_error, wider + TORCH_DIST + [
+        "--train-iters", "4", "--load", save, "--save", save])
+    for message in errors:            # every rank, raised before the collective read
+        assert "does not fit this model: tensor 'embedding.word_embeddings.weight' has the " \
+               "global shape (128, 16) there, this model's is (128, 32)" in message
+    assert _digests(ckpt.iteration_dir(save, 2)) == before      # nothing saved is lost
+    assert ckpt.latest_iteration(save) == 2
+
+
+def test_truncated_distcp_shard_is_refused_on_every_rank(run_distributed, tmp_path):
+    """One .distcp file cut short: every rank finds it against the manifest's size and hash and
+    fails before any collective read; the folder is left as it was."""
+    save = str(tmp_path / "ckpt")
+    run_distributed(2, logged_train_losses, TINY + TORCH_DIST + ["--train-iters", "2",
+                                                                 "--save", save])
+    folder = ckpt.iteration_dir(save, 2)
+    shard = os.path.join(folder, "__1_0.distcp")
+    with open(shard, "r+b") as handle:
+        handle.truncate(os.path.getsize(shard) // 2)
+    before = _digests(folder)
+    errors = run_distributed(2, pretrain_error, TINY + TORCH_DIST + [
+        "--train-iters", "4", "--load", save, "--save", save])
+    for message in errors:
+        assert f"checkpoint file {shard} is corrupt: {os.path.getsize(shard)} bytes" in message
+    assert _digests(folder) == before and ckpt.latest_iteration(save) == 2
+    assert sorted(n for n in os.listdir(save) if n.startswith("iter_")) == ["iter_0000002"]
+
+
+# ------------------------------------------------------------------ conversion
+def test_conversion_round_trip_resumes_with_the_uninterrupted_losses(run_distributed, tmp_path):
+    """4 iterations at dp 2 (per-rank format), tpfuse-convert to torch_dist, then back to the
+    per-rank format: each converted checkpoint resumes (at tp 2, through its resharding) with
+    the uninterrupted run's last 2 losses (rel 1e-5: only the order of fp32 sums differs), and
+    the round trip gives back the same tensors exactly."""
+    from tpfuse.checkpoint import reshard
+    from tpfuse.checkpoint.reading import checkpoint_folder
+    from tpfuse.convert.cli import main
+
+    native, dist_dir, back = (str(tmp_path / name) for name in ("native", "dist", "back"))
+    schedule = TINY + ["--lr-decay-iters", "6"]        # the same learning rates in every run
+    reference = run_distributed(2, logged_train_losses, schedule + ["--train-iters", "6"])
+    reference = next(r for r in reference if r is not None)
+    run_distributed(2, logged_train_losses, schedule + ["--train-iters", "4", "--save", native])
+    assert main(["--ckpt-convert-format", "torch_dist", "--load", native, "--save", dist_dir]) == 0
+    assert main(["--ckpt-convert-format", "tpfuse", "--load", dist_dir, "--save", back]) == 0
+    before = reshard.assemble_global_state(*checkpoint_folder(native))
+    after = reshard.assemble_global_state(*checkpoint_folder(back))
+    assert sorted(before) == sorted(after)
+    for name, entry in before.items():
+        for key, value in entry.items():
+            assert torch.equal(torch.as_tensor(after[name][key]), torch.as_tensor(value)), \
+                (name, key)
+    for converted in (dist_dir, back):
+        resumed = run_distributed(2, logged_train_losses, schedule + [
+            "--train-iters", "6", "--load", converted, "--tensor-model-parallel-size", "2"])
+        resumed = next(r for r in resumed if r is not None)
+        assert resumed == pytest.approx(reference[4:], rel=1e-5), converted
