@@ -27,6 +27,7 @@ from tpfuse.parallel.checks import parse_int_pair
 from .config import (ACTIVATIONS, CATEGORIES, CP_COMM_TYPE_ALIASES, CP_COMM_TYPES, DERIVED, DTYPES,
                      NORMALIZATIONS, PIPELINE_SCHEDULES, POSITION_EMBEDDINGS, TransformerConfig,
                      config_fields)
+from .mla_config import MLA_RECOMPUTE_MODULES, ROPE_TYPES
 from .moe_config import (MOE_LOAD_BALANCING_TYPES, MOE_ROUTER_DTYPES, MOE_SCORE_FUNCTIONS,
                          MOE_TOKEN_DISPATCHER_TYPES, MOE_TOKEN_DROP_POLICIES, parse_moe_layer_freq)
 from .recompute_config import RECOMPUTE_GRANULARITIES, RECOMPUTE_METHODS, RECOMPUTE_MODULES
@@ -35,7 +36,8 @@ CHOICES = {
     "normalization": NORMALIZATIONS, "activation": ACTIVATIONS,
     "position_embedding_type": POSITION_EMBEDDINGS,
     "recompute_granularity": RECOMPUTE_GRANULARITIES, "recompute_method": RECOMPUTE_METHODS,
-    "pipeline_schedule": PIPELINE_SCHEDULES, "recompute_modules": RECOMPUTE_MODULES,
+    "pipeline_schedule": PIPELINE_SCHEDULES,
+    "recompute_modules": RECOMPUTE_MODULES + MLA_RECOMPUTE_MODULES, "rope_type": ROPE_TYPES,
     "cp_comm_type": CP_COMM_TYPES + tuple(CP_COMM_TYPE_ALIASES),
     "moe_router_score_function": MOE_SCORE_FUNCTIONS,
     "moe_router_load_balancing_type": MOE_LOAD_BALANCING_TYPES,

@@ -33,6 +33,7 @@ from tpfuse.parallel.context_split import (CP_COMM_TYPE_ALIASES, CP_COMM_TYPES,
                                            check_context_parallel_heads, check_sequence_split)
 
 from .layer_assignment import stage_layer_counts
+from .mla_config import validate_mla
 from .moe_config import parse_moe_layer_freq, validate_moe
 from .recompute_config import validate_recompute
 
@@ -92,6 +93,27 @@ class TransformerConfig:
                             "add_bias_linear (Qwen2's layout)", False)
     qk_layernorm: bool = _f("model", "normalise every query and key head over the head dim before "
                             "rotary (the model's normalization; Qwen3's q_norm / k_norm)", False)
+    # multi-latent attention (DeepSeek-V2/V3 MLA; models/mla_config.py): Megatron-LM's flags
+    multi_latent_attention: bool = _f(
+        "model", "multi-latent attention: low-rank compressed K/V (and Q) with a decoupled rope "
+        "part (the q / kv latent norms under --qk-layernorm)", False)
+    q_lora_rank: int | None = _f("model", "MLA: rank of the query's low-rank compression "
+                                 "(None: no q compression)", None)
+    kv_lora_rank: int = _f("model", "MLA: rank of the key/value latent", 32)
+    qk_head_dim: int = _f("model", "MLA: q/k head dim without position (the q/k head dim is "
+                          "qk_head_dim + qk_pos_emb_head_dim)", 128)
+    qk_pos_emb_head_dim: int = _f("model", "MLA: head dim of the decoupled rope part of q/k", 64)
+    v_head_dim: int = _f("model", "MLA: value head dim", 128)
+    rope_type: str | None = _f("model", "MLA rotary: rope | yarn (default: yarn with "
+                               "--multi-latent-attention; other attention takes rope only)", None)
+    rotary_scaling_factor: float = _f("model", "MLA YaRN: rotary scaling factor", 1.0)
+    mscale: float = _f("model", "MLA YaRN: mscale of the rope tables' concentration", 1.0)
+    mscale_all_dim: float = _f("model", "MLA YaRN: mscale_all_dim (also the softmax scale "
+                               "g(factor, mscale_all_dim)^2 / sqrt(q/k head dim))", 0.0)
+    original_max_position_embeddings: int = _f(
+        "model", "MLA YaRN: the original context of the model being extended", 4096)
+    beta_fast: float = _f("model", "MLA YaRN: beta_fast of the frequency ramp", 32.0)
+    beta_slow: float = _f("model", "MLA YaRN: beta_slow of the frequency ramp", 1.0)
     untie_embeddings_and_output_weights: bool = _f(
         "model", "separate output-layer weight (default: tied to the word embedding)", False)
     hidden_dropout: float = _f("model", "dropout after embeddings, attention and MLP", 0.1)
@@ -311,6 +333,7 @@ class TransformerConfig:
         self._validate_precision()
         validate_recompute(self)
         validate_moe(self)
+        validate_mla(self)
 
     def _validate_shape(self):
         h, heads, groups = self.hidden_size, self.num_attention_heads, self.num_query_groups

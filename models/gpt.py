@@ -40,6 +40,9 @@ the trainer's main loss): the pipeline executor sets its backward scale via
 ``set_aux_loss_scale(1/m)``, a loss scaler via ``set_aux_loss_grad_scale(scale)``; the trainer
 reads and clears the logged losses.
 
+MLA (``multi_latent_attention``): every layer's attention is a ``tp_layers.mla.MultiLatentAttention``
+(``mla_config.mla_builder``), and the forward's rotary tables are its decoupled rope part's.
+
 Model providers and ``build_model`` (one chunk per virtual stage): ``models/build.py``.
 """
 from __future__ import annotations
@@ -61,6 +64,7 @@ from tpfuse.tp_layers.rope import default_position_ids, rotary_cos_sin
 
 from .embedding import GPTEmbedding, draw_position_master, draw_vocab_master, draw_word_master
 from .layer_assignment import layers_for
+from .mla_config import MLA_RECOMPUTE_MODULES, mla_builder, mla_rotary
 from .moe_config import moe_layer_pattern
 from .recompute import run_layers
 
@@ -155,6 +159,9 @@ class GPTModel(nn.Module):
         if moe_layer_pattern(c)[index]:
             def mlp_builder():
                 return MoELayer(c, index, self.router_losses, self.state)
+        modules = (tuple(c.recompute_modules) if c.recompute_granularity == "selective"
+                   else ())
+        attention_builder = mla_builder(c, index, modules, self.state)
         with seeded(c.seed + LAYER_SEED_OFFSET + index):
             return TransformerLayer(
                 c.hidden_size, c.num_attention_heads, c.ffn_hidden_size,
@@ -167,11 +174,10 @@ class GPTModel(nn.Module):
                 # Megatron's scaled init of the residual-branch output projections
                 output_layer_init_std=c.init_method_std / math.sqrt(2.0 * c.num_layers),
                 params_dtype=c.params_dtype,
-                recompute_modules=(tuple(c.recompute_modules)
-                                   if c.recompute_granularity == "selective" else ()),
+                recompute_modules=tuple(m for m in modules if m not in MLA_RECOMPUTE_MODULES),
                 state=self.state, window_size=c.attention_window, cp_comm_type=c.cp_comm_type,
                 mlp_builder=mlp_builder, layer_number=index + 1, add_qkv_bias=c.add_qkv_bias,
-                qk_layernorm=c.qk_layernorm)
+                qk_layernorm=c.qk_layernorm, self_attention_builder=attention_builder)
 
     def _build_output(self, word_master):
         c = self.config
@@ -311,12 +317,15 @@ class GPTModel(nn.Module):
         """The rope ``(cos, sin)`` tables ``(b, 1, s, d)`` of this forward over the full sequence
         (None without rope, or without layers)."""
         c = self.config
-        if c.position_embedding_type != "rope" or not len(self.layers):
+        mla = c.multi_latent_attention
+        if (c.position_embedding_type != "rope" and not mla) or not len(self.layers):
             return None
         if position_ids is None:
             tp = c.tensor_model_parallel_size if c.sequence_parallel else 1
             position_ids = default_position_ids(hidden.shape[1], hidden.shape[0] * tp,
                                                 hidden.device)
+        if mla:                          # MLA: YaRN / rope tables of the decoupled rope part
+            return mla_rotary(c).cos_sin(position_ids, c.qk_pos_emb_head_dim)
         return rotary_cos_sin(position_ids, c.kv_channels, c.rotary_base,
                               c.rope_scaling_factor if c.use_rope_scaling else None)
 

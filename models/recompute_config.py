@@ -39,6 +39,8 @@ def _validate_selective(config):
             raise ValueError(f"{name}={getattr(config, name)} must be None with "
                              "recompute_granularity='selective' (it applies to 'full')")
     for module in config.recompute_modules:
+        if module == "mla_up_proj" and getattr(config, "multi_latent_attention", False):
+            continue                          # the MLA layer's up projections (tp_layers/mla.py)
         if module in MEGATRON_ONLY_RECOMPUTE_MODULES:
             raise ValueError(f"recompute_modules: {module!r} recomputes MoE / MLA parts, "
                              f"which this model does not have; use {RECOMPUTE_MODULES}")

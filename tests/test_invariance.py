@@ -505,3 +505,43 @@ def test_qk_layernorm_layout_reproduces_single_process_losses(run_distributed,
     world_size, argv = QK_LAYERNORM_LAYOUTS[name]
     losses = _losses(run_distributed, world_size, QK_LAYERNORM + argv)
     assert losses == pytest.approx(qk_layernorm_reference, rel=1e-5)
+
+
+# ---------------------------------------------------------------- multi-latent attention
+# --multi-latent-attention (DeepSeek-V2/V3 MLA, tp_layers/mla.py) on a 4-layer model: q
+# compression, q / kv latent norms, YaRN (factor 4, mscale_all_dim 1: softmax scale and tables
+# scaled) and a value head dim (6) unlike the q/k one (4 + 4). The replicated down projections'
+# gradients are all-reduced over TP under SP, and the shared rope key's gradient is summed over
+# the ranks' heads with and without SP; tp 2 + SP, tp 2 with every selective recompute module
+# (mla_up_proj included), pp 2 + vpp 2 with full recompute and cp 2 reproduce one process (1e-5
+# band, as above); five iterations at lr 1e-2 without warmup, as the q / k layernorm section.
+MLA = ["--num-layers", "4", "--multi-latent-attention", "--q-lora-rank", "8", "--kv-lora-rank",
+       "8", "--qk-head-dim", "4", "--qk-pos-emb-head-dim", "4", "--v-head-dim", "6",
+       "--qk-layernorm", "--normalization", "RMSNorm", "--position-embedding-type", "rope",
+       "--rotary-scaling-factor", "4", "--mscale-all-dim", "1.0",
+       "--original-max-position-embeddings", "4", "--train-iters", "5", "--lr-decay-iters", "5",
+       "--lr", "1e-2", "--lr-warmup-iters", "0"]
+MLA_LAYOUTS = {
+    "tp2-sp": (2, _parallel(tp=2, sp=True)),
+    "tp2-selective-recompute": (2, _parallel(tp=2) + [
+        "--recompute-activations", "--recompute-modules", "core_attn", "mla_up_proj",
+        "layernorm", "mlp"]),
+    "pp2-vpp2-full-recompute": (2, _parallel(pp=2, vpp_layers=1) + [
+        "--recompute-granularity", "full", "--recompute-method", "uniform",
+        "--recompute-num-layers", "1"]),
+    "cp2": (2, _parallel(cp=2)),
+}
+
+
+@pytest.fixture(scope="module")
+def mla_reference(run_distributed):
+    losses = _losses(run_distributed, 1, MLA)
+    assert len(losses) == 5 and losses[-1] < losses[0]
+    return losses
+
+
+@pytest.mark.parametrize("name", sorted(MLA_LAYOUTS))
+def test_mla_layout_reproduces_single_process_losses(run_distributed, mla_reference, name):
+    world_size, argv = MLA_LAYOUTS[name]
+    losses = _losses(run_distributed, world_size, MLA + argv)
+    assert losses == pytest.approx(mla_reference, rel=1e-5)

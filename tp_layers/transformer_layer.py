@@ -34,6 +34,8 @@ and epsilon).
 
 ``mlp_builder`` (a callable returning a module with ParallelMLP's ``forward(x) -> (out, bias)``)
 replaces the ParallelMLP, built at the same point of the draw order (e.g. an MoE layer).
+``self_attention_builder`` likewise replaces the ParallelAttention (a module with its ``forward``
+signature and ``(out, bias)`` result, e.g. ``mla.MultiLatentAttention``).
 """
 from __future__ import annotations
 
@@ -62,7 +64,7 @@ class TransformerLayer(nn.Module):
                  params_dtype: torch.dtype = torch.float32, recompute_modules=(), state=None,
                  group=None, window_size: int | None = None, cp_comm_type: str = "p2p",
                  mlp_builder=None, layer_number: int = 1, add_qkv_bias: bool = False,
-                 qk_layernorm: bool = False):
+                 qk_layernorm: bool = False, self_attention_builder=None):
         super().__init__()
         if not 0.0 <= hidden_dropout < 1.0:
             raise ValueError(f"hidden_dropout must be in [0, 1), got {hidden_dropout}")
@@ -80,15 +82,19 @@ class TransformerLayer(nn.Module):
                       init_method_std=init_method_std, output_layer_init_std=output_layer_init_std,
                       params_dtype=params_dtype, group=self.tp.group)
         self.input_norm = Norm(hidden_size, **norm)
-        self.self_attention = ParallelAttention(
-            hidden_size, num_attention_heads, num_query_groups=num_query_groups,
-            attention_dropout=attention_dropout, position_embedding_type=position_embedding_type,
-            rotary_base=rotary_base, recompute_core_attention="core_attn" in recompute_modules,
-            window_size=window_size, cp_comm_type=cp_comm_type, add_qkv_bias=add_qkv_bias,
-            qk_layernorm=qk_layernorm, normalization=normalization,
-            layernorm_epsilon=layernorm_epsilon,
-            cp_group=resolve_cp_group(None, state, group).group, layer_number=layer_number,
-            **common)
+        if self_attention_builder is not None:
+            self.self_attention = self_attention_builder()
+        else:
+            self.self_attention = ParallelAttention(
+                hidden_size, num_attention_heads, num_query_groups=num_query_groups,
+                attention_dropout=attention_dropout,
+                position_embedding_type=position_embedding_type, rotary_base=rotary_base,
+                recompute_core_attention="core_attn" in recompute_modules,
+                window_size=window_size, cp_comm_type=cp_comm_type, add_qkv_bias=add_qkv_bias,
+                qk_layernorm=qk_layernorm, normalization=normalization,
+                layernorm_epsilon=layernorm_epsilon,
+                cp_group=resolve_cp_group(None, state, group).group, layer_number=layer_number,
+                **common)
         self.pre_mlp_norm = Norm(hidden_size, **norm)
         self.mlp = (mlp_builder() if mlp_builder is not None else
                     ParallelMLP(hidden_size, ffn_hidden_size, activation=activation, **common))
