@@ -63,7 +63,8 @@ _TRAINING_FIELDS = ("hidden_dropout", "attention_dropout", "init_method_std",
                     "make_vocab_size_divisible_by", "seq_length",
                     "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_z_loss_coeff",
                     "moe_expert_capacity_factor", "moe_pad_expert_input_to_capacity",
-                    "moe_token_drop_policy", "moe_token_dispatcher_type", "moe_grouped_gemm")
+                    "moe_token_drop_policy", "moe_token_dispatcher_type", "moe_grouped_gemm",
+                    "moe_router_bias_update_rate", "moe_shared_expert_overlap")
 
 
 def iteration_dir(root: str, iteration: int) -> str:

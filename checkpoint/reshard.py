@@ -40,6 +40,11 @@ Adam moments / main copies) are refitted: the real ``vocab_size`` rows are kept 
 appended up to this run's padded size. A different real vocabulary is refused (``format.py``
 compares the model configurations before any weight is touched).
 
+Persistent buffers (the MoE routers' expert bias): replicated state outside the optimizer, saved
+under their local names and listed in the metadata with their global ones (the module's prefix
+mapped as its parameters' are); the lowest old rank holding a global name is read, and a buffer the
+checkpoint lacks is a ValueError naming it.
+
 Not resharded: RNG states (their streams depend on the layout: a resharded run keeps the freshly
 seeded generators, and ``load_resharded`` says so on rank 0). Memory: each rank maps (mmap) every
 old file, so a rank briefly holds the full tensors of the parameters it needs.
@@ -100,7 +105,36 @@ def save_metadata(model_chunks, optimizer, state) -> dict | None:
     coords = {"tp": state.tp_rank, "pp": state.pp_rank, "dp": state.dp_rank,
               "cp": state.rank_in("cp") or 0, "ep": state.ep_rank, "etp": state.etp_rank,
               "edp": state.edp_rank}
-    return {"coords": coords, "params": records, "optimizer_names": optimizer_names}
+    metadata = {"coords": coords, "params": records, "optimizer_names": optimizer_names}
+    buffers = [buffer_global_names(chunk) for chunk in model_chunks]
+    if any(buffers):
+        metadata["buffers"] = buffers
+    return metadata
+
+
+def persistent_buffers(chunk) -> dict:
+    """local name → tensor of the chunk's persistent buffers (those its state_dict saves)."""
+    found = {}
+    for prefix, module in chunk.named_modules():
+        for name, buffer in module._buffers.items():
+            if buffer is not None and name not in module._non_persistent_buffers_set:
+                found[f"{prefix}.{name}" if prefix else name] = buffer
+    return found
+
+
+def buffer_global_names(chunk) -> dict:
+    """local → global name of each persistent buffer: its module's local prefix replaced by the
+    global one that module's parameters have."""
+    prefixes = {}
+    for local, name in chunk.global_parameter_names().items():
+        leaf = local.rpartition(".")[2]
+        prefixes[local.rpartition(".")[0]] = name[:len(name) - len(leaf) - 1]
+    names = {}
+    for local in persistent_buffers(chunk):
+        module, _, leaf = local.rpartition(".")
+        if module in prefixes:
+            names[local] = f"{prefixes[module]}.{leaf}"
+    return names
 
 
 # -------------------------------------------------------------------- reading the old layout
@@ -308,6 +342,30 @@ def _resharded_piece(piece, name: str, index: dict, old_layout: dict, sizes: dic
     return entry
 
 
+def _saved_buffers(payloads: list[dict]) -> dict:
+    """global name → the saved value of every persistent buffer (the lowest old rank's copy)."""
+    found = {}
+    for payload in sorted(payloads, key=lambda p: p["rank"]):
+        names = payload["reshard"].get("buffers") or []
+        for chunk_state, chunk_names in zip(payload["model"], names):
+            for local, name in chunk_names.items():
+                found.setdefault(name, chunk_state[local])
+    return found
+
+
+def _load_buffers(model_chunks, payloads: list[dict]) -> None:
+    """Copy every persistent buffer of the chunks (replicated) from the checkpoint."""
+    saved = None
+    with torch.no_grad():
+        for chunk in model_chunks:
+            buffers = persistent_buffers(chunk)
+            for local, name in buffer_global_names(chunk).items():
+                saved = _saved_buffers(payloads) if saved is None else saved
+                if name not in saved:
+                    raise ValueError(f"cannot reshard: buffer {name} is not in the checkpoint")
+                buffers[local].copy_(saved[name])
+
+
 def _load_optimizer(optimizer, plan, payloads, index: dict, old_layout: dict,
                     sizes: dict) -> None:
     name_by_id = {id(param): name for param, name in plan}
@@ -336,6 +394,7 @@ def load_resharded(folder: str, model_chunks, optimizer, state, new_layout: dict
     sizes = sizes_of(state)
     plan = _plan(model_chunks, index, sizes)
     _load_weights(plan, index, old_layout, sizes)
+    _load_buffers(model_chunks, payloads)
     _load_optimizer(optimizer, plan, payloads, index, old_layout, sizes)
     if _is_global_rank_zero():
         print(f"> checkpoint {folder}: resharded from layout {old_layout} to {new_layout}; "
@@ -363,4 +422,5 @@ def load_model_weights(folder: str, read_payload, model_chunks, tp: int = 1, tp_
     index = _index_old_shards(payloads, optimizer=False)
     sizes = sizes or dense_sizes(tp, tp_rank)
     _load_weights(_plan(model_chunks, index, sizes), index, old_layout, sizes)
+    _load_buffers(model_chunks, payloads)
     return min(payloads, key=lambda p: p["rank"])

@@ -197,6 +197,14 @@ class TransformerConfig:
         "moe", "token dispatch across expert-parallel ranks: allgather | alltoall", "allgather")
     moe_grouped_gemm: bool = _f(
         "moe", "all local experts' GEMMs in one grouped GEMM (else a loop over experts)", False)
+    moe_router_enable_expert_bias: bool = _f(
+        "moe", "aux-loss-free balancing: a per-expert bias added to the sigmoid scores for the "
+        "top-k choice only (not the gating weights), updated after every step", False)
+    moe_router_bias_update_rate: float = _f(
+        "moe", "expert bias step: bias += rate * sign(mean load - load) per global batch", 1e-3)
+    moe_shared_expert_overlap: bool = _f(
+        "moe", "run the shared expert while the alltoall dispatcher's all-to-all is in flight",
+        False)
 
     # ---- precision ---------------------------------------------------------------------------
     params_dtype: torch.dtype | None = _f(

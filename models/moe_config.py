@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import ast
 
-from tpfuse.parallel.checks import is_int, require_choice, require_positive
+from tpfuse.parallel.checks import is_int, is_real, require_choice, require_positive
 
 MOE_SCORE_FUNCTIONS = ("softmax", "sigmoid")
 MOE_LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "none")
@@ -84,6 +84,8 @@ def validate_moe(config) -> None:
     _validate_losses(config)
     _validate_group_routing(config)
     _validate_layer_freq(config)
+    _validate_expert_bias(config)
+    _validate_shared_expert_overlap(config)
 
 
 def _validate_parallel_sizes(config):
@@ -163,3 +165,27 @@ def _validate_layer_freq(config):
     if len(freq) != config.num_layers or any(x not in (0, 1) for x in freq):
         raise ValueError(f"moe_layer_freq={freq} must hold one 0/1 per layer "
                          f"(num_layers={config.num_layers})")
+
+
+def _validate_expert_bias(config):
+    """Megatron's check: the aux-loss-free bias is defined on sigmoid scores only."""
+    rate = config.moe_router_bias_update_rate
+    if not (is_real(rate) and rate >= 0):
+        raise ValueError(f"moe_router_bias_update_rate={rate!r} must be a number >= 0")
+    if config.moe_router_enable_expert_bias and config.moe_router_score_function != "sigmoid":
+        raise ValueError("moe_router_enable_expert_bias=True (--moe-router-enable-expert-bias): "
+                         "expert bias for aux-loss-free routing only supports the sigmoid score "
+                         "function; set moe_router_score_function='sigmoid' "
+                         f"(--moe-router-score-function sigmoid), got "
+                         f"{config.moe_router_score_function!r}")
+
+
+def _validate_shared_expert_overlap(config):
+    """Megatron's check: the overlap exists for the alltoall dispatcher only (with a shared
+    expert; without one the flag has no effect)."""
+    if not config.moe_shared_expert_overlap or config.moe_shared_expert_intermediate_size is None:
+        return
+    if config.moe_token_dispatcher_type != "alltoall":
+        raise ValueError("moe_shared_expert_overlap=True (--moe-shared-expert-overlap) only works "
+                         "with the alltoall token dispatcher (moe_token_dispatcher_type="
+                         f"'alltoall'), got {config.moe_token_dispatcher_type!r}")

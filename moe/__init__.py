@@ -15,5 +15,6 @@ _EXPORTS = {
     "MoEGroups": "groups",
     "topk_routing": "routing",
     "apply_capacity": "routing",
+    "update_expert_biases": "expert_bias",
 }
 __getattr__, __dir__, __all__ = lazy_exports(__name__, _EXPORTS, globals())

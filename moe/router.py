@@ -10,6 +10,13 @@ enters through ``copy_to_region`` (its gradient is all-reduced over TP inside au
 ``sequence_parallel = True``, like the norm weights). The losses are computed only in training
 with gradients enabled, as Megatron-core does, and logged when their gradient is injected; they
 see the micro-batch's tokens across the sequence partition group (``tp-cp``).
+
+Aux-loss-free balancing (``moe_router_enable_expert_bias``, sigmoid scores): ``expert_bias (E,)``,
+a persistent fp32 buffer (saved in checkpoints, never seen by the optimizer), is added to the
+scores for the choice of the top-k only; ``local_tokens_per_expert (E,)`` (not saved) adds up the
+tokens this rank routed to each expert (after any capacity dropping) over the training forwards of
+a step, once per micro-batch whatever recompute re-runs. ``expert_bias.update_expert_biases``
+turns the step's global counts into the bias step and zeroes them.
 """
 from __future__ import annotations
 
@@ -38,6 +45,13 @@ class TopKRouter(nn.Module):
         self.weight.tensor_model_parallel = False
         self.weight.partition_dim, self.weight.partition_stride = None, 1
         self.weight.sequence_parallel = config.sequence_parallel
+        if config.moe_router_enable_expert_bias:
+            experts = config.num_moe_experts
+            self.register_buffer("expert_bias", torch.zeros(experts, dtype=torch.float32))
+            self.register_buffer("local_tokens_per_expert",
+                                 torch.zeros(experts, dtype=torch.float32), persistent=False)
+        else:
+            self.expert_bias = self.local_tokens_per_expert = None
 
     def gating(self, tokens):
         """Router logits (T, E) in the router dtype (default: the tokens' dtype)."""
@@ -57,7 +71,8 @@ class TopKRouter(nn.Module):
             logits = self._z_loss(logits)
         probs, routing_map = topk_routing(
             logits, self.topk, c.moe_router_score_function, c.moe_router_pre_softmax,
-            c.moe_router_num_groups, c.moe_router_group_topk, c.moe_router_topk_scaling_factor)
+            c.moe_router_num_groups, c.moe_router_group_topk, c.moe_router_topk_scaling_factor,
+            self.expert_bias)
         if losses_on and c.moe_router_load_balancing_type != "none" and c.moe_aux_loss_coeff:
             probs = self._load_balancing_loss(logits, probs, batch)
         if c.moe_expert_capacity_factor is not None:
@@ -66,7 +81,15 @@ class TopKRouter(nn.Module):
                                                    c.moe_token_drop_policy)
         if self.training:
             self.tracker.record_tokens(self.layer_number, routing_map.sum(dim=0))
+            self._count_for_expert_bias(routing_map)
         return probs, routing_map
+
+    @torch.no_grad()
+    def _count_for_expert_bias(self, routing_map):
+        """local_tokens_per_expert += this micro-batch's routed tokens (not for a forward that
+        activation recompute re-runs in backward: counted already)."""
+        if self.local_tokens_per_expert is not None and not aux_losses.in_backward():
+            self.local_tokens_per_expert += routing_map.sum(dim=0)
 
     # ---------------------------------------------------------------- the losses
     def _total_tokens(self, local_tokens: int) -> int:

@@ -6,6 +6,9 @@
   softmax, default        top-k of the logits, then a softmax over those k
   softmax, pre_softmax    softmax over all E, then its top-k (probabilities not renormalised)
   sigmoid                 σ(logits), top-k, renormalised to sum 1 when k > 1
+  sigmoid + expert_bias   the top-k (and the groups) chosen by σ(logits) + bias (E,), the
+                          weights the unbiased σ of the chosen experts, renormalised as above
+                          (aux-loss-free balancing; DeepSeek-V3's e_score_correction_bias)
   group-limited           experts in ``num_groups`` equal groups; a group's score is the sum of
                           its top k/group_topk scores; only the best ``group_topk`` groups compete
   scaling_factor          multiplies the chosen probabilities
@@ -53,14 +56,20 @@ def _topk(scores, topk, num_groups, group_topk):
 
 def topk_routing(logits, topk: int, score_function: str = "softmax", pre_softmax: bool = False,
                  num_groups: int | None = None, group_topk: int | None = None,
-                 scaling_factor: float | None = None):
-    """``(probs (T, E), routing_map (T, E) bool)``; probs in the logits' dtype (see above)."""
+                 scaling_factor: float | None = None, expert_bias=None):
+    """``(probs (T, E), routing_map (T, E) bool)``; probs in the logits' dtype (see above).
+    ``expert_bias`` (E,) fp32: sigmoid scores only (the config refuses it elsewhere)."""
     if score_function == "softmax" and not pre_softmax:
         top_logits, indices = _topk(logits, topk, num_groups, group_topk)
         chosen = torch.softmax(top_logits, dim=-1, dtype=_compute_dtype(logits))   # (T, k)
     else:
         scores = scores_of(logits, score_function)
-        chosen, indices = _topk(scores, topk, num_groups, group_topk)
+        if expert_bias is None:
+            chosen, indices = _topk(scores, topk, num_groups, group_topk)
+        else:
+            _, indices = _topk(scores + expert_bias.to(scores.dtype), topk, num_groups,
+                               group_topk)
+            chosen = scores.gather(1, indices)
         if score_function == "sigmoid" and topk > 1:
             chosen = chosen / (chosen.sum(dim=-1, keepdim=True) + 1e-20)
     if scaling_factor:

@@ -20,6 +20,7 @@ One optimizer step::
     forward_backward_func(...)      # pipeline schedule over m micro-batches; loss · scale / m
     DP gradient reduction           # main_grad buffers, bucketed (training/data_parallel.py)
     tied-embedding gradient sync    # first ↔ last pipeline stage
+    expert-bias update              # --moe-router-enable-expert-bias (moe/expert_bias.py)
     optimizer step                  # unscale, global norm, clip, AdamW on fp32 main params
     lr schedule step                # not on a skipped (non-finite) step
 
@@ -37,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from tpfuse.checkpoint import format as ckpt
+from tpfuse.moe.expert_bias import update_expert_biases
 from tpfuse.parallel import parallel_state
 from tpfuse.parallel.devices import model_device
 from tpfuse.parallel.microbatches import MicrobatchCalculator
@@ -180,6 +182,9 @@ class _Run:
             self.ddp.finish_grad_sync()
         with timers("embedding-grads-all-reduce", 1):
             allreduce_embedding_grads(self.model, self.state)
+        if self.config.moe_router_enable_expert_bias:   # Megatron's finalize_model_grads does it
+            update_expert_biases(self.model, self.config.moe_router_bias_update_rate,
+                                 self.state.group("tp-dp-cp"))
         with timers("optimizer", 1):
             result = self.optimizer.step(loss_nonfinite(loss_dicts, self.device))
         if result.success:       # samples: this step's global batch (Megatron's increment)

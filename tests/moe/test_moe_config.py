@@ -62,6 +62,14 @@ def test_defaults_follow_megatron():
           sequence_parallel=True), "moe_shared_expert_intermediate_size=15"),
     (dict(moe_shared_expert_gate=True), "moe_shared_expert_gate=True needs "
                                         "moe_shared_expert_intermediate_size"),
+    (dict(moe_router_enable_expert_bias=True), "moe_router_enable_expert_bias=True "
+                                               "(--moe-router-enable-expert-bias): expert bias "
+                                               "for aux-loss-free routing only supports the "
+                                               "sigmoid score function"),
+    (dict(moe_router_bias_update_rate=-1e-3), "moe_router_bias_update_rate=-0.001 must be"),
+    (dict(moe_shared_expert_intermediate_size=16, moe_shared_expert_overlap=True),
+     "moe_shared_expert_overlap=True (--moe-shared-expert-overlap) only works with the alltoall "
+     "token dispatcher"),
 ])
 def test_invalid_moe_settings_raise_naming_the_values(overrides, named):
     with pytest.raises(ValueError, match=re.escape(named)):
@@ -84,6 +92,27 @@ def test_megatron_flags_and_round_trip():
     assert config.moe_pad_expert_input_to_capacity and config.moe_expert_capacity_factor == 1.25
     assert (config.moe_ffn_hidden_size, config.moe_shared_expert_intermediate_size) == (48, 64)
     assert config.moe_shared_expert_gate
+    assert parse(config_to_argv(config)) == config
+
+
+def test_deepseek_v3_flags_defaults_and_round_trip():
+    """Megatron's defaults (no bias, rate 1e-3, no overlap) and flags; DeepSeek's first-k-dense
+    layer pattern as Megatron writes it."""
+    config = make()
+    assert (config.moe_router_enable_expert_bias, config.moe_router_bias_update_rate,
+            config.moe_shared_expert_overlap) == (False, 1e-3, False)
+    config = parse(["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",
+                    "--seq-length", "8", "--vocab-size", "61", "--num-experts", "8",
+                    "--moe-layer-freq", "([0]*1+[1]*3)", "--moe-router-score-function",
+                    "sigmoid", "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate",
+                    "0.01", "--moe-router-num-groups", "4", "--moe-router-group-topk", "2",
+                    "--moe-router-topk-scaling-factor", "2.5", "--moe-token-dispatcher-type",
+                    "alltoall", "--moe-shared-expert-intermediate-size", "64",
+                    "--moe-shared-expert-overlap"])
+    assert config.moe_layer_freq == [0, 1, 1, 1]
+    assert moe_layer_pattern(config) == (False, True, True, True)
+    assert config.moe_router_enable_expert_bias and config.moe_router_bias_update_rate == 0.01
+    assert config.moe_shared_expert_overlap
     assert parse(config_to_argv(config)) == config
 
 
