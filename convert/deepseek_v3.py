@@ -33,7 +33,8 @@ others an MoE block (``moe_layer_freq`` one 0/1 per layer):
 
 Routing (HF ``DeepseekV3TopkRouter``): sigmoid scores; the choice by score + bias, limited to the
 ``topk_group`` best of ``n_group`` groups (ranked by the sum of each group's two best biased
-scores); the weights the unbiased scores of the chosen experts renormalised to sum 1
+scores; Megatron's, tpfuse's, by its top-k / ``topk_group`` best: a grouped config converts when
+that is 2, as in DeepSeek-V3's 8 / 4); the weights the unbiased scores of the chosen experts renormalised to sum 1
 (``norm_topk_prob``), times ``routed_scaling_factor`` — tpfuse's sigmoid router with
 ``moe_router_enable_expert_bias``, ``moe_router_num_groups`` / ``moe_router_group_topk`` and
 ``moe_router_topk_scaling_factor``, in fp32 (``moe_router_dtype``), dropless. The shared experts
@@ -107,6 +108,11 @@ def _moe(hf: dict, num_layers: int) -> dict:
         raise ValueError("DeepSeek-V3 num_experts_per_tok=1 is not supported (HF renormalises "
                          "the single weight to 1, tpfuse's sigmoid router keeps the score)")
     groups = hf.get("n_group") or 1
+    if groups > 1 and topk // (hf.get("topk_group") or 1) != 2:
+        raise ValueError(f"DeepSeek-V3 n_group={groups} with num_experts_per_tok={topk} and "
+                         f"topk_group={hf.get('topk_group')} is not supported (HF ranks a group "
+                         "by its two best scores, tpfuse as Megatron by its top-k / topk_group "
+                         "best: they agree when that is 2)")
     shared = hf.get("n_shared_experts") or 0
     pattern = [0] * first_dense + [1] * (num_layers - first_dense)
     return dict(
@@ -130,8 +136,10 @@ def config_from_hf(hf: dict) -> dict:
     if hf.get("num_key_value_heads") not in (None, heads):
         raise ValueError(f"DeepSeek-V3 num_key_value_heads={hf['num_key_value_heads']} != "
                          f"num_attention_heads={heads} is not supported (MLA has no groups)")
-    values = llama.config_from_hf(dict(hf, head_dim=None, attention_bias=False, mlp_bias=False))
-    values.pop("use_rope_scaling", None), values.pop("rope_scaling_factor", None)
+    plain = {key: value for key, value in hf.items() if key not in ("rope_scaling",
+                                                                     "rope_parameters")}
+    values = llama.config_from_hf(dict(plain, head_dim=None, attention_bias=False,
+                                       mlp_bias=False))        # its rotary: _rotary's below
     values.update(
         multi_latent_attention=True, qk_layernorm=True, q_lora_rank=hf.get("q_lora_rank"),
         kv_lora_rank=_require(hf, "kv_lora_rank"), qk_head_dim=_require(hf, "qk_nope_head_dim"),
@@ -159,7 +167,10 @@ def mismatches(config) -> list[str]:
             ("moe_expert_capacity_factor", c.moe_expert_capacity_factor is None, "None"),
             ("moe_shared_expert_gate", not c.moe_shared_expert_gate, "False"),
             ("moe_router_topk", c.moe_router_topk > 1, "> 1"),
-            ("moe_layer_freq", _first_k_dense(c) is not None, "k dense layers, then MoE")]
+            ("moe_layer_freq", _first_k_dense(c) is not None, "k dense layers, then MoE"),
+            ("moe_router_group_topk", not c.moe_router_num_groups
+             or c.moe_router_topk // c.moe_router_group_topk == 2,
+             "moe_router_topk / 2: HF ranks groups by their two best scores")]
         shared = c.moe_shared_expert_intermediate_size
         wanted.append(("moe_shared_expert_intermediate_size",
                        shared is None or shared % c.moe_ffn_hidden_size == 0,

@@ -32,8 +32,10 @@ YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
         "original_max_position_embeddings": 16, "beta_fast": 32.0, "beta_slow": 1.0,
         "mscale": 1.0, "mscale_all_dim": 1.0}
 VARIANTS = {  # name: config overrides
-    # q compressed (q_lora_rank), YaRN, 4 groups of 2 experts, 2 groups chosen
-    "q-lora-yarn-groups": dict(q_lora_rank=24, rope_parameters=YARN, n_group=4, topk_group=2),
+    # q compressed (q_lora_rank), YaRN, 4 groups of 2 experts, 2 groups chosen, top-4 (each
+    # group ranked by its 4 / 2 = 2 best scores on both sides)
+    "q-lora-yarn-groups": dict(q_lora_rank=24, rope_parameters=YARN, n_group=4, topk_group=2,
+                               num_experts_per_tok=4),
     # no q compression, plain rope, no groups
     "plain-rope": dict(q_lora_rank=None, n_group=1, topk_group=1),
 }
@@ -45,7 +47,8 @@ def _hf_deepseek_v3(**overrides):
                   num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8,
                   num_experts_per_tok=2, moe_intermediate_size=16, n_shared_experts=1,
                   first_k_dense_replace=1, kv_lora_rank=16, qk_nope_head_dim=8,
-                  qk_rope_head_dim=4, v_head_dim=12, routed_scaling_factor=2.5,
+                  qk_rope_head_dim=4, v_head_dim=12, routed_scaling_factor=2.5, n_group=1,
+                  topk_group=1,
                   max_position_embeddings=64, bos_token_id=0, eos_token_id=0, pad_token_id=0)
     config = transformers.DeepseekV3Config(**{**values, **overrides})
     model = transformers.DeepseekV3ForCausalLM(config)
@@ -112,16 +115,18 @@ def _generate_at_tp2(folder):
     return generate(chunks, PROMPTS, STEPS, greedy=True, state=state)
 
 
-@pytest.mark.parametrize("field,value,message", [
-    ("rope_interleave", False, "rope_interleave=False"),
-    ("norm_topk_prob", False, "norm_topk_prob=False"),
-    ("attention_bias", True, "attention_bias=True")])
-def test_deepseek_v3_fields_tpfuse_cannot_express_are_refused_by_name(tmp_path, capsys, field,
-                                                                        value, message):
+@pytest.mark.parametrize("overrides,message", [
+    ({"rope_interleave": False}, "rope_interleave=False"),
+    ({"norm_topk_prob": False}, "norm_topk_prob=False"),
+    ({"attention_bias": True}, "attention_bias=True"),
+    ({"n_group": 4, "topk_group": 2}, "n_group=4 with num_experts_per_tok=2 and topk_group=2")],
+    ids=["rope_interleave", "norm_topk_prob", "attention_bias", "groups"])
+def test_deepseek_v3_fields_tpfuse_cannot_express_are_refused_by_name(tmp_path, capsys, overrides,
+                                                                        message):
     _hf_deepseek_v3().save_pretrained(str(tmp_path / "hf"))
     config_file = tmp_path / "hf" / "config.json"
     config = json.loads(config_file.read_text())
-    config_file.write_text(json.dumps(dict(config, **{field: value})))
+    config_file.write_text(json.dumps(dict(config, **overrides)))
     capsys.readouterr()                              # drop save_pretrained's progress bar
     assert main(["--from-hf", str(tmp_path / "hf"), "--save", str(tmp_path / "ckpt")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
