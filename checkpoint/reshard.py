@@ -249,11 +249,13 @@ def fit_vocab_rows(full: torch.Tensor, rows: int, vocab_size: int) -> torch.Tens
     return torch.cat([real, real.new_zeros((rows - vocab_size, *real.shape[1:]))])
 
 
-def assemble_global_state(folder: str, read_payload, optimizer: bool = True) -> dict:
+def assemble_global_state(folder: str, read_payload, optimizer: bool = True,
+                          buffers: bool = False) -> dict:
     """{global name: {"param": full tensor, <optimizer key>: full tensor or scalar}} of a folder.
 
     The single-process view of any layout's checkpoint (tied copies folded into the embedding);
-    ``optimizer=False``: parameters only (optimizer pieces are not read).
+    ``optimizer=False``: parameters only (optimizer pieces are not read); ``buffers``: the
+    persistent buffers too, each as ``{"param": value}`` under its global name.
     """
     payloads = _all_payloads(folder, read_payload)
     old_layout = payloads[0]["layout"]
@@ -267,6 +269,8 @@ def assemble_global_state(folder: str, read_payload, optimizer: bool = True) -> 
                     value = full_tensor(entry, {k: s[key] for k, s in by_key.items()}, name,
                                         old_layout)
                 full[name][key] = value
+    if buffers:
+        full.update({name: {"param": value} for name, value in _saved_buffers(payloads).items()})
     return full
 
 

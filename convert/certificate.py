@@ -1,6 +1,7 @@
 """Conversion certificates: the max |Δ logit| between ``transformers`` and tpfuse on a fixed prompt.
 
-    tpfuse side:  the checkpoint's single-process tensors → GPTModel at tp = pp = 1 (fp32)
+    tpfuse side:  the checkpoint's single-process tensors (persistent buffers included) →
+                  GPTModel at tp = pp = 1 (fp32)
     HF side:      AutoModelForCausalLM.from_pretrained(dir) (fp32)
     prompt:       PROMPT_LENGTH ids  (7·j + 3) mod V,  j = 0 ..
     certificate:  {"max_abs_logit_diff", "tolerance", "max_abs_logit", "prompt", "tpfuse",
@@ -53,6 +54,7 @@ def tolerance_for(config, max_abs_logit: float) -> float:
 
 def tpfuse_logits(tpfuse_dir: str, ids: torch.Tensor) -> tuple:
     """(config, logits (1, s, V) fp32) of a tpfuse checkpoint run in one process."""
+    from tpfuse.checkpoint.reshard import persistent_buffers
     from tpfuse.models.gpt import GPTModel
 
     from tpfuse.models.cli import config_from_dict, config_to_dict
@@ -73,6 +75,8 @@ def tpfuse_logits(tpfuse_dir: str, ids: torch.Tensor) -> tuple:
     with torch.no_grad():
         for name, param in model.named_parameters():
             param.copy_(params[name].float())
+        for name, buffer in persistent_buffers(model).items():   # the routers' expert biases
+            buffer.copy_(params[name])
     model.eval()
     with torch.no_grad():
         return config, model(ids)[..., :config.vocab_size].float()

@@ -2,7 +2,7 @@
 ``export_hf`` (``tpfuse-convert --to-hf``).
 
     HF dir ─config.json→ architecture (model_type: gpt2 | llama | mistral | mixtral | qwen2 |
-           qwen2_moe | qwen3 | qwen3_moe) → TransformerConfig values
+           qwen2_moe | qwen3 | qwen3_moe | deepseek_v3) → TransformerConfig values
            ─safetensors→ tensors ─architecture→ single-process tpfuse tensors ─pad vocab rows→
            ─tpfuse_io.write_checkpoint→ rank files of the chosen tp × pp layout
     tpfuse ─read_checkpoint (any layout)→ single-process tensors ─trim the padded vocab rows→
@@ -24,7 +24,7 @@ import torch
 
 from tpfuse.models.config import DTYPES, TransformerConfig
 
-from . import gpt2, llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe
+from . import deepseek_v3, gpt2, llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe
 from .common import pad_vocab, trim_vocab
 from .hf_io import file_inside, read_config, read_tensors, staged_directory, write_model
 from .tpfuse_io import TIED_OUTPUT, WORD, read_checkpoint, write_checkpoint
@@ -32,7 +32,7 @@ from .tpfuse_io import TIED_OUTPUT, WORD, read_checkpoint, write_checkpoint
 ARCHITECTURES = {gpt2.MODEL_TYPE: gpt2, llama.MODEL_TYPE: llama, mistral.MODEL_TYPE: mistral,
                  mixtral.MODEL_TYPE: mixtral, qwen2.MODEL_TYPE: qwen2,
                  qwen2_moe.MODEL_TYPE: qwen2_moe, qwen3.MODEL_TYPE: qwen3,
-                 qwen3_moe.MODEL_TYPE: qwen3_moe}
+                 qwen3_moe.MODEL_TYPE: qwen3_moe, deepseek_v3.MODEL_TYPE: deepseek_v3}
 TOKENIZER_FILE = "tokenizer.json"
 PRECISION_FLAGS = {torch.bfloat16: {"bf16": True}, torch.float16: {"fp16": True}}
 

@@ -5,7 +5,7 @@ format of ``tpfuse.checkpoint``.
 tensors (``GPTModel.global_parameter_names`` names, padded vocabulary). For every rank of the
 config's tp × pp layout (dp = cp = 1, so global rank = tp_rank + tp · pp_rank) it writes
 ``iter_0000000/rank_RRRRR.pt`` with what ``save_checkpoint`` records about the model — the
-chunk's state dict (exactly ``GPTModel.state_dict()``'s keys: pipeline stage p holds
+chunk's state dict (exactly ``GPTModel.state_dict()``'s keys, persistent buffers included: pipeline stage p holds
 ``layers_for(config, p)`` renumbered from 0, the first the embedding, the last the final norm and
 the output layer, a tied one as the embedding's tensor or, with pp > 1, its copy), the
 ``"reshard"`` records and ``"model_config"`` — and no optimizer, scheduler or RNG state, then the
@@ -67,7 +67,7 @@ def _local_name(name: str, layers: list, pre: bool, post: bool) -> str | None:
 
 
 def rank_payload(config, params: dict, records: dict, tp_rank: int, pp_rank: int,
-                 header: dict, extra: dict) -> dict:
+                 header: dict, extra: dict, buffers: tuple = ()) -> dict:
     tp, pp = config.tensor_model_parallel_size, config.pipeline_model_parallel_size
     layers = layers_for(config, pp_rank)
     pre, post = pp_rank == 0, pp_rank == pp - 1
@@ -85,12 +85,19 @@ def rank_payload(config, params: dict, records: dict, tp_rank: int, pp_rank: int
             state[TIED_OUTPUT] = reshard.shard_for(params[WORD], 0, 1, tp, tp_rank)
             local_records[TIED_OUTPUT] = {**records[WORD], "global": TIED_OUTPUT,
                                           "tied_copy": True}
+    buffer_names = {}
+    for name in buffers:                               # replicated: every TP rank the whole
+        local = _local_name(name, layers, pre, post)
+        if local is not None:
+            state[local], buffer_names[local] = params[name], name
+    reshard_record = {"coords": {"tp": tp_rank, "pp": pp_rank, "dp": 0, "cp": 0},
+                      "params": [local_records], "optimizer_names": []}
+    if buffer_names:
+        reshard_record["buffers"] = [buffer_names]
     return {
         "format_version": ckpt.FORMAT_VERSION, "iteration": 0, "consumed_samples": 0,
         **header, "rank": tp_rank + tp * pp_rank, "model": [state],
-        "model_config": config_to_dict(config), "extra": extra,
-        "reshard": {"coords": {"tp": tp_rank, "pp": pp_rank, "dp": 0, "cp": 0},
-                    "params": [local_records], "optimizer_names": []},
+        "model_config": config_to_dict(config), "extra": extra, "reshard": reshard_record,
     }
 
 
@@ -104,7 +111,8 @@ def write_checkpoint(root: str, config, params: dict, extra: dict, files: dict |
                          "distributed_optimizer": False},
               "model_signature": ckpt.model_signature([model])}
     weights_only = {"weights_only": True}        # the trainer takes it with --finetune only
-    missing = sorted(set(records) - set(params))
+    buffers = tuple(reshard.buffer_global_names(model).values())   # the expert biases
+    missing = sorted((set(records) | set(buffers)) - set(params))
     if missing:
         raise ValueError(f"no tensor for parameters {missing[:3]} of the tpfuse model")
     for name, record in records.items():
@@ -117,7 +125,8 @@ def write_checkpoint(root: str, config, params: dict, extra: dict, files: dict |
         digests = {}
         for pp_rank in range(pp):
             for tp_rank in range(tp):
-                payload = rank_payload(config, params, records, tp_rank, pp_rank, header, extra)
+                payload = rank_payload(config, params, records, tp_rank, pp_rank, header, extra,
+                                       buffers)
                 name = f"rank_{payload['rank']:05d}.pt"
                 digests[name] = io.atomic_torch_save(payload, os.path.join(folder, name))
         manifest = dict(header, **weights_only, format_version=ckpt.FORMAT_VERSION, iteration=0,
@@ -140,5 +149,6 @@ def read_checkpoint(root: str):
         raise ValueError(f"checkpoint {root} records no model config (written by an older "
                          "tpfuse): it cannot be converted")
     config = config_from_dict(head["model_config"])
-    state = reshard.assemble_global_state(*checkpoint_folder(root), optimizer=False)
+    state = reshard.assemble_global_state(*checkpoint_folder(root), optimizer=False,
+                                          buffers=True)
     return config, {name: entry["param"] for name, entry in state.items()}, head.get("extra") or {}
