@@ -970,3 +970,39 @@ def test_torch_dist_fsdp_dp4_resumes_at_dp2(run_distributed, reference, tmp_path
     assert (len(first), len(halved), len(distributed)) == (4, 3, 3)
     assert first + halved + distributed == pytest.approx(reference, rel=1e-5)
 # ========================================== torch_dist checkpoints (end)
+
+
+# ---------------------------------------------------------------- MLA + multi-token prediction
+# The DeepSeek-V3 attention and MTP together: the MTP layer's attention is an MLA block too (its
+# latents, its decoupled rope), on the last stage. tp 2 + SP and pp 2 reproduce one process, the
+# lm loss and the logged mtp_1 loss both, in the layouts' 1e-5 band.
+MLA_MTP_LAYOUTS = {"tp2-sp": (2, _parallel(tp=2, sp=True)), "pp2": (2, _parallel(pp=2))}
+
+
+def _mla_mtp_curves(run_distributed, world_size, argv, metrics_file):
+    import json
+
+    losses = _losses(run_distributed, world_size, MLA + MTP + ["--metrics-file",
+                                                               str(metrics_file)] + list(argv))
+    with open(metrics_file) as handle:
+        records = [json.loads(line) for line in handle if line.strip()]
+    return losses, [r["mtp_1 loss"] for r in records if "mtp_1 loss" in r]
+
+
+@pytest.fixture(scope="module")
+def mla_mtp_reference(run_distributed, tmp_path_factory, mla_reference):
+    losses, mtp_losses = _mla_mtp_curves(run_distributed, 1, [],
+                                         tmp_path_factory.mktemp("mla-mtp") / "m.jsonl")
+    assert len(losses) == len(mtp_losses) == 5 and mtp_losses[-1] < mtp_losses[0]
+    assert losses[0] == pytest.approx(mla_reference[0], rel=1e-6)   # the same model and batch
+    assert losses != pytest.approx(mla_reference, rel=1e-4)         # and MTP's gradient in it
+    return losses, mtp_losses
+
+
+@pytest.mark.parametrize("name", sorted(MLA_MTP_LAYOUTS))
+def test_mla_with_mtp_reproduces_single_process(run_distributed, mla_mtp_reference, tmp_path,
+                                                name):
+    world_size, argv = MLA_MTP_LAYOUTS[name]
+    losses, mtp_losses = _mla_mtp_curves(run_distributed, world_size, argv, tmp_path / "m.jsonl")
+    assert losses == pytest.approx(mla_mtp_reference[0], rel=1e-5)
+    assert mtp_losses == pytest.approx(mla_mtp_reference[1], rel=1e-5)
