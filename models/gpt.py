@@ -72,7 +72,7 @@ from tpfuse.tp_layers.rope import default_position_ids, rotary_cos_sin
 from .embedding import GPTEmbedding, draw_position_master, draw_vocab_master, draw_word_master
 from .layer_assignment import layers_for
 from .mla_config import MLA_RECOMPUTE_MODULES, mla_builder, mla_rotary
-from .moe_config import moe_layer_pattern
+from .moe_config import is_moe_layer, moe_layer_pattern
 from .multi_token_prediction import MultiTokenPredictionBlock, MultiTokenPredictionLayer
 from .recompute import run_layers
 
@@ -169,7 +169,7 @@ class GPTModel(nn.Module):
     def _build_layer(self, index):
         c = self.config
         mlp_builder = None
-        if index < c.num_layers and moe_layer_pattern(c)[index]:   # MTP layers: dense
+        if is_moe_layer(c, index):        # an MTP layer: the last decoder layer's kind
             def mlp_builder():
                 return MoELayer(c, index, self.router_losses, self.state)
         modules = (tuple(c.recompute_modules) if c.recompute_granularity == "selective"

@@ -57,6 +57,14 @@ def moe_layer_pattern(config) -> tuple[bool, ...]:
     return tuple(bool(x) for x in freq)
 
 
+def is_moe_layer(config, index: int) -> bool:
+    """Is global layer ``index`` an MoE layer? The multi-token-prediction layers (index ≥
+    num_layers) take the last decoder layer's kind, as Megatron's MTP block spec takes the
+    decoder's last layer spec (DeepSeek-V3: MoE)."""
+    pattern = moe_layer_pattern(config)
+    return pattern[min(index, len(pattern) - 1)] if pattern else False
+
+
 def validate_moe(config) -> None:
     """ValueError naming the fields of the first invalid MoE setting."""
     experts, ep = config.num_moe_experts, config.expert_model_parallel_size

@@ -1,13 +1,13 @@
 """The multi-token prediction part of TransformerConfig: validation (``--mtp-num-layers``,
 ``--mtp-loss-scaling-factor``; Megatron's names and defaults: off, 0.1).
 
-The MTP layers live on the chunk holding the output layer (the last pipeline stage). What they
+The MTP layers live on the chunk holding the output layer (the last pipeline stage); each is of
+the last decoder layer's kind (``moe_config.is_moe_layer``: an MoE layer in DeepSeek-V3). What they
 cannot do here is refused at config construction, before any process group exists, with a
 ValueError naming the flags:
 
 - context parallelism: shifting the tokens one step left crosses the cp ranks' sequence chunks
   (Megatron exchanges the boundary tokens; not implemented);
-- MoE: the MTP layers are dense transformer layers (Megatron's take the decoder's MoE spec);
 - learned absolute positions with pipeline parallelism: the last stage would need a synchronised
   copy of the position embedding as well as of the word embedding (Megatron keeps an
   unsynchronised one); rope models (DeepSeek-V3's) have no position weights.
@@ -36,9 +36,6 @@ def validate_multi_token_prediction(config) -> None:
         raise ValueError(f"{where} is not supported with context_parallel_size="
                          f"{config.context_parallel_size} (--context-parallel-size): the token "
                          "shift would cross the context-parallel ranks' sequence chunks")
-    if config.num_moe_experts is not None:
-        raise ValueError(f"{where} is not supported with num_moe_experts="
-                         f"{config.num_moe_experts} (--num-experts): the MTP layers are dense")
     if config.pipeline_model_parallel_size > 1 and \
             config.position_embedding_type == "learned_absolute":
         raise ValueError(

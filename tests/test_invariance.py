@@ -1006,3 +1006,32 @@ def test_mla_with_mtp_reproduces_single_process(run_distributed, mla_mtp_referen
     losses, mtp_losses = _mla_mtp_curves(run_distributed, world_size, argv, tmp_path / "m.jsonl")
     assert losses == pytest.approx(mla_mtp_reference[0], rel=1e-5)
     assert mtp_losses == pytest.approx(mla_mtp_reference[1], rel=1e-5)
+
+
+# ---------------------------------------------------------------- MoE + multi-token prediction
+# DeepSeek-V3's MTP layer is an MoE layer (the last decoder layer's kind): its router takes part in
+# the aux-loss-free balancing (its tokens counted with the step's, its bias moved and saved). At
+# ep 2 and pp 2 × ep 2 the lm losses and every saved expert bias, the MTP layer's included, are
+# one process's (the expert-bias section's band and exactness).
+MOE_MTP = ["--mtp-num-layers", "1", "--position-embedding-type", "rope"]
+MOE_MTP_LAYOUTS = {"ep2": (2, ["--expert-model-parallel-size", "2"]),
+                   "pp2-ep2": (4, _parallel(pp=2) + ["--expert-model-parallel-size", "2"])}
+
+
+@pytest.fixture(scope="module")
+def moe_mtp_reference(run_distributed, tmp_path_factory):
+    losses, biases = _bias_run(run_distributed, 1, MOE_MTP,
+                               tmp_path_factory.mktemp("moe-mtp") / "ckpt")
+    assert len(losses) == 5 and losses[-1] < losses[0]
+    assert len(biases) == 4 and all(b.abs().max() > 0 for b in biases.values())   # 3 + MTP's
+    return losses, biases
+
+
+@pytest.mark.parametrize("name", sorted(MOE_MTP_LAYOUTS))
+def test_moe_mtp_layout_reproduces_single_process_losses_and_biases(run_distributed,
+                                                                    moe_mtp_reference, tmp_path,
+                                                                    name):
+    world_size, argv = MOE_MTP_LAYOUTS[name]
+    losses, biases = _bias_run(run_distributed, world_size, MOE_MTP + argv, tmp_path / "ckpt")
+    assert losses == pytest.approx(moe_mtp_reference[0], rel=1e-5)
+    _assert_same_biases(biases, moe_mtp_reference[1])

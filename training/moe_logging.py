@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from tpfuse.models.moe_config import moe_layer_pattern
+from tpfuse.models.moe_config import is_moe_layer
 from tpfuse.moe.aux_losses import LOSS_NAMES
 
 
@@ -42,7 +42,7 @@ def router_metrics(model_chunks, config, state, num_microbatches: int, device) -
     (the losses that are on; {} for a dense model)."""
     if config.num_moe_experts is None:
         return {}
-    layers, experts = config.num_layers, config.num_moe_experts
+    layers, experts = config.num_layers + (config.mtp_num_layers or 0), config.num_moe_experts
     # gathered on the device, one all-reduce, one device -> host copy
     losses = torch.zeros(len(LOSS_NAMES), layers, dtype=torch.float64, device=device)
     tokens = torch.zeros(layers, experts, dtype=torch.float64, device=device)
@@ -60,7 +60,7 @@ def router_metrics(model_chunks, config, state, num_microbatches: int, device) -
     stats = stats.cpu()
     losses = stats[:losses.numel()].view_as(losses) / (num_microbatches * state.dp_size)
     tokens = stats[losses.numel():].view_as(tokens)
-    moe_layers = [i for i, is_moe in enumerate(moe_layer_pattern(config)) if is_moe]
+    moe_layers = [i for i in range(layers) if is_moe_layer(config, i)]   # MTP's included
     metrics = {name: losses[LOSS_NAMES.index(name), moe_layers].sum().item() / len(moe_layers)
                for name in reported_losses(config)}
     metrics["tokens_per_expert"] = {layer: [int(n) for n in tokens[layer].tolist()]

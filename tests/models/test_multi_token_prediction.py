@@ -184,7 +184,6 @@ def test_flags_and_megatron_defaults():
     (dict(mtp_loss_scaling_factor=-1.0), ["--mtp-loss-scaling-factor"]),
     (dict(mtp_num_layers=1, context_parallel_size=2), ["--mtp-num-layers",
                                                        "--context-parallel-size"]),
-    (dict(mtp_num_layers=1, num_moe_experts=4), ["--mtp-num-layers", "--num-experts"]),
     (dict(mtp_num_layers=1, pipeline_model_parallel_size=2,
           position_embedding_type="learned_absolute"),
      ["--mtp-num-layers", "pipeline_model_parallel_size=2", "--position-embedding-type rope"]),

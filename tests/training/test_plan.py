@@ -67,7 +67,11 @@ GRID = {
         FSDP + ["optim_grads", "--optimizer", "muon", "--num-experts", "3", "--moe-router-topk",
                 "2", "--moe-shared-expert-intermediate-size", "64", "--moe-shared-expert-gate"],
         ["--optimizer", "sgd", "--use-distributed-optimizer"],
-        ["--optimizer", "sgd", "--sgd-momentum", "0"]],
+        ["--optimizer", "sgd", "--sgd-momentum", "0"],
+        # an MoE model's MTP layer is an MoE layer (its experts sharded over ep)
+        ["--num-experts", "4", "--expert-model-parallel-size", "2", "--moe-router-topk", "2",
+         "--mtp-num-layers", "1", "--position-embedding-type", "rope",
+         "--use-distributed-optimizer"]],
     4: [["--pipeline-model-parallel-size", "2", "--use-distributed-optimizer", "--bf16"],
         ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
          "--global-batch-size", "4"],

@@ -47,7 +47,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from tpfuse.models.layer_assignment import layers_for
-from tpfuse.models.moe_config import moe_layer_pattern
+from tpfuse.models.moe_config import is_moe_layer, moe_layer_pattern
 from tpfuse.parallel.layout import RankLayout, instance_group_of
 
 from ..fsdp import fsdp_rank_bytes, shard_rows
@@ -185,7 +185,7 @@ def layer_shapes(config, index: int) -> list:
         shapes += _norm(f"{prefix}.self_attention.q_layernorm", config, head_dim)
         shapes += _norm(f"{prefix}.self_attention.k_layernorm", config, head_dim)
     shapes += _norm(f"{prefix}.pre_mlp_norm", config)
-    if index < config.num_layers and moe_layer_pattern(config)[index]:   # MTP layers: dense
+    if is_moe_layer(config, index):        # an MTP layer: the last decoder layer's kind
         etp = config.expert_tensor_parallel_size or tp
         shapes += _moe_mlp(f"{prefix}.mlp", config, config.expert_model_parallel_size, etp, tp)
     else:
