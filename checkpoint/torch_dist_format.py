@@ -61,7 +61,7 @@ from .dist import serialization, torch_dist
 from .dist.core import CONFIG_FNAME, CheckpointingException, maybe_load_config
 from .dist.gpt_layout import WORD_EMBEDDING_KEY, gpt_sharded_state_dict, megatron_name
 from .dist.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory, apply_factories
-from .reshard import fit_vocab_rows
+from .reshard import fit_vocab_rows, persistent_buffers
 from .sharded_state import copy_into, full_state_dict
 from .sharding import shard_for
 
@@ -441,10 +441,16 @@ def _load_templates(model_chunks) -> list[dict]:
              for name, t in chunk.state_dict(keep_vars=True).items()} for chunk in model_chunks]
 
 
+def _model_tensors(chunk) -> dict:
+    """name → tensor of what a chunk loads: its parameters and persistent buffers (the routers'
+    expert biases, Megatron's ``router.expert_bias``)."""
+    return {**dict(chunk.named_parameters()), **persistent_buffers(chunk)}
+
+
 def _model_requests(model_chunks, sharded) -> dict:
     requests = {}
     for c, (chunk, entries) in enumerate(zip(model_chunks, sharded)):
-        for name, _ in chunk.named_parameters():
+        for name in _model_tensors(chunk):
             requests[f"model{c}/{name}"] = entries[megatron_name(name)]
     return requests
 
@@ -471,8 +477,8 @@ def _optimizer_requests(optimizer, model_chunks, sharded, metadata, state_names)
 def _apply_model(model_chunks, loaded: dict) -> None:
     with torch.no_grad():
         for c, chunk in enumerate(model_chunks):
-            for name, param in chunk.named_parameters():
-                copy_into(param, loaded[f"model{c}/{name}"])
+            for name, tensor in _model_tensors(chunk).items():
+                copy_into(tensor, loaded[f"model{c}/{name}"])
 
 
 def _apply_optimizer(optimizer, model_chunks, sharded, loaded: dict, common: dict | None,

@@ -1035,3 +1035,18 @@ def test_moe_mtp_layout_reproduces_single_process_losses_and_biases(run_distribu
     losses, biases = _bias_run(run_distributed, world_size, MOE_MTP + argv, tmp_path / "ckpt")
     assert losses == pytest.approx(moe_mtp_reference[0], rel=1e-5)
     _assert_same_biases(biases, moe_mtp_reference[1])
+
+
+def test_torch_dist_keeps_the_moe_expert_bias_across_expert_layouts(run_distributed,
+                                                                    moe_bias_reference,
+                                                                    tmp_path):
+    """The routers' expert bias (a persistent buffer, Megatron's ``router.expert_bias`` key)
+    travels in torch_dist too: 3 steps at ep 2 and 2 resumed at tp 2 + SP give the uninterrupted
+    losses (a bias restarted from zero moves them by ~5e-4)."""
+    save = TORCH_DIST + ["--save", str(tmp_path / "ckpt"), "--save-interval", "3"]
+    first = _losses(run_distributed, 2, MOE_BIAS + save + [
+        "--expert-model-parallel-size", "2", "--train-iters", "3"])
+    resumed = _losses(run_distributed, 2, MOE_BIAS + save + _parallel(tp=2, sp=True)
+                      + ["--load", str(tmp_path / "ckpt")])
+    assert (len(first), len(resumed)) == (3, 2)
+    assert first + resumed == pytest.approx(moe_bias_reference[0], rel=1e-5)

@@ -74,7 +74,17 @@ def megatron_name(native_name: str) -> str:
     return f"{LAYERS_PREFIX}{local}.{rest}"
 
 
-def layer_key(name: str, keys_map: dict, layer_indices, num_layers: int):
+def homogeneous_layers(config) -> bool:
+    """Megatron stacks every layer's tensor of one key along a prepended layer axis unless the
+    layers differ (``non_homogeneous_layers``: an MoE pattern other than every layer,
+    ``moe_layer_freq`` a list or > 1); then each layer keeps its own keys,
+    ``decoder.layers.<global layer>.…``, without the axis."""
+    freq = config.moe_layer_freq
+    return config.num_moe_experts is None or (isinstance(freq, int) and freq == 1)
+
+
+def layer_key(name: str, keys_map: dict, layer_indices, num_layers: int,
+              homogeneous: bool = True):
     """(stored key, prepended layer axis) of a Megatron module name (``megatron_name``'s)."""
     if not name.startswith(LAYERS_PREFIX):
         return name, ()
@@ -84,6 +94,8 @@ def layer_key(name: str, keys_map: dict, layer_indices, num_layers: int):
             rest = new + rest[len(old):]
             break
     layer = layer_indices[int(local)]
+    if not homogeneous:
+        return f"{LAYERS_PREFIX}{layer}.{rest}", ()
     return LAYERS_PREFIX + rest, ((0, layer, num_layers),)
 
 
@@ -110,7 +122,7 @@ def gpt_sharded_state_dict(native, keys_map: dict = LOCAL_SPEC_KEYS_MAP, prefix:
             sharded.replica_id = (1,) + tuple(sharded.replica_id)[1:]  # read, never written
         else:
             key, layer_axis = layer_key(module_name, keys_map, native.layer_indices,
-                                        config.num_layers)
+                                        config.num_layers, homogeneous_layers(config))
             sharded = sharded_tensor_for(prefix + key, tensor, layer_axis)
         if name in data:
             sharded = _with_data(sharded, data[name])
@@ -136,13 +148,16 @@ def _moe_layers(native):
 
 def _experts_sharded(native, prefix: str, data: dict) -> dict:
     out = {}
+    stacked = homogeneous_layers(native.config)
     for local, layer, moe in _moe_layers(native):
         state_prefix = f"{_NATIVE_LAYERS}{local}.mlp.experts."
         mine = {name[len(state_prefix):]: tensor for name, tensor in data.items()
                 if name.startswith(state_prefix)}
+        key = f"{prefix}{LAYERS_PREFIX}mlp.experts." if stacked else \
+            f"{prefix}{LAYERS_PREFIX}{layer}.mlp.experts."
         out.update(experts_sharded_state_dict(
-            moe.experts, f"{prefix}{LAYERS_PREFIX}{local}.mlp.experts.",
-            f"{prefix}{LAYERS_PREFIX}mlp.experts.", (0, layer, native.config.num_layers),
+            moe.experts, f"{prefix}{LAYERS_PREFIX}{local}.mlp.experts.", key,
+            (0, layer, native.config.num_layers) if stacked else None,
             grouped=bool(native.config.moe_grouped_gemm), tensors=mine))
     return out
 
@@ -152,6 +167,7 @@ def _extra_state_objects(native, prefix: str) -> dict:
     ShardedObject on the layer axis (an expert's on the layer and expert axes)."""
     _, tp_rank, dp_rank = tp_coordinates()
     num_layers = native.config.num_layers
+    stacked = homogeneous_layers(native.config)
     objects = {}
     for local, (layer, block) in enumerate(zip(native.layer_indices, native.layers)):
         linears = LINEARS_WITH_EXTRA_STATE
@@ -160,13 +176,15 @@ def _extra_state_objects(native, prefix: str) -> dict:
                                      if native.config.moe_shared_expert_intermediate_size
                                      else ())
         for linear in linears:
-            key = f"{prefix}{LAYERS_PREFIX}{linear}{EXTRA_STATE}"
+            key = f"{prefix}{LAYERS_PREFIX}{'' if stacked else f'{layer}.'}{linear}{EXTRA_STATE}"
+            shape, offset = ((num_layers,), (layer,)) if stacked else ((1,), (0,))
             objects[f"{prefix}{LAYERS_PREFIX}{local}.{linear}{EXTRA_STATE}"] = ShardedObject(
-                key, None, (num_layers,), (layer,), (0, tp_rank, dp_rank))
+                key, None, shape, offset, (0, tp_rank, dp_rank))
     for local, layer, moe in _moe_layers(native):
         objects.update(experts_extra_state_objects(
             moe.experts.num_local, f"{prefix}{LAYERS_PREFIX}{local}.mlp.experts.",
-            f"{prefix}{LAYERS_PREFIX}mlp.experts.", layer, num_layers))
+            f"{prefix}{LAYERS_PREFIX}{'' if stacked else f'{layer}.'}mlp.experts.",
+            layer if stacked else None, num_layers))
     return objects
 
 
@@ -205,13 +223,15 @@ def _expert_piece_builder(ep, etp, cut_axis, stride, grouped, transposed):
             data = data.transpose(-1, -2)                  # (L, out, in) as Megatron's
         local = data.shape[0]
         total = local * ep_size
+        layers = () if layer_axis is None else (layer_axis,)
+        n = len(layers)                          # the expert axis follows the layer axis
         if grouped:                              # (layer,) prepended; expert axis cut over ep
-            offsets = ((layer_axis,), ((1, ep_rank, ep_size),))
-            axis = None if cut_axis is None else 1 + 1 + cut_axis
+            offsets = (layers, ((n, ep_rank, ep_size),))
+            axis = None if cut_axis is None else n + 1 + cut_axis
             return pieces(key, data, replica_id, offsets, axis)
-        axis = None if cut_axis is None else 2 + cut_axis
+        axis = None if cut_axis is None else n + 1 + cut_axis
         return [pieces(key, data[e], replica_id,
-                       ((layer_axis, (1, ep_rank * local + e, total)), ()), axis)
+                       ((*layers, (n, ep_rank * local + e, total)), ()), axis)
                 for e in range(local)]
     return build
 
@@ -233,7 +253,8 @@ def experts_sharded_state_dict(experts, state_prefix: str, key_prefix: str, laye
                                grouped: bool, tensors: dict | None = None) -> dict:
     """``{state_prefix + name: ShardedTensorFactory}`` of tpfuse's stacked experts under
     Megatron's keys ``key_prefix + experts.linear_fc1.weight`` ... (layout above);
-    ``layer_axis`` the prepended ``(0, layer, num_layers)``; ``tensors``: the data to store
+    ``layer_axis`` the prepended ``(0, layer, num_layers)`` (None: no layer axis, a
+    non-homogeneous model's per-layer keys); ``tensors``: the data to store
     per parameter name (default: the parameters)."""
     ep_size, ep_rank, etp_size, etp_rank, edp_rank = expert_coordinates()
     stride = 2 if experts.gated else 1
@@ -257,15 +278,18 @@ def experts_sharded_state_dict(experts, state_prefix: str, key_prefix: str, laye
 
 
 def experts_extra_state_objects(num_local: int, state_prefix: str, key_prefix: str,
-                                layer: int, num_layers: int) -> dict:
-    """Megatron's (empty) ``_extra_state`` objects of every expert's fc1 and fc2."""
+                                layer: int | None, num_layers: int) -> dict:
+    """Megatron's (empty) ``_extra_state`` objects of every expert's fc1 and fc2 (``layer``
+    None: no layer axis, a non-homogeneous model's per-layer keys)."""
     ep_size, ep_rank, _, etp_rank, edp_rank = expert_coordinates()
     total = num_local * ep_size
     objects = {}
     for local in range(num_local):
         expert = ep_rank * num_local + local
         for linear in ("linear_fc1", "linear_fc2"):
+            shape, offset = ((num_layers, total), (layer, expert)) if layer is not None \
+                else ((total,), (expert,))
             objects[f"{state_prefix}expert{expert}.{linear}._extra_state"] = ShardedObject(
-                f"{key_prefix}experts.{linear}._extra_state", None, (num_layers, total),
-                (layer, expert), (0, etp_rank, edp_rank))
+                f"{key_prefix}experts.{linear}._extra_state", None, shape, offset,
+                (0, etp_rank, edp_rank))
     return objects
