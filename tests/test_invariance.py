@@ -1050,3 +1050,14 @@ def test_torch_dist_keeps_the_moe_expert_bias_across_expert_layouts(run_distribu
                       + ["--load", str(tmp_path / "ckpt")])
     assert (len(first), len(resumed)) == (3, 2)
     assert first + resumed == pytest.approx(moe_bias_reference[0], rel=1e-5)
+
+
+def test_torch_dist_hybrid_sharded_save_resumes_as_plain_data_parallel(run_distributed, reference,
+                                                                       tmp_path):
+    """4 iterations of FSDP ZeRO-3 at dp 4 = 2 replicas × 2 shards (each replica holds every
+    shard once), saved in torch_dist; the last 6 as plain dp 2 with the distributed optimizer."""
+    save = TORCH_DIST + ["--save", str(tmp_path / "ckpt"), "--load", str(tmp_path / "ckpt")]
+    first = _losses(run_distributed, 4, FSDP_ZERO3 + HSDP2 + save + ["--train-iters", "4"])
+    resumed = _losses(run_distributed, 2, DISTRIBUTED_OPTIMIZER + save)
+    assert (len(first), len(resumed)) == (4, 6)
+    assert first + resumed == pytest.approx(reference, rel=1e-5)
