@@ -774,8 +774,8 @@ def test_kv_channels_tp2_sp_reproduces_single_process_losses(run_distributed,
 # gradients as dp 4 in another order (two partial sums of two, then their sum), so the curve is
 # the single process's within the bands above (1e-5, FSDP_REL for FSDP: the same fp32 reorderings
 # of a reduce-scatter's blocks). Composed: tp 2 + SP (world 8, FSDP: the TP shards are the mesh's
-# local tensors) and ep 2 (the experts' edp 2 = 2 instances of 1 rank: their shards are only
-# all-reduced across the instances).
+# local tensors), ep 2 (the experts' edp 2 = 2 instances of 1 rank: their shards are only
+# all-reduced across the instances), pp 2 and cp 2.
 HSDP2 = ["--num-distributed-optimizer-instances", "2"]
 HSDP_LAYOUTS = {
     # name: (world size, model flags, layout flags, relative tolerance)
@@ -785,6 +785,10 @@ HSDP_LAYOUTS = {
                                     FSDP_REL),
     "dp4-ep2-distopt-hsdp2": (4, MOE, DISTRIBUTED_OPTIMIZER + HSDP2
                               + ["--expert-model-parallel-size", "2"], 1e-5),
+    # beside a pipeline (per stage its own dp-cp instances) and context parallelism (the
+    # instances split the dp·cp group of 4: cp 2 × dp 2)
+    "pp2-dp4-distopt-hsdp2": (8, [], _parallel(pp=2) + DISTRIBUTED_OPTIMIZER + HSDP2, 1e-5),
+    "cp2-dp2-fsdp-zero3-hsdp2": (4, [], _parallel(cp=2) + FSDP_ZERO3 + HSDP2, FSDP_REL),
 }
 
 
