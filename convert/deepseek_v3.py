@@ -3,7 +3,7 @@ first ``first_k_dense_replace`` layers dense and the rest fine-grained MoE with 
 
 Attention (``tp_layers/mla.py``; HF ``DeepseekV3Attention``), per layer, taken as they are:
 
-    HF self_attn.q_proj (n·d_q, h)                → self_attention.linear_q_proj    (q_lora_rank None)
+    HF self_attn.q_proj (n·d_q, h)                → self_attention.linear_q_proj (no q_lora_rank)
        self_attn.q_a_proj (r_q, h)                → self_attention.linear_q_down_proj
        self_attn.q_a_layernorm (r_q,)             → self_attention.q_layernorm
        self_attn.q_b_proj (n·d_q, r_q)            → self_attention.linear_q_up_proj
@@ -26,7 +26,7 @@ others an MoE block (``moe_layer_freq`` one 0/1 per layer):
 
     HF mlp.gate.weight (E, h)                      → mlp.router.weight
        mlp.gate.e_score_correction_bias (E,)       → mlp.router.expert_bias (aux-loss-free)
-       mlp.experts.e.gate_proj / up_proj (F, h)    → mlp.experts.weight1[e] = [gate; up]ᵀ (h, 2F)
+       mlp.experts.e.gate_proj / up_proj (F, h)    → mlp.experts.weight1[e] = [gate; up]ᵀ
        mlp.experts.e.down_proj (h, F)              → mlp.experts.weight2[e] = downᵀ (F, h)
        mlp.shared_experts.gate_proj / up_proj      → mlp.shared_experts.linear_fc1 = [gate; up]
        mlp.shared_experts.down_proj                → mlp.shared_experts.linear_fc2
@@ -34,11 +34,12 @@ others an MoE block (``moe_layer_freq`` one 0/1 per layer):
 Routing (HF ``DeepseekV3TopkRouter``): sigmoid scores; the choice by score + bias, limited to the
 ``topk_group`` best of ``n_group`` groups (ranked by the sum of each group's two best biased
 scores; Megatron's, tpfuse's, by its top-k / ``topk_group`` best: a grouped config converts when
-that is 2, as in DeepSeek-V3's 8 / 4); the weights the unbiased scores of the chosen experts renormalised to sum 1
-(``norm_topk_prob``), times ``routed_scaling_factor`` — tpfuse's sigmoid router with
-``moe_router_enable_expert_bias``, ``moe_router_num_groups`` / ``moe_router_group_topk`` and
-``moe_router_topk_scaling_factor``, in fp32 (``moe_router_dtype``), dropless. The shared experts
-(``n_shared_experts`` × ``moe_intermediate_size`` wide) are ungated.
+that is 2, as in DeepSeek-V3's 8 / 4); the weights the unbiased scores of the chosen experts
+renormalised to sum 1 (``norm_topk_prob``), times ``routed_scaling_factor`` — tpfuse's sigmoid
+router with ``moe_router_enable_expert_bias``, ``moe_router_num_groups`` /
+``moe_router_group_topk`` and ``moe_router_topk_scaling_factor``, in fp32
+(``moe_router_dtype``), dropless. The shared experts (``n_shared_experts`` ×
+``moe_intermediate_size`` wide) are ungated.
 
 Multi-token prediction: ``DeepseekV3ForCausalLM`` has no MTP module, so an import makes a model
 without one (``mtp_num_layers`` None; DeepSeek's own release stores its MTP layer as
@@ -57,7 +58,7 @@ import sys
 
 import torch
 
-from . import llama
+from . import llama, qwen2_moe
 from .common import TensorSet, unmet
 
 MODEL_TYPE = "deepseek_v3"
@@ -256,19 +257,10 @@ def _swiglu_mlps(c, ours: str, theirs: str, sparse: bool) -> list[tuple]:
 
 
 def _experts_from_hf(source, c, ours: str, theirs: str, out: dict) -> None:
-    h, f, moe = c.hidden_size, c.moe_ffn_hidden_size, theirs + "mlp."
-    out[ours + "mlp.router.weight"] = source.take(moe + "gate.weight", (c.num_moe_experts, h))
-    out[ours + "mlp.router.expert_bias"] = source.take(moe + "gate.e_score_correction_bias",
-                                                       (c.num_moe_experts,)).float()
-    fc1, fc2 = [], []
-    for e in range(c.num_moe_experts):
-        expert = f"{moe}experts.{e}."
-        gate, up = (source.take(expert + w, (f, h)) for w in ("gate_proj.weight",
-                                                               "up_proj.weight"))
-        fc1.append(torch.cat([gate, up]).t())                                    # (h, 2F)
-        fc2.append(source.take(expert + "down_proj.weight", (h, f)).t())        # (F, h)
-    out[ours + "mlp.experts.weight1"] = torch.stack(fc1).contiguous()
-    out[ours + "mlp.experts.weight2"] = torch.stack(fc2).contiguous()
+    """Qwen2-MoE's router and per-expert layout (``qwen2_moe.take_experts``) plus the bias."""
+    qwen2_moe.take_experts(source, c, ours, theirs, out)
+    out[ours + "mlp.router.expert_bias"] = source.take(
+        theirs + "mlp.gate.e_score_correction_bias", (c.num_moe_experts,)).float()
 
 
 def _refuse_mtp_layers(source, c) -> None:
@@ -311,16 +303,8 @@ def tensors_to_hf(full: dict, config) -> dict:
         for suffix, hf_suffix, _ in _attention_tensors(c):
             out[theirs + hf_suffix] = full[ours + suffix]
         if sparse:
-            moe = theirs + "mlp."
-            out[moe + "gate.weight"] = full[ours + "mlp.router.weight"]
-            out[moe + "gate.e_score_correction_bias"] = full[ours + "mlp.router.expert_bias"]
-            for e in range(c.num_moe_experts):
-                expert = f"{moe}experts.{e}."
-                gate, up = full[ours + "mlp.experts.weight1"][e].t().chunk(2)   # (F, h) each
-                out[expert + "gate_proj.weight"] = gate.contiguous()
-                out[expert + "up_proj.weight"] = up.contiguous()
-                out[expert + "down_proj.weight"] = (
-                    full[ours + "mlp.experts.weight2"][e].t().contiguous())
+            qwen2_moe.put_experts(full, c, ours, theirs, out)
+            out[theirs + "mlp.gate.e_score_correction_bias"] = full[ours + "mlp.router.expert_bias"]
         for fc1, fc2, gate, up, down, _ in _swiglu_mlps(c, ours, theirs, sparse):
             out[gate], out[up] = (t.contiguous() for t in full[fc1].chunk(2))
             out[down] = full[fc2]
