@@ -54,12 +54,19 @@ def rank_memory(config, layout, rank: int, buffers, activation_peak: dict) -> di
     return held
 
 
-def plan_layout(config, settings, world_size: int, ranks=None) -> dict:
-    """The plan of every rank (or of ``ranks``); see the module docstring."""
+def checked_layout(config, settings, world_size: int):
+    """The RankLayout of the config over ``world_size`` ranks, its distributed-optimizer
+    instances checked against the data-parallel sizes (ValueError naming the flag)."""
     layout = layout_of(config, world_size)
     check_distributed_optimizer_instances(
         settings.data_parallel.num_distributed_optimizer_instances, layout.dp * layout.cp,
         layout.edp)
+    return layout
+
+
+def plan_layout(config, settings, world_size: int, ranks=None) -> dict:
+    """The plan of every rank (or of ``ranks``); see the module docstring."""
+    layout = checked_layout(config, settings, world_size)
     dp = data_parallel_size(config, world_size)
     m = num_microbatches(settings, dp)
     b = settings.training.micro_batch_size

@@ -33,13 +33,12 @@ from __future__ import annotations
 import dataclasses
 
 from tpfuse.models.flops import H200_BF16_DENSE_TFLOPS, flops_per_iteration
-from tpfuse.parallel.layout import check_distributed_optimizer_instances
 
-from .memory import MEMORY_KINDS, buffer_settings, layout_of, replica_group, shard_group
+from .memory import MEMORY_KINDS, buffer_settings, replica_group, shard_group
 from .activations import activation_peaks, bubble_fraction
 from .comm import step_comm_bytes
-from .report import (GIB, data_parallel_size, num_microbatches, planned_backend,
-                          rank_memory, representative_ranks)
+from .report import (GIB, checked_layout, data_parallel_size, num_microbatches,
+                          planned_backend, rank_memory, representative_ranks)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,10 +135,7 @@ def evaluate(config, settings, world_size: int, cluster: Cluster, cache=None) ->
     """One candidate's fit and step time (one rank per pipeline stage); ``cache``: a dict
     shared by the candidates (schedules and bubbles by shape)."""
     cache = {} if cache is None else cache
-    layout = layout_of(config, world_size)
-    check_distributed_optimizer_instances(
-        settings.data_parallel.num_distributed_optimizer_instances, layout.dp * layout.cp,
-        layout.edp)
+    layout = checked_layout(config, settings, world_size)
     dp = data_parallel_size(config, world_size)
     m = num_microbatches(settings, dp)
     if config.virtual_pipeline_model_parallel_size and m % config.pipeline_model_parallel_size:
