@@ -101,6 +101,18 @@ def check_heads(hidden_size: int, num_attention_heads: int, num_query_groups: in
                          f"tensor-parallel size tp={tp}")
 
 
+def check_attention_inputs(cp_size: int, inference_context, batch_seq: tuple,
+                           position_ids, document_ids) -> None:
+    """An attention layer's forward inputs, before any collective: no KV cache under context
+    parallelism, position / document ids of shape (b, s) (s the whole sequence)."""
+    if inference_context is not None and cp_size > 1:
+        raise ValueError(f"inference_context with context_parallel_size={cp_size}: the "
+                         "KV cache holds whole sequences; generate with cp = 1")
+    for name, ids in (("position_ids", position_ids), ("document_ids", document_ids)):
+        if ids is not None and tuple(ids.shape) != tuple(batch_seq):
+            raise ValueError(f"{name} shape {tuple(ids.shape)} != (b, s) = {tuple(batch_seq)}")
+
+
 def check_context_parallel_layer(cp_size: int, comm_type: str, heads_local: int,
                                  groups_local: int, attention_dropout: float,
                                  window_size: int | None) -> None:
@@ -178,13 +190,8 @@ class ParallelAttention(nn.Module):
                 inference_context=None, rotary_pos_emb=None,
                 document_ids: torch.Tensor | None = None, dropout_coordinates=None):
         seq, batch = self.full_sequence_length(hidden_states), hidden_states.shape[1]
-        if inference_context is not None and self.cp.size > 1:
-            raise ValueError(f"inference_context with context_parallel_size={self.cp.size}: the "
-                             "KV cache holds whole sequences; generate with cp = 1")
-        for name, ids in (("position_ids", position_ids), ("document_ids", document_ids)):
-            if ids is not None and tuple(ids.shape) != (batch, seq):
-                raise ValueError(f"{name} shape {tuple(ids.shape)} != (b, s) = "
-                                 f"{(batch, seq)}")  # checked before the QKV all-gather
+        check_attention_inputs(self.cp.size, inference_context, (batch, seq), position_ids,
+                               document_ids)                   # before the QKV all-gather
         batch_first = batch_first_attention(hidden_states, self.sequence_parallel, self.tp.size)
         if batch_first:
             hidden_states = hidden_states.transpose(0, 1)        # (b, s, h); a copy in the GEMM

@@ -61,7 +61,7 @@ from torch import nn
 
 from . import _deps
 from ._group import resolve_cp_group, resolve_tp_group
-from .attention import check_context_parallel_layer
+from .attention import check_attention_inputs, check_context_parallel_layer
 from .attention_blocks import BlockAttention
 from .checkpointing import checkpoint
 from .context_parallel import canonical_comm_type, context_parallel_attention
@@ -196,12 +196,8 @@ class MultiLatentAttention(nn.Module):
                 inference_context=None, rotary_pos_emb=None,
                 document_ids: torch.Tensor | None = None, dropout_coordinates=None):
         seq, batch = self.full_sequence_length(hidden_states), hidden_states.shape[1]
-        if inference_context is not None and self.cp.size > 1:
-            raise ValueError(f"inference_context with context_parallel_size={self.cp.size}: the "
-                             "KV cache holds whole sequences; generate with cp = 1")
-        for name, ids in (("position_ids", position_ids), ("document_ids", document_ids)):
-            if ids is not None and tuple(ids.shape) != (batch, seq):
-                raise ValueError(f"{name} shape {tuple(ids.shape)} != (b, s) = {(batch, seq)}")
+        check_attention_inputs(self.cp.size, inference_context, (batch, seq), position_ids,
+                               document_ids)
         if rotary_pos_emb is None:
             if position_ids is None:
                 position_ids = self.default_position_ids(batch, seq, hidden_states.device)
