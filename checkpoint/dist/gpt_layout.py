@@ -20,6 +20,10 @@ are stored per expert (``experts_sharded_state_dict``, below), and every linear 
 ``_extra_state`` object Megatron's local spec saves is written too (so megatron-core loads the
 checkpoint).
 
+Layers of different kinds (an MoE pattern other than every layer: ``homogeneous_layers``) keep
+per-layer keys, ``decoder.layers.<global layer>.…``, without the layer axis below, as
+megatron-core's ``non_homogeneous_layers``.
+
 Experts (megatron-core's layout; SequentialMLP and GroupedMLP write the same tensors)::
 
     <prefix>experts.experts.linear_fc1.weight   (num_layers, E, F1, h)   F1 = 2F gated: [gate; up]
