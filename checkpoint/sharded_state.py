@@ -15,18 +15,18 @@ functions are the plain ``state_dict()`` / ``copy_``.
 """
 from __future__ import annotations
 
-import torch
+import sys
 
-try:
-    from torch.distributed.tensor import DTensor
-except ImportError:                     # a torch without DTensor: nothing is ever sharded
-    DTensor = ()
+import torch
 
 
 def is_sharded(tensor) -> bool:
     """A parameter FSDP shards, marked by the trainer with its group, rank and size
-    (``fsdp_group``, ``fsdp_rank``, ``fsdp_size``)."""
-    return isinstance(tensor, DTensor) and hasattr(tensor, "fsdp_group")
+    (``fsdp_group``, ``fsdp_rank``, ``fsdp_size``). DTensor's module is looked up, not imported:
+    until ``fully_shard`` has imported it (half a second of start-up) nothing is a DTensor."""
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    return (dtensor is not None and isinstance(tensor, dtensor.DTensor)
+            and hasattr(tensor, "fsdp_group"))
 
 
 def _block_rows(rows: int, size: int) -> int:

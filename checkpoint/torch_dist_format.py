@@ -57,7 +57,8 @@ import torch.distributed as dist
 from . import file_io
 from . import format as ckpt
 from .async_save import AsyncCheckpointSaver, _Write, cpu_snapshot
-from .dist import serialization, torch_dist
+# .dist.serialization and .dist.torch_dist import torch.distributed.checkpoint (0.7 s of start-up):
+# the functions that read or write files import them
 from .dist.core import CONFIG_FNAME, CheckpointingException, maybe_load_config
 from .dist.gpt_layout import WORD_EMBEDDING_KEY, gpt_sharded_state_dict, megatron_name
 from .dist.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory, apply_factories
@@ -296,6 +297,7 @@ def save_checkpoint(root: str, iteration: int, model_chunks, optimizer, schedule
                     consumed_samples: int, extra: dict | None = None,
                     keep_last: int | None = None) -> str:
     """Collective over the world: the torch_dist files into a staging folder, then publish."""
+    from .dist import serialization
     staging = ckpt.begin_save(root, iteration, model_chunks)
     tree, header = build_sharded_state(iteration, model_chunks, optimizer, scheduler, state,
                                        consumed_samples, extra)
@@ -329,6 +331,7 @@ class AsyncTorchDistSaver(AsyncCheckpointSaver):
 
     def save(self, iteration, model_chunks, optimizer, scheduler, state, consumed_samples,
              extra=None) -> None:
+        from .dist import serialization
         self.wait()
         staging = ckpt.begin_save(self.root, iteration, model_chunks)
         tree, header = build_sharded_state(iteration, model_chunks, optimizer, scheduler, state,
@@ -359,6 +362,7 @@ def _check_files(folder: str, manifest: dict) -> None:
 
 def verified_common(folder: str) -> dict:
     """common.pt after the files are checked against the manifest (when tpfuse wrote it)."""
+    from .dist import serialization
     manifest_path = os.path.join(folder, ckpt.MANIFEST)
     if os.path.exists(manifest_path):
         manifest = ckpt._load_manifest(manifest_path)
@@ -429,6 +433,7 @@ def _flat(leaves):
 
 def load_requests(requests: dict, folder: str) -> dict:
     """Collective: name → the loaded tensor of every request (refits applied)."""
+    from .dist import serialization
     tree = {name: (r.request if isinstance(r, _VocabRefit) else r) for name, r in requests.items()}
     loaded = serialization.load(tree, folder)
     return {name: (r.finish(loaded[name]) if isinstance(r, _VocabRefit) else loaded[name])
@@ -518,6 +523,7 @@ def _megatron_step(common: dict):
 def _plan_load(folder, model_chunks, optimizer, state, weights_only: bool):
     """(common, requests, sharded, whether the checkpoint is tpfuse's): every check that needs
     no collective."""
+    from .dist import torch_dist
     common = verified_common(folder)
     ours = isinstance(common.get(COMMON), dict)
     sharded = _model_sharded(model_chunks, _load_templates(model_chunks))
@@ -563,6 +569,7 @@ def _load(folder, model_chunks, optimizer, state, weights_only: bool, what: str)
 
 def _rng_of(folder: str):
     """Collective: this rank's saved RNG states."""
+    from .dist import serialization
     rank, world = dist.get_rank(), dist.get_world_size()
     loaded = serialization.load({"rng": ShardedObject("rng_state", None, (world,), (rank,), 0)},
                                 folder)
