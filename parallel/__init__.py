@@ -12,7 +12,7 @@ _EXPORTS = {
     "collective_device": "devices", "model_device": "devices",
     "MicrobatchCalculator": "microbatches", "bubble_fraction": "microbatches",
     "WorkerPool": "launch", "WorkerError": "launch", "spawn": "launch",
-    "copy_to_region": "mappings", "reduce_from_region": "mappings",
+    "copy_to_region": "mappings", "copy_many_to_region": "mappings", "reduce_from_region": "mappings",
     "scatter_to_region": "mappings", "gather_from_region": "mappings",
     "scatter_to_sequence_parallel_region": "mappings",
     "gather_from_sequence_parallel_region": "mappings",

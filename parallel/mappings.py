@@ -6,6 +6,8 @@ does (identity, all-reduce, split, all-gather, reduce-scatter) the backward undo
 transposed operation, so that ``y = f(x)`` and ``dx = fᵀ(dy)``:
 
     copy_to_region                          forward: identity       backward: all-reduce
+    copy_many_to_region                     forward: identity       backward: one all-reduce
+                                                                    of the grads joined
     reduce_from_region                      forward: all-reduce     backward: identity
     scatter_to_region                       forward: split h        backward: all-gather h
     gather_from_region                      forward: all-gather h   backward: split h
@@ -140,6 +142,20 @@ class _CopyToRegion(torch.autograd.Function):
         return _all_reduce(dy, ctx.group), None
 
 
+class _CopyManyToRegion(torch.autograd.Function):
+    """forward: identity on each tensor, backward: one all-reduce of the flattened grads joined."""
+
+    @staticmethod
+    def forward(ctx, group, *xs):
+        ctx.group, ctx.numels = group, [x.numel() for x in xs]
+        return tuple(x.view_as(x) for x in xs)
+
+    @staticmethod
+    def backward(ctx, *dys):
+        joined = _all_reduce(torch.cat([dy.reshape(-1) for dy in dys]), ctx.group)
+        return (None, *(part.view_as(dy) for part, dy in zip(joined.split(ctx.numels), dys)))
+
+
 class _ReduceFromRegion(torch.autograd.Function):
     """forward: all-reduce, backward: identity."""
 
@@ -226,6 +242,13 @@ class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
 def copy_to_region(x, group):
     """forward: identity, backward: all-reduce. ``(s, b, h) -> (s, b, h)``."""
     return x if group_size(group) == 1 else _CopyToRegion.apply(x, group)
+
+
+def copy_many_to_region(xs, group) -> tuple:
+    """``copy_to_region`` of every tensor of ``xs`` with one all-reduce in backward (their
+    grads flattened and joined): a norm's weight and bias in one collective."""
+    xs = tuple(xs)
+    return xs if group_size(group) == 1 else _CopyManyToRegion.apply(group, *xs)
 
 
 def reduce_from_region(x, group):

@@ -19,7 +19,7 @@ from tpfuse.kernels.philox import (AttentionDropout, RowCoordinates, attention_k
                                    dropout_key, hidden_keep_mask)
 from tpfuse.kernels.rms_norm import rms_norm
 from tpfuse.kernels.wgrad import linear_with_grad_accumulation
-from tpfuse.parallel.mappings import (copy_to_region, gather_from_region,
+from tpfuse.parallel.mappings import (copy_many_to_region, copy_to_region, gather_from_region,
                                       gather_from_sequence_parallel_region, reduce_from_region,
                                       reduce_scatter_to_sequence_parallel_region,
                                       scatter_to_region, scatter_to_sequence_parallel_region)
@@ -30,7 +30,7 @@ __all__ = [
     "cross_entropy", "cross_entropy_loss_from_stats", "cross_entropy_shard_grad",
     "cross_entropy_shard_stats", "MAX_HEAD_DIM", "MIN_HEAD_DIM", "flash_attention", "layer_norm",
     "merge_attention", "AttentionDropout", "RowCoordinates", "attention_keep_mask", "dropout_key", "hidden_keep_mask",
-    "linear_with_grad_accumulation", "matmul", "matmul_reduce_scatter", "rms_norm", "copy_to_region", "gather_from_region",
+    "linear_with_grad_accumulation", "matmul", "matmul_reduce_scatter", "rms_norm", "copy_to_region", "copy_many_to_region", "gather_from_region",
     "gather_from_sequence_parallel_region", "reduce_from_region",
     "reduce_scatter_to_sequence_parallel_region", "scatter_to_region",
     "scatter_to_sequence_parallel_region",

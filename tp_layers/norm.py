@@ -53,15 +53,17 @@ class Norm(nn.Module):
             p.tensor_model_parallel = False
             p.sequence_parallel = sequence_parallel or (head_split and self.tp.size > 1)
 
-    def _replicated(self, param):
-        """The parameter as used in forward; its grad is TP-all-reduced when each rank's input
-        is only part of the data (a sequence chunk under sequence parallelism, or its heads)."""
+    def _replicated(self, *params) -> tuple:
+        """The parameters as used in forward; their grads are TP-all-reduced (weight and bias in
+        one collective) when each rank's input is only part of the data (a sequence chunk under
+        sequence parallelism, or its heads)."""
         if (self.sequence_parallel or self.head_split) and self.tp.size > 1:
-            return _deps.copy_to_region(param, self.tp.group)
-        return param
+            return _deps.copy_many_to_region(params, self.tp.group)
+        return params
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self._replicated(self.weight)
         if self.normalization == "RMSNorm":
+            (weight,) = self._replicated(self.weight)
             return _deps.rms_norm(x, weight, self.eps)
-        return _deps.layer_norm(x, weight, self._replicated(self.bias), self.eps)
+        weight, bias = self._replicated(self.weight, self.bias)
+        return _deps.layer_norm(x, weight, bias, self.eps)

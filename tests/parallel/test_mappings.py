@@ -45,6 +45,14 @@ def _check_all(group, ranks, options=None):
     y, dx = _grad_of(lambda t: M.copy_to_region(t, group), xs(r), dys(r))
     assert torch.equal(y, xs(r)) and torch.equal(dx, total(dys)), "copy_to_region"
 
+    # a vector and a matrix through one all-reduce: each grad is its own rank sum, unmixed
+    inputs = [xs(r, (H,)).requires_grad_(True), xs(r, (S, H)).requires_grad_(True)]
+    outputs = M.copy_many_to_region(inputs, group)
+    torch.autograd.backward(outputs, [dys(r, (H,)), dys(r, (S, H))])
+    assert all(torch.equal(y, x) for y, x in zip(outputs, inputs)), "copy_many_to_region"
+    assert torch.equal(inputs[0].grad, total(lambda q: dys(q, (H,)))), "copy_many_to_region"
+    assert torch.equal(inputs[1].grad, total(lambda q: dys(q, (S, H)))), "copy_many_to_region"
+
     y, dx = _grad_of(lambda t: M.reduce_from_region(t, group), xs(r), dys(r))
     assert torch.equal(y, total(xs)) and torch.equal(dx, dys(r)), "reduce_from_region"
 
@@ -143,6 +151,7 @@ def test_mappings_are_identity_at_group_size_one(run_distributed):
                M.reduce_scatter_to_sequence_parallel_region, M.all_gather_last_dim_region,
                M.reduce_scatter_last_dim_region, M.all_to_all_region):
         assert fn(x, None) is x, fn.__name__     # no process group in this process: size 1
+    assert all(y is x for y in M.copy_many_to_region([x, x], None))
     assert M.default_tensor_parallel_group() is None       # no default state, no processes
     with pytest.raises(TypeError, match="tensor_parallel_output_grad"):
         M.gather_from_sequence_parallel_region(x, False)   # Megatron's order, native function
