@@ -1065,3 +1065,91 @@ def test_torch_dist_hybrid_sharded_save_resumes_as_plain_data_parallel(run_distr
     resumed = _losses(run_distributed, 2, DISTRIBUTED_OPTIMIZER + save)
     assert (len(first), len(resumed)) == (4, 6)
     assert first + resumed == pytest.approx(reference, rel=1e-5)
+
+
+# ============ MTP under context parallelism, MLA + MTP with dropout (begin; owned by mtp)
+# Context parallelism: the MTP token shift crosses the cp ranks' load-balanced chunks (a chunk's
+# last slot takes the next chunk's first token from its holder, the sequence's last slot 0) and
+# each depth's loss is the whole sequence's token mean, as the lm loss. cp 2 (MLA + MTP, also
+# with tp 2 + SP: world 4, one token per rank and chunk; and the plain-attention MTP model)
+# reproduces one process, the lm loss and the logged mtp_1 loss both; a shift kept inside each
+# rank's chunks trains on other labels (checked: the mtp_1 loss 1e-3 to 6e-3 away).
+# Dropout on (hidden and attention 0.1): MLA's attention-probability masks and the MTP
+# embedding's and MTP layer's masks are functions of (seed, layer, global sample, global
+# position, ...) like every other site's, so tp 2 + SP, pp 2 and cp 2 reproduce one process with
+# dropout on; so does ep 2 for the MoE MLA + MTP model (2 dense then 2 MoE layers, the MTP layer
+# MoE too, aux-loss-free expert bias), ending with the same expert biases, exactly (the
+# expert-bias section's argument).
+# Band: only fp32 sums are reordered; measured ≤ 1.2e-7 relative (one fp32 ulp at these losses)
+# over the 5 steps in every case below, lm and mtp_1 losses; 1e-6 keeps a factor 8 (FSDP_REL).
+MLA_MTP_REL = 1e-6
+MTP_CP_LAYOUTS = {
+    "mtp-cp2": (2, _parallel(cp=2), False),
+    "mla-mtp-cp2": (2, _parallel(cp=2), True),
+    "mla-mtp-tp2-cp2-sp": (4, _parallel(tp=2, sp=True, cp=2), True),
+}
+MLA_MTP_DROPOUT = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
+MLA_MTP_DROPOUT_LAYOUTS = {
+    "tp2-sp": (2, _parallel(tp=2, sp=True)),
+    "pp2": (2, _parallel(pp=2)),
+    "cp2": (2, _parallel(cp=2)),
+}
+MOE_MLA_MTP = MOE_BIAS + MLA + MTP + MLA_MTP_DROPOUT + ["--moe-layer-freq", "([0]*2+[1]*2)"]
+
+
+@pytest.mark.parametrize("name", sorted(MTP_CP_LAYOUTS))
+def test_mtp_context_parallel_reproduces_single_process(run_distributed, request, tmp_path,
+                                                        name):
+    world_size, argv, mla = MTP_CP_LAYOUTS[name]
+    curves = _mla_mtp_curves if mla else _mtp_curves
+    losses, mtp_losses = curves(run_distributed, world_size, argv, tmp_path / "m.jsonl")
+    reference_losses, reference_mtp = (request.getfixturevalue("mla_mtp_reference") if mla
+                                       else request.getfixturevalue("mtp_reference")[False])
+    assert losses == pytest.approx(reference_losses, rel=MLA_MTP_REL)
+    assert mtp_losses == pytest.approx(reference_mtp, rel=MLA_MTP_REL)
+
+
+@pytest.fixture(scope="module")
+def mla_mtp_dropout_reference(run_distributed, tmp_path_factory, mla_mtp_reference):
+    losses, mtp_losses = _mla_mtp_curves(run_distributed, 1, MLA_MTP_DROPOUT,
+                                         tmp_path_factory.mktemp("mla-mtp-dropout") / "m.jsonl")
+    assert len(losses) == len(mtp_losses) == 5 and mtp_losses[-1] < mtp_losses[0]
+    assert losses != pytest.approx(mla_mtp_reference[0], rel=1e-5)        # the dropout is on
+    assert mtp_losses != pytest.approx(mla_mtp_reference[1], rel=1e-5)
+    return losses, mtp_losses
+
+
+@pytest.mark.parametrize("name", sorted(MLA_MTP_DROPOUT_LAYOUTS))
+def test_mla_mtp_dropout_layout_reproduces_single_process(run_distributed,
+                                                          mla_mtp_dropout_reference, tmp_path,
+                                                          name):
+    world_size, argv = MLA_MTP_DROPOUT_LAYOUTS[name]
+    losses, mtp_losses = _mla_mtp_curves(run_distributed, world_size, MLA_MTP_DROPOUT + argv,
+                                         tmp_path / "m.jsonl")
+    assert losses == pytest.approx(mla_mtp_dropout_reference[0], rel=MLA_MTP_REL)
+    assert mtp_losses == pytest.approx(mla_mtp_dropout_reference[1], rel=MLA_MTP_REL)
+
+
+def _moe_mla_mtp_run(run_distributed, world_size, argv, folder):
+    """(lm losses, logged mtp_1 losses, saved expert biases) of one MoE MLA + MTP run."""
+    import json
+
+    root, metrics = folder / "ckpt", folder / "m.jsonl"
+    losses = _losses(run_distributed, world_size, MOE_MLA_MTP + argv + [
+        "--save", str(root), "--save-interval", "5", "--metrics-file", str(metrics)])
+    with open(metrics) as handle:
+        records = [json.loads(line) for line in handle if line.strip()]
+    return losses, [r["mtp_1 loss"] for r in records if "mtp_1 loss" in r], \
+        _saved_expert_biases(root)
+
+
+def test_moe_mla_mtp_dropout_ep2_reproduces_single_process(run_distributed, tmp_path):
+    single = _moe_mla_mtp_run(run_distributed, 1, [], tmp_path / "single")
+    layout = _moe_mla_mtp_run(run_distributed, 2, ["--expert-model-parallel-size", "2"],
+                              tmp_path / "ep2")
+    assert len(single[0]) == len(single[1]) == 5 and single[0][-1] < single[0][0]
+    assert len(single[2]) == 3 and all(b.abs().max() > 0 for b in single[2].values())  # 2 + MTP's
+    assert layout[0] == pytest.approx(single[0], rel=MLA_MTP_REL)
+    assert layout[1] == pytest.approx(single[1], rel=MLA_MTP_REL)
+    _assert_same_biases(layout[2], single[2])
+# ============== MTP under context parallelism, MLA + MTP with dropout (end)
