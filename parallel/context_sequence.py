@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from tpfuse.parallel.context_split import check_sequence_split
+from tpfuse.parallel.mappings import all_gather_first_dim
 
 
 def roll_left(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
@@ -39,7 +40,7 @@ def roll_left(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     return rolled
 
 
-def _chunk_heads(gathered: torch.Tensor, cp_size: int, cp_rank: int, dim: int):
+def _chunk_heads(gathered: torch.Tensor, cp_size: int, cp_rank: int):
     """The first tokens of chunks r + 1 and 2·cp − r (the latter zero for r = 0) from the
     all-gathered ``(cp, 2, ...)`` chunk-first tokens (``[q, 0]``: chunk q, ``[q, 1]``: chunk
     2·cp − 1 − q)."""
@@ -58,10 +59,10 @@ def roll_left_over_context(x: torch.Tensor, cp_group=None, cp_size: int = 1, cp_
     dim = dim % x.dim()
     c = check_sequence_split(x.shape[dim] * cp_size, cp_size)
     first, second = x.detach().split(c, dim)
-    heads = torch.stack([first.select(dim, 0), second.select(dim, 0)]).contiguous()  # (2, ...)
-    parts = [torch.empty_like(heads) for _ in range(cp_size)]
-    dist.all_gather(parts, heads, group=cp_group)
-    after_first, after_second = _chunk_heads(torch.stack(parts), cp_size, cp_rank, dim)
+    heads = torch.stack([first.select(dim, 0), second.select(dim, 0)])              # (2, ...)
+    gathered = all_gather_first_dim(heads, cp_group)                                # (2·cp, ...)
+    after_first, after_second = _chunk_heads(gathered.view(cp_size, 2, *heads.shape[1:]),
+                                             cp_size, cp_rank)
     first, second = roll_left(first, dim), roll_left(second, dim)
     first.select(dim, -1).copy_(after_first)
     second.select(dim, -1).copy_(after_second)
