@@ -227,7 +227,7 @@ class GPTModel(nn.Module):
                 return MultiTokenPredictionLayer(
                     c, depth, lambda: self._build_layer(c.num_layers + depth), self.state)
 
-        self.mtp = MultiTokenPredictionBlock(c, build_layer)
+        self.mtp = MultiTokenPredictionBlock(c, build_layer, self.state)
         if self.pre_process:
             return
         self.mtp_embedding = GPTEmbedding(c, word_master, None, self.state)

@@ -2,15 +2,13 @@
 ``--mtp-loss-scaling-factor``; Megatron's names and defaults: off, 0.1).
 
 The MTP layers live on the chunk holding the output layer (the last pipeline stage); each is of
-the last decoder layer's kind (``moe_config.is_moe_layer``: an MoE layer in DeepSeek-V3). What they
-cannot do here is refused at config construction, before any process group exists, with a
-ValueError naming the flags:
-
-- context parallelism: shifting the tokens one step left crosses the cp ranks' sequence chunks
-  (Megatron exchanges the boundary tokens; not implemented);
-- learned absolute positions with pipeline parallelism: the last stage would need a synchronised
-  copy of the position embedding as well as of the word embedding (Megatron keeps an
-  unsynchronised one); rope models (DeepSeek-V3's) have no position weights.
+the last decoder layer's kind (``moe_config.is_moe_layer``: an MoE layer in DeepSeek-V3). Under
+context parallelism the token shift crosses the cp ranks' chunks (each takes the next chunks'
+first tokens from their holders: ``parallel/context_sequence.py``). What they cannot do here is
+refused at config construction, before any process group exists, with a ValueError naming the
+flags: learned absolute positions with pipeline parallelism (the last stage would need a
+synchronised copy of the position embedding as well as of the word embedding; Megatron keeps an
+unsynchronised one); rope models (DeepSeek-V3's) have no position weights.
 """
 from __future__ import annotations
 
@@ -32,10 +30,6 @@ def validate_multi_token_prediction(config) -> None:
         raise ValueError(f"mtp_num_layers={layers!r} (--mtp-num-layers) must be a positive "
                          "integer, or None for no multi-token prediction")
     where = f"mtp_num_layers={layers} (--mtp-num-layers)"
-    if config.context_parallel_size > 1:
-        raise ValueError(f"{where} is not supported with context_parallel_size="
-                         f"{config.context_parallel_size} (--context-parallel-size): the token "
-                         "shift would cross the context-parallel ranks' sequence chunks")
     if config.pipeline_model_parallel_size > 1 and \
             config.position_embedding_type == "learned_absolute":
         raise ValueError(

@@ -4,7 +4,9 @@
 output layer (the last pipeline stage, its last virtual chunk). With ``h_0`` the decoder's output
 after the final norm (what the output layer reads), ids ``t``, positions ``p``, labels ``y`` and
 loss mask ``m`` of a micro-batch, and ``roll`` the shift one step left along the sequence with the
-vacated last entry 0 (Megatron's ``roll_tensor``), for k = 1..D::
+vacated last entry 0 (Megatron's ``roll_tensor``; under context parallelism the shift of the whole
+sequence, each cp rank's chunks taking the next chunks' first tokens from their holders:
+``parallel.context_sequence``), for k = 1..D::
 
     t_k, p_k, y_k, m_k = roll(t_{k-1}), roll(p_{k-1}), roll(y_{k-1}), roll(m_{k-1})
     e_k   = embedding(t_k, p_k)                        the main model's (shared) embedding
@@ -13,6 +15,11 @@ vacated last entry 0 (Megatron's ``roll_tensor``), for k = 1..D::
     loss_k = Σ m_k · CE(output_layer(h_k), y_k) / max(Σ m_k, 1)      the lm loss's token mean
 
     L_mtp = mtp_loss_scaling_factor / D · Σ_k loss_k
+
+The sums in ``loss_k`` run over the whole sequence: under context parallelism each cp rank
+back-propagates cp · (its Σ m_k · CE) / (Σ over the cp group of Σ m_k), and records the whole
+sequence's loss_k, as the lm loss (``masked_sequence_mean``; Megatron's ranks use their own
+token counts, which differ by the masked global last tokens). The hidden states are never rolled.
 
 The MTP loss is not part of the returned per-token lm loss: each ``loss_k`` rides on ``h_0``
 (``attach_mtp_loss``, Megatron's ``MTPLossAutoScaler``) and receives, in h_0's backward, the
@@ -37,18 +44,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tpfuse.parallel.context_sequence import masked_sequence_mean, roll_left_over_context
 from tpfuse.parallel.mappings import gather_from_region, scatter_to_sequence_parallel_region
 from tpfuse.tp_layers import ColumnParallelLinear, Norm
 from tpfuse.tp_layers.init import draw_master_weight, normal_init
 from tpfuse.tp_layers.random import EMBEDDING_SITE, dropout_site
-
-
-def roll_left(x: torch.Tensor) -> torch.Tensor:
-    """``x`` shifted one step left along its last dim, the vacated last entry 0:
-    ``out[..., i] = x[..., i + 1]``, ``out[..., -1] = 0``."""
-    rolled = torch.roll(x, shifts=-1, dims=-1)
-    rolled[..., -1] = 0
-    return rolled
 
 
 def mtp_layer_number(config, depth: int) -> int:
@@ -83,12 +83,12 @@ class MTPLossTracker:
 
 
 class _AttachMTPLoss(torch.autograd.Function):
-    """forward: x; backward: dx, and d loss = weight · tracker.backward_scale (loss recorded)."""
+    """forward: x; backward: dx, and d loss = weight · tracker.backward_scale (value recorded)."""
 
     @staticmethod
-    def forward(ctx, x, loss, tracker, depth, weight):
+    def forward(ctx, x, loss, tracker, depth, weight, value):
         ctx.tracker, ctx.depth, ctx.weight = tracker, depth, weight
-        ctx.value = loss.detach()
+        ctx.value = loss.detach() if value is None else value.detach()
         return x.view_as(x)
 
     @staticmethod
@@ -96,13 +96,13 @@ class _AttachMTPLoss(torch.autograd.Function):
         ctx.tracker.record(ctx.depth, ctx.value)
         scale = ctx.weight * ctx.tracker.backward_scale
         grad = torch.full((), scale, dtype=torch.float32, device=dx.device)
-        return dx, grad, None, None, None
+        return dx, grad, None, None, None, None
 
 
-def attach_mtp_loss(x, loss, tracker: MTPLossTracker, depth: int, weight: float):
+def attach_mtp_loss(x, loss, tracker: MTPLossTracker, depth: int, weight: float, value=None):
     """``x`` unchanged; in its backward ``weight · loss`` is differentiated (times the tracker's
-    backward scale) and ``loss`` recorded as depth ``depth``'s."""
-    return _AttachMTPLoss.apply(x, loss, tracker, depth, weight)
+    backward scale) and ``value`` (default: ``loss``) recorded as depth ``depth``'s."""
+    return _AttachMTPLoss.apply(x, loss, tracker, depth, weight, value)
 
 
 class MultiTokenPredictionLayer(nn.Module):
@@ -146,11 +146,19 @@ class MultiTokenPredictionLayer(nn.Module):
 class MultiTokenPredictionBlock(nn.Module):
     """The D MTP layers and their loss tracker (see the module docstring)."""
 
-    def __init__(self, config, build_layer):
+    def __init__(self, config, build_layer, state=None):
         super().__init__()
         self.config = config
         self.layers = nn.ModuleList(build_layer(depth) for depth in range(config.mtp_num_layers))
         self.losses = MTPLossTracker()
+        self.cp_group, self.cp_size, self.cp_rank = (
+            (state.cp_group, state.cp_size, state.cp_rank) if state is not None and
+            state.cp_size > 1 else (None, 1, 0))
+
+    def roll(self, x: torch.Tensor) -> torch.Tensor:
+        """``roll_left`` of the whole sequence, this cp rank's chunks of it (a collective over
+        the cp group when cp > 1)."""
+        return roll_left_over_context(x, self.cp_group, self.cp_size, self.cp_rank)
 
     def forward(self, hidden, input_ids, position_ids, labels, loss_mask, embed, token_losses,
                 rotary_pos_emb=None, document_ids=None, dropout_coordinates=None):
@@ -164,13 +172,14 @@ class MultiTokenPredictionBlock(nn.Module):
         mask = loss_mask.float()
         current, shifted_positions = hidden, position_ids
         for depth, layer in enumerate(self.layers):
-            input_ids, shifted_positions = roll_left(input_ids), roll_left(shifted_positions)
-            labels, mask = roll_left(labels), roll_left(mask)
+            input_ids, shifted_positions = self.roll(input_ids), self.roll(shifted_positions)
+            labels, mask = self.roll(labels), self.roll(mask)
             site = dropout_site(mtp_layer_number(self.config, depth), EMBEDDING_SITE)
             decoder_input = embed(input_ids, shifted_positions, site)
             current = layer(current, decoder_input, position_ids,
                             rotary_pos_emb=rotary_pos_emb, document_ids=document_ids,
                             dropout_coordinates=dropout_coordinates)
-            loss = (token_losses(current, labels) * mask).sum() / mask.sum().clamp(min=1.0)
-            hidden = attach_mtp_loss(hidden, loss, self.losses, depth, weight)
+            loss, value = masked_sequence_mean(token_losses(current, labels), mask,
+                                               self.cp_group, self.cp_size)
+            hidden = attach_mtp_loss(hidden, loss, self.losses, depth, weight, value)
         return hidden

@@ -19,8 +19,8 @@ and the data-parallel reduction averages over dp·cp (Megatron's 1/dp_cp scaling
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
+from tpfuse.parallel.context_sequence import masked_sequence_mean
 from tpfuse.parallel.context_split import split_sequence
 
 
@@ -50,18 +50,11 @@ def get_batch_on_this_cp_rank(batch: dict, state=None) -> dict:
 
 def sequence_mean_loss(losses: torch.Tensor, loss_mask: torch.Tensor, state=None):
     """``(loss to back-propagate, the micro-batch's mean loss (detached))`` for this rank's
-    per-token ``losses`` and ``loss_mask`` (same shape, any); see the module docstring."""
-    losses = losses.float().reshape(-1)
-    mask = loss_mask.float().reshape(-1).to(losses.device)
-    total = (losses * mask).sum()
+    per-token ``losses`` and ``loss_mask`` (same shape, any); see the module docstring
+    (``parallel.context_sequence.masked_sequence_mean`` over the state's cp group)."""
     cp_size = _cp_size_rank(state)[0]
     if cp_size == 1:
-        loss = total / mask.sum().clamp(min=1.0)
-        return loss, loss.detach()
+        return masked_sequence_mean(losses, loss_mask)
     from tpfuse.parallel.state import resolve_state
 
-    state = resolve_state(state)
-    sums = torch.stack([total.detach(), mask.sum()])
-    dist.all_reduce(sums, group=state.cp_group)
-    count = sums[1].clamp(min=1.0)
-    return total * (cp_size / count), sums[0] / count
+    return masked_sequence_mean(losses, loss_mask, resolve_state(state).cp_group, cp_size)

@@ -169,6 +169,9 @@ COMM_GRID = [
     (2, ["--global-batch-size", "4", "--recompute-granularity", "selective",
          "--recompute-modules", "mlp", "--tensor-model-parallel-size", "2"]),
     (2, ["--context-parallel-size", "2", "--global-batch-size", "4"]),
+    # MTP's token shift over cp 4 (cp 2's (2, 2) fp32 mask gather is a counter-skipped scalar)
+    (4, ["--context-parallel-size", "4", "--global-batch-size", "4", "--mtp-num-layers", "1",
+         "--position-embedding-type", "rope"]),
     (4, ["--num-experts", "4", "--expert-model-parallel-size", "2", "--moe-router-topk", "2",
          "--global-batch-size", "8"]),
     # the alltoall dispatcher padded to capacity: E·C rows each way, whatever the routing

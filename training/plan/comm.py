@@ -21,8 +21,12 @@ TP with SP                  per attention block and TP MLP all-gather 3X (QKV / 
                             (1, h)) in their dtype +
                             cross-entropy. The TP MLPs: a dense layer's MLP and an MoE layer's
                             shared expert; the routed experts talk over ep / etp (below)
-CP ring (send)              (3·cp − 2)·KV per layer, KV = 2·s·b·g/t·d·e (the K, V blocks
-                            forward (cp − 1 hops), again in backward, their gradients cp hops)
+CP ring (send)              (3·cp − 2)·KV per layer (the MTP layers' on the last stage too),
+                            KV = 2·s·b·g/t·d·e (the K, V blocks forward (cp − 1 hops), again
+                            in backward, their gradients cp hops)
+MTP under CP                on the last stage, per MTP depth all-gather cp·2·b·(3·8 + 4): the
+                            shift of the ids, positions, labels (int64) and loss mask (fp32)
+                            gathers every cp rank's two chunk-first tokens
 MoE, allgather dispatcher   per MoE layer over etp × ep (G ranks; the ``ep``, ``etp`` or
                             ``etp-ep`` kind): all-gather 2·G·T·h·e + G·T·E·(p + 1) (tokens
                             forward, output gradient backward; probabilities in the router
@@ -74,10 +78,10 @@ all-reduce (``as_run``); FSDP on NCCL keeps FSDP2's own reduce-scatter.
 
 Checked byte for byte against the collectives of a real step for TP (with and without SP, full
 recompute), DP (plain, distributed optimizer, FSDP ZeRO-2 and ZeRO-3), PP and the tied
-embedding, CP (cp = 2), EP with the allgather dispatcher and with the alltoall one padded to
-capacity, MoE layers under TP + SP (the allgather dispatcher over etp × ep, the alltoall one's
-etp gathers, ep = 1, a gated shared expert, full and MLP recompute, both load-balancing
-losses) (tests/training/test_plan.py);
+embedding, CP (cp = 2; cp = 4 with MTP), EP with the allgather dispatcher and with the alltoall
+one padded to capacity, MoE layers under TP + SP (the allgather dispatcher over etp × ep, the
+alltoall one's etp gathers, ep = 1, a gated shared expert, full and MLP recompute, both
+load-balancing losses) (tests/training/test_plan.py);
 the dropless alltoall dispatcher's all-to-all is checked within its per-rank bounds and
 exactly in its sum over each ep group, and, given the step's recorded routing, exactly on every
 rank (with MLP recompute, under TP + SP, and with tokens dropped at capacity).
@@ -212,7 +216,19 @@ def context_parallel_bytes(config, micro_batch_size: int, pp_rank: int) -> dict:
     kv = 2 * s * micro_batch_size * groups // config.tensor_model_parallel_size * head_dim \
         * element_bytes(config.params_dtype)
     layers = _layer_counts(config, pp_rank)
-    return {"cp_send": ((3 * cp - 2) * layers.total + (cp - 1) * layers.rerun) * kv}
+    mtp = (config.mtp_num_layers or 0) if pp_rank == config.pipeline_model_parallel_size - 1 \
+        else 0
+    return {"cp_send": ((3 * cp - 2) * (layers.total + mtp) + (cp - 1) * layers.rerun) * kv}
+
+
+def mtp_context_parallel_bytes(config, micro_batch_size: int, pp_rank: int) -> dict:
+    """The MTP token shift under cp (``parallel/context_sequence.py``), on the last stage: per
+    depth one all-gather of the (2, b) chunk-first tokens of each rolled tensor."""
+    cp = config.context_parallel_size
+    if cp == 1 or not config.mtp_num_layers \
+            or pp_rank != config.pipeline_model_parallel_size - 1:
+        return {}
+    return {"cp_all_gather": config.mtp_num_layers * cp * 2 * micro_batch_size * (3 * 8 + 4)}
 
 
 def _moe_tokens(config, micro_batch_size: int) -> int:
@@ -565,8 +581,8 @@ def step_comm_bytes(config, layout, rank: int, buffers, micro_batch_size: int,
         return _expert_parallel(config, micro_batch_size, pp_rank, routed=routed)[0]
 
     volume = defaultdict(int)
-    for part in (tensor_parallel_bytes, context_parallel_bytes, experts,
-                 router_loss_bytes, pipeline_bytes):
+    for part in (tensor_parallel_bytes, context_parallel_bytes, mtp_context_parallel_bytes,
+                 experts, router_loss_bytes, pipeline_bytes):
         for key, value in part(config, micro_batch_size, pp_rank).items():
             volume[as_run(key, run_as)] += value * num_microbatches
     if not routed:
