@@ -1090,9 +1090,8 @@ def test_torch_dist_hybrid_sharded_save_resumes_as_plain_data_parallel(run_distr
 # ============ MTP under context parallelism, MLA + MTP with dropout (begin; owned by mtp)
 # Context parallelism: the MTP token shift crosses the cp ranks' load-balanced chunks (a chunk's
 # last slot takes the next chunk's first token from its holder, the sequence's last slot 0) and
-# each depth's loss is the whole sequence's token mean, as the lm loss. cp 2 (MLA + MTP, also
-# with tp 2 + SP: world 4, one token per rank and chunk; and the plain-attention MTP model)
-# reproduces one process, the lm loss and the logged mtp_1 loss both; a shift kept inside each
+# each depth's loss is the whole sequence's token mean, as the lm loss. cp 2 (MLA + MTP, and
+# the plain-attention MTP model) reproduces one process, the lm loss and the logged mtp_1 loss both; a shift kept inside each
 # rank's chunks trains on other labels (checked: the mtp_1 loss 1e-3 to 6e-3 away).
 # Dropout on (hidden and attention 0.1): MLA's attention-probability masks and the MTP
 # embedding's and MTP layer's masks are functions of (seed, layer, global sample, global
@@ -1106,7 +1105,6 @@ MLA_MTP_REL = 1e-6
 MTP_CP_LAYOUTS = {
     "mtp-cp2": (2, _parallel(cp=2), False),
     "mla-mtp-cp2": (2, _parallel(cp=2), True),
-    "mla-mtp-tp2-cp2-sp": (4, _parallel(tp=2, sp=True, cp=2), True),
 }
 MLA_MTP_DROPOUT = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
 MLA_MTP_DROPOUT_LAYOUTS = {
