@@ -81,7 +81,9 @@ def _rank_env(rank: int, nproc: int, addr: str, port: int, error_dir: str) -> di
 class _Job:
     """The ranks of one local job, with signal forwarding installed while it runs."""
 
-    def __init__(self, nproc: int, command: list[str], addr: str, port: int):
+    def __init__(self, nproc: int, command: list[str], addr: str, port: int,
+                 failure_grace_s: float = FAILURE_GRACE_S):
+        self.failure_grace_s = failure_grace_s
         self.error_dir = tempfile.mkdtemp(prefix="tpfuse-train-errors-")
         self.signalled = None
         self.procs = [subprocess.Popen(
@@ -154,7 +156,7 @@ class _Job:
             what, exit_code = f"exited with code {code}", code
         print(f"tpfuse-train: rank {rank} {what}; stopping the other ranks", file=sys.stderr,
               flush=True)
-        self._wait_for_exits(FAILURE_GRACE_S)   # ranks failing too report before SIGTERM
+        self._wait_for_exits(self.failure_grace_s)   # ranks failing too report before SIGTERM
         running = [r for r, proc in enumerate(self.procs) if proc.poll() is None]
         self.stop()
         first = self.first_traceback()
@@ -184,12 +186,14 @@ def report_failure(error: BaseException) -> None:
 
 
 def run_local(nproc: int, argv: list[str], addr: str = "127.0.0.1", port: int | None = None, *,
-              program: list[str]) -> int:
+              program: list[str], failure_grace_s: float = FAILURE_GRACE_S) -> int:
     """Start ``nproc`` processes of ``program + argv`` (e.g. ``[sys.executable, "-m",
-    "tpfuse.pretrain_gpt"]`` and the trainer's flags) and wait; returns the job's exit code."""
+    "tpfuse.pretrain_gpt"]`` and the trainer's flags) and wait; returns the job's exit code.
+    ``failure_grace_s``: how long the other ranks may go on after one failed (to report their
+    own errors) before they are sent SIGTERM."""
     from tpfuse.parallel.launch import free_port
 
-    job = _Job(nproc, [*program, *argv], addr, port or free_port())
+    job = _Job(nproc, [*program, *argv], addr, port or free_port(), failure_grace_s)
     try:
         return job.wait()
     finally:

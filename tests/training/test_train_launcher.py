@@ -9,6 +9,7 @@ import sys
 import textwrap
 import time
 
+from tpfuse.runtime import launcher
 from tpfuse.runtime.launcher import signal_name
 
 # a rank: behaves as its mode says, after writing <dir>/ready<RANK>
@@ -50,11 +51,16 @@ RANK = textwrap.dedent("""
     time.sleep(120)
 """)
 LAUNCHER = ("import sys; from tpfuse.runtime.launcher import run_local; "
-            "sys.exit(run_local(2, sys.argv[1:], program=[sys.executable, '-c', {rank!r}]))")
+            "sys.exit(run_local(2, sys.argv[1:], program=[sys.executable, '-c', {rank!r}], "
+            "failure_grace_s={grace}))")
+# the stand-in ranks report at once (0.5 s of grace is plenty) except "echo"'s rank 1, 0.5 s
+# after rank 0 fails: the launcher's default grace
+FAILURE_GRACE_S = {"echo": launcher.FAILURE_GRACE_S}
 
 
 def _launch(mode, folder):
-    return subprocess.Popen([sys.executable, "-c", LAUNCHER.format(rank=RANK), mode, str(folder)],
+    command = LAUNCHER.format(rank=RANK, grace=FAILURE_GRACE_S.get(mode, 0.5))
+    return subprocess.Popen([sys.executable, "-c", command, mode, str(folder)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
 
