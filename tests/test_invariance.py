@@ -996,10 +996,13 @@ def test_torch_dist_fsdp_dp4_resumes_at_dp2(run_distributed, reference, tmp_path
 
 # ---------------------------------------------------------------- MLA + multi-token prediction
 # The DeepSeek-V3 attention and MTP together: the MTP layer's attention is an MLA block too (its
-# latents, its decoupled rope), on the last stage. tp 2 + SP and pp 2 reproduce one process, the
-# lm loss and the logged mtp_1 loss both: measured ≤ 1.2e-7 relative (tp 2 + SP; pp 2: equal),
+# latents, its decoupled rope), on the last stage. tp 2 + SP, pp 2 and pp 2 × vpp 2 reproduce one
+# process, the lm loss and the logged mtp_1 loss both: measured ≤ 1.2e-7 relative (tp 2 + SP;
+# pp 2 and pp 2 × vpp 2: equal),
 # so 1e-6 keeps a factor 8 (FSDP_REL's reasoning).
-MLA_MTP_LAYOUTS = {"tp2-sp": (2, _parallel(tp=2, sp=True)), "pp2": (2, _parallel(pp=2))}
+MLA_MTP_LAYOUTS = {"tp2-sp": (2, _parallel(tp=2, sp=True)), "pp2": (2, _parallel(pp=2)),
+                   # the MTP layer on the last stage's last virtual chunk
+                   "pp2-vpp2": (2, _parallel(pp=2, vpp_layers=1))}
 
 
 def _mla_mtp_curves(run_distributed, world_size, argv, metrics_file):
