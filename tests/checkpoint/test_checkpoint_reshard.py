@@ -18,7 +18,7 @@ from tpfuse.checkpoint.format import _read_payload, iteration_dir
 from tpfuse.checkpoint.reshard import (VOCAB_PARAMETERS, assemble_global_state, full_from_shards,
                                      reshard_tensor, shard_for)
 
-SWIGLU = ["--swiglu"]
+SWIGLU = ["--swiglu", "--num-layers", "8"]   # 8 layers: pp 2 × vpp 2 of 2 layers, re-cut to vpp 4
 VOCAB = 64   # TINY_MODEL's token ids (--vocab-size 63 + EOD)
 
 
