@@ -1099,9 +1099,9 @@ def test_torch_dist_hybrid_sharded_save_resumes_as_plain_data_parallel(run_distr
 # Dropout on (hidden and attention 0.1): MLA's attention-probability masks and the MTP
 # embedding's and MTP layer's masks are functions of (seed, layer, global sample, global
 # position, ...) like every other site's, so tp 2 + SP, pp 2 and cp 2 reproduce one process with
-# dropout on; so does ep 2 for the MoE MLA + MTP model (2 dense then 2 MoE layers, the MTP layer
-# MoE too, aux-loss-free expert bias), ending with the same expert biases, exactly (the
-# expert-bias section's argument).
+# dropout on; so does ep 2 for the MoE MLA + MTP model, dropout off and on (2 dense then 2 MoE
+# layers, the MTP layer MoE too, aux-loss-free expert bias), ending with the same expert biases,
+# exactly (the expert-bias section's argument).
 # Band: only fp32 sums are reordered; measured ≤ 1.2e-7 relative (one fp32 ulp at these losses)
 # over the 5 steps in every case below, lm and mtp_1 losses; 1e-6 keeps a factor 8 (FSDP_REL).
 MLA_MTP_REL = 1e-6
@@ -1115,7 +1115,7 @@ MLA_MTP_DROPOUT_LAYOUTS = {
     "pp2": (2, _parallel(pp=2)),
     "cp2": (2, _parallel(cp=2)),
 }
-MOE_MLA_MTP = MOE_BIAS + MLA + MTP + MLA_MTP_DROPOUT + ["--moe-layer-freq", "([0]*2+[1]*2)"]
+MOE_MLA_MTP = MOE_BIAS + MLA + MTP + ["--moe-layer-freq", "([0]*2+[1]*2)"]
 
 
 @pytest.mark.parametrize("name", sorted(MTP_CP_LAYOUTS))
@@ -1164,9 +1164,11 @@ def _moe_mla_mtp_run(run_distributed, world_size, argv, folder):
         _saved_expert_biases(root)
 
 
-def test_moe_mla_mtp_dropout_ep2_reproduces_single_process(run_distributed, tmp_path):
-    single = _moe_mla_mtp_run(run_distributed, 1, [], tmp_path / "single")
-    layout = _moe_mla_mtp_run(run_distributed, 2, ["--expert-model-parallel-size", "2"],
+@pytest.mark.parametrize("dropout", [False, True], ids=["dropout-off", "dropout-on"])
+def test_moe_mla_mtp_ep2_reproduces_single_process(run_distributed, tmp_path, dropout):
+    flags = MLA_MTP_DROPOUT if dropout else []
+    single = _moe_mla_mtp_run(run_distributed, 1, flags, tmp_path / "single")
+    layout = _moe_mla_mtp_run(run_distributed, 2, flags + ["--expert-model-parallel-size", "2"],
                               tmp_path / "ep2")
     assert len(single[0]) == len(single[1]) == 5 and single[0][-1] < single[0][0]
     assert len(single[2]) == 3 and all(b.abs().max() > 0 for b in single[2].values())  # 2 + MTP's
