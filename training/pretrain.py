@@ -123,8 +123,9 @@ class _Run:
         self.is_logger = (self.state.is_pipeline_last_stage() and self.state.tp_rank == 0
                           and self.state.dp_rank == 0 and self.state.rank_in("cp") == 0)
         if resumes and not checkpoint.finetune:
-            loaded = torch_dist_format.load_any(checkpoint.load, self.model, self.optimizer,
-                                                self.scheduler, self.state)
+            loaded = torch_dist_format.load_any(
+                checkpoint.load, self.model, self.optimizer, self.scheduler, self.state,
+                settings.scheduler.use_checkpoint_opt_param_scheduler)
             self.iteration, self.consumed_samples = loaded["iteration"], loaded["consumed_samples"]
             self.resumed_from = self.iteration
         self.train_ds, self.valid_ds = self._build_datasets(datasets_provider)

@@ -102,9 +102,21 @@ class SchedulerSettings(SettingsGroup):
         None, "with --train-samples and --lr-decay-style WSD: samples of the final anneal",
         minimum=0)
 
+    override_opt_param_scheduler: bool = setting(
+        False, "with --load: the lr schedule (peak, floor, warm-up, decay length and style) is "
+               "this run's flags', whatever the checkpoint's (Megatron's)",
+        flag="--override-opt_param-scheduler")
+    use_checkpoint_opt_param_scheduler: bool = setting(
+        False, "with --load: the lr schedule is the checkpoint's, whatever this run's flags "
+               "(Megatron's; without either flag a Megatron-LM checkpoint's must equal this "
+               "run's)", flag="--use-checkpoint-opt_param-scheduler")
+
     def check(self) -> None:
         if self.min_lr > self.lr:
             raise ValueError(f"--min-lr ({self.min_lr}) must not exceed --lr ({self.lr})")
+        if self.override_opt_param_scheduler and self.use_checkpoint_opt_param_scheduler:
+            raise ValueError("--override-opt_param-scheduler and "
+                             "--use-checkpoint-opt_param-scheduler exclude each other")
 
 
 @dataclass(frozen=True, kw_only=True)
