@@ -169,15 +169,6 @@ def scheduler_mismatch(state: dict, run: dict) -> tuple | None:
 
 
 # ---------------------------------------------------------------------------- optimizer
-def module_name(storage_key: str, layer: int | None) -> str:
-    """The module parameter name of a stored model key (one layer's for a stacked key): the
-    local spec's norms are stored under the Transformer Engine names (gpt_layout)."""
-    if layer is None:
-        return storage_key
-    rest = storage_key[len(LAYERS_PREFIX):]
-    return f"{LAYERS_PREFIX}{layer}.{rest}"
-
-
 def _local_spec_name(rest: str) -> str:
     for local, stored in LOCAL_SPEC_KEYS_MAP.items():
         if rest.startswith(stored):

@@ -42,8 +42,9 @@ and the model signature. The vocabulary rows (padded to a multiple that changes 
 refitted as in ``reshard.py``: the real ``vocab_size`` rows kept, zero rows appended. A folder
 megatron-core wrote (a ``metadata.json`` without tpfuse's manifest: Megatron-LM's
 ``iter_*`` folders, or a bare ``dist_checkpointing.save`` folder) gives its model weights, the
-optimizer state where it holds Megatron's model-space keys for this model, and its iteration;
-the scheduler and RNG start fresh then.
+optimizer state where it holds Megatron's model-space keys for this model or Megatron-LM's
+``dp_reshardable`` buckets, its iteration, and the scheduler from Megatron-LM's
+``opt_param_scheduler`` (``megatron_lm.py``); the RNG starts fresh then.
 """
 from __future__ import annotations
 

@@ -391,3 +391,23 @@ def test_megatron_lm_checkpoint_scheduler_follows_megatrons_flags():
     with pytest.raises(ValueError, match="exclude each other"):
         parse_args(argv + ["--override-opt_param-scheduler",
                            "--use-checkpoint-opt_param-scheduler"])
+
+
+def test_megatron_lm_checkpoint_scheduler_flags_pick_the_schedule(run_distributed):
+    """Resumed with another --lr and --lr-decay-iters: --use-checkpoint-opt_param-scheduler
+    gives megatron-core's lr at the resumed step and its next losses (rel 1e-5 as above);
+    --override-opt_param-scheduler gives this run's cosine at step 3 of warm-up 1, decay 12:
+    1e-3 + ½(1 + cos(π·2/11))·(5e-3 − 1e-3), with the saved position kept."""
+    import math
+
+    reference = torch.load(os.path.join(TRAINED, "reference.pt"))
+    argv = trained_flags()
+    argv[argv.index("--lr") + 1], argv[argv.index("--lr-decay-iters") + 1] = "5e-3", "12"
+    (losses, captured), = run_distributed(1, resumed_run,
+                                          argv + ["--use-checkpoint-opt_param-scheduler"])
+    assert captured["lr"] == pytest.approx(reference["lr_at_save"], rel=1e-12)
+    assert losses == pytest.approx(reference["resumed_losses"], rel=1e-5, abs=0)
+    (_, captured), = run_distributed(1, resumed_run, argv + ["--override-opt_param-scheduler"])
+    expected = 1e-3 + 0.5 * (1 + math.cos(math.pi * 2 / 11)) * (5e-3 - 1e-3)
+    assert captured["iteration"] == 3
+    assert captured["lr"] == pytest.approx(expected, rel=1e-12)
