@@ -219,8 +219,8 @@ def apply_checkpoint_args(namespace) -> None:
 def check_megatron_checkpoint(settings, config) -> None:
     """``--load`` of a checkpoint Megatron-LM's training wrote: its ``args`` give this run's
     model shape (Megatron's check_checkpoint_args; not with --finetune) and, without
-    --override-opt_param-scheduler / --use-checkpoint-opt_param-scheduler, its lr schedule is
-    this run's (megatron-core's OptimizerParamScheduler check). A ValueError naming the flag."""
+    --override-opt_param-scheduler / --use-checkpoint-opt_param-scheduler / --no-load-optim, its
+    lr schedule is this run's (megatron-core's OptimizerParamScheduler check). A ValueError naming the flag."""
     from tpfuse.checkpoint import megatron_lm, torch_dist_format
 
     load, scheduler = settings.checkpoint.load, settings.scheduler
@@ -235,7 +235,7 @@ def check_megatron_checkpoint(settings, config) -> None:
                          "--use-checkpoint-args to take the model's shape from the checkpoint")
     saved = common.get("opt_param_scheduler")
     if not isinstance(saved, dict) or scheduler.override_opt_param_scheduler or \
-            scheduler.use_checkpoint_opt_param_scheduler:
+            scheduler.use_checkpoint_opt_param_scheduler or settings.checkpoint.no_load_optim:
         return
     from tpfuse.training.train_samples import lr_schedule
 

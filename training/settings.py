@@ -306,6 +306,9 @@ class CheckpointSettings(SettingsGroup):
                "checkpoint); optimizer, scheduler, RNG and iteration start fresh (Megatron's)")
     exit_on_missing_checkpoint: bool = setting(
         False, "with --load: fail instead of starting fresh when it holds no checkpoint")
+    no_load_optim: bool = setting(
+        False, "with --load: the weights and the iteration only; the optimizer state and lr "
+               "schedule start fresh, and so does the RNG (Megatron's, which keeps the RNG)")
     use_checkpoint_args: bool = setting(
         False, "with --load: the model's shape flags (layers, sizes, heads, norms, positions, "
                "experts ...) come from the checkpoint's recorded config, not the command line "
@@ -343,6 +346,9 @@ class CheckpointSettings(SettingsGroup):
             raise ValueError("--async-save needs --save DIR")
         if self.use_checkpoint_args and not self.load:
             raise ValueError("--use-checkpoint-args needs --load DIR")
+        if self.no_load_optim and self.finetune:
+            raise ValueError("--no-load-optim and --finetune exclude each other (--finetune "
+                             "already loads the weights only)")
         if self.exit_on_missing_checkpoint and not self.load:
             raise ValueError("--exit-on-missing-checkpoint needs --load DIR")
 

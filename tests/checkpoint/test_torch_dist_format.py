@@ -291,6 +291,13 @@ def trained_flags() -> list:
         "--no-progress-bar", "--no-layout-table", "--load", os.path.join(TRAINED, "checkpoint")]
 
 
+def run_pretrain_on_fixed_batch(argv):
+    """This rank's TrainingResult of pretrain(argv) on the fixture's fixed batch."""
+    import functools
+
+    return run_pretrain(argv, datasets_provider=functools.partial(fixed_batch_datasets))
+
+
 def resumed_run(argv):
     """pretrain(argv) on the fixed batch; (the logged losses, the iteration it resumed at, the
     lr, step and per-parameter optimizer state right after the load: {Megatron module name:
@@ -411,3 +418,20 @@ def test_megatron_lm_checkpoint_scheduler_flags_pick_the_schedule(run_distribute
     expected = 1e-3 + 0.5 * (1 + math.cos(math.pi * 2 / 11)) * (5e-3 - 1e-3)
     assert captured["iteration"] == 3
     assert captured["lr"] == pytest.approx(expected, rel=1e-12)
+
+
+def test_megatron_lm_checkpoint_without_its_optimizer_state(run_distributed):
+    """--no-load-optim: the weights and the iteration, a fresh optimizer and schedule (Megatron's):
+    the first resumed loss is megatron-core's (the same weights; rel 1e-5 as above), the fresh
+    schedule's lr(0) = 0 of the warm-up leaves the weights as they are, so the second loss
+    equals the first exactly and misses megatron-core's second by far more than the tolerance
+    (what the loaded optimizer state and schedule are for)."""
+    reference = torch.load(os.path.join(TRAINED, "reference.pt"))
+    result, = run_distributed(1, run_pretrain_on_fixed_batch,
+                              trained_flags() + ["--no-load-optim"])
+    assert result.iterations == [4, 5]
+    first, second = result.train_losses
+    assert first == pytest.approx(reference["resumed_losses"][0], rel=1e-5, abs=0)
+    assert second == first
+    assert abs(second - reference["resumed_losses"][1]) > 100 * 1e-5 * \
+        reference["resumed_losses"][1]
