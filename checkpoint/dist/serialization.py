@@ -18,6 +18,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import pathlib
+import signal
+import types
 from pathlib import Path
 
 import torch
@@ -198,13 +201,19 @@ class MegatronEnumValue:
         return f"{type(self).__name__}({self.value!r})"
 
 
-# the megatron-core enums Megatron-LM's arguments parse into (megatron/training/arguments.py)
+# the megatron-core enums Megatron-LM's arguments parse into (megatron/training/arguments.py;
+# megatron.core.safe_globals lists the same for its own weights_only loads)
 MEGATRON_ENUMS = ("megatron.core.transformer.enums.AttnBackend",
                   "megatron.core.transformer.enums.CudaGraphScope",
                   "megatron.core.transformer.enums.AttnMaskType",
                   "megatron.core.transformer.enums.ModelType", "megatron.core.enums.ModelType",
                   "megatron.core.enums.Fp8Recipe",
+                  "megatron.core.rerun_state_machine.RerunMode",
+                  "megatron.core.rerun_state_machine.RerunDiagnostic",
+                  "megatron.core.rerun_state_machine.RerunState",
                   "megatron.core.dist_checkpointing.validation.StrictHandling")
+# the standard-library types in Megatron-LM's args (its --exit-signal is a signal.Signals)
+ARGS_TYPES = (argparse.Namespace, types.SimpleNamespace, pathlib.PosixPath, signal.Signals)
 
 
 def _stand_in(qualified_name: str) -> type:
@@ -214,8 +223,8 @@ def _stand_in(qualified_name: str) -> type:
 
 def common_safe_globals() -> list:
     """What ``torch.load(weights_only=True)`` may build in a common.pt beyond tensors and plain
-    containers: Megatron-LM's ``args`` (an argparse.Namespace) and a stand-in per enum above."""
-    return [argparse.Namespace] + [(_stand_in(name), name) for name in MEGATRON_ENUMS]
+    containers: Megatron-LM's ``args`` (ARGS_TYPES) and a stand-in per enum above."""
+    return list(ARGS_TYPES) + [(_stand_in(name), name) for name in MEGATRON_ENUMS]
 
 
 def load_common_state_dict(checkpoint_dir):

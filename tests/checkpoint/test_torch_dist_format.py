@@ -435,3 +435,29 @@ def test_megatron_lm_checkpoint_without_its_optimizer_state(run_distributed):
     assert second == first
     assert abs(second - reference["resumed_losses"][1]) > 100 * 1e-5 * \
         reference["resumed_losses"][1]
+
+
+class _NotAllowed:
+    """A class a common.pt must not be able to build (a stand-in for any code an attacker's
+    pickle would run)."""
+
+
+def test_megatron_lm_common_is_read_with_weights_only(tmp_path):
+    """The fixture's common.pt (Megatron-LM's args: an argparse.Namespace with megatron-core's
+    AttnBackend enum, torch dtypes and signal.SIGTERM) reads with weights_only=True; a common.pt
+    holding any other class is refused by torch's weights-only unpickler."""
+    import pickle
+    import signal
+
+    from tpfuse.checkpoint.dist import serialization
+
+    common = serialization.load_common_state_dict(os.path.join(TRAINED, "checkpoint",
+                                                               "iter_0000003"))
+    args = common["args"]
+    assert (args.hidden_size, args.params_dtype, args.exit_signal) == \
+        (16, torch.float32, signal.SIGTERM)
+    assert type(args.attention_backend).__name__ == "AttnBackend"
+    assert args.attention_backend.value == 5             # megatron-core's AttnBackend.auto
+    torch.save({"args": _NotAllowed()}, tmp_path / "common.pt")
+    with pytest.raises(pickle.UnpicklingError, match="_NotAllowed"):
+        serialization.load_common_state_dict(str(tmp_path))

@@ -44,6 +44,7 @@ import functools
 import json
 import os
 import random
+import signal
 import shutil
 import socket
 import sys
@@ -266,7 +267,7 @@ def megatron_args(case, iteration):
         attention_backend=AttnBackend.auto, transformer_impl="local", ckpt_format="torch_dist",
         dist_ckpt_optim_fully_reshardable=False, seed=1234, iteration=iteration,
         consumed_train_samples=iteration * BATCH, consumed_valid_samples=0,
-        skipped_train_samples=0)
+        skipped_train_samples=0, exit_signal=signal.SIGTERM)
 
 
 def megatron_trainer(case, seed):
