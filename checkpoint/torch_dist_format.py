@@ -610,7 +610,8 @@ def _load(folder, model_chunks, optimizer, state, weights_only: bool, what: str,
             if buckets is not None:
                 loaded.update(_bucket_optimizer_states(buckets, model_chunks, sharded, loaded,
                                                        folder))
-                step = buckets.step(loaded) if buckets.step(loaded) is not None else step
+                bucket_step = buckets.step(loaded)
+                step = step if bucket_step is None else bucket_step
             _apply_optimizer(optimizer, model_chunks, sharded, loaded,
                              common[COMMON]["optimizer"] if ours else None, step)
     except Exception as caught:  # noqa: BLE001 — re-raised below, after every rank has agreed
