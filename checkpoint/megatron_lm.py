@@ -232,13 +232,17 @@ class BucketState:
         if len(buckets) != 1 or max(parallel) > 1:
             raise ValueError(f"{where} has {len(buckets)} buckets saved at tp, pp = "
                              f"{parallel[0]}, {parallel[1]}; tpfuse reads one bucket saved at "
-                             "tp = pp = 1 (load the weights only with --finetune, or save with "
-                             "--dist-ckpt-optim-fully-reshardable)")
+                             "tp = pp = 1 (resume without its optimizer state with --no-load-optim, "
+                             "or save it with --dist-ckpt-optim-fully-reshardable)")
         (group, _, _, _), states = next(iter(buckets.items()))
         self.group, self.states = group, {name: states[name] for name in STATE_NAMES
                                           if name in states}
-        order = parameter_order(model_tensors(metadata), getattr(args, "transformer_impl",
-                                                                 "transformer_engine"))
+        try:
+            order = parameter_order(model_tensors(metadata),
+                                    getattr(args, "transformer_impl", "transformer_engine"))
+        except ValueError as error:
+            raise ValueError(f"{where}: {error} (resume without its optimizer state with "
+                             "--no-load-optim)") from None
         self.order, self.layout = order, bucket_layout(order)
         size = max(end for _, end in self.layout.values())
         stored = {shape[0] for _, shape in self.states.values()}
