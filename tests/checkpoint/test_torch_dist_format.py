@@ -1,6 +1,7 @@
 """``--ckpt-format torch_dist`` (checkpoint/torch_dist_format.py) beyond the loss invariance of
 tests/test_invariance.py: checkpoints megatron-core 0.16 wrote load into the trainer with
-megatron-core's logits; a job killed during a torch_dist save resumes from the previous
+megatron-core's logits, and one Megatron-LM's training wrote (megatron-core's own distributed
+optimizer and scheduler) resumes with megatron-core's losses; a job killed during a torch_dist save resumes from the previous
 checkpoint with the uninterrupted run's losses; tpfuse-convert goes between the two formats
 and back; bad input fails clearly, before any collective, and loses nothing saved."""
 import json
