@@ -42,8 +42,9 @@ and the model signature. The vocabulary rows (padded to a multiple that changes 
 refitted as in ``reshard.py``: the real ``vocab_size`` rows kept, zero rows appended. A folder
 megatron-core wrote (a ``metadata.json`` without tpfuse's manifest: Megatron-LM's
 ``iter_*`` folders, or a bare ``dist_checkpointing.save`` folder) gives its model weights, the
-optimizer state where it holds Megatron's model-space keys for this model, and its iteration;
-the scheduler and RNG start fresh then.
+optimizer state where it holds Megatron's model-space keys for this model or Megatron-LM's
+``dp_reshardable`` buckets, its iteration, and the scheduler from Megatron-LM's
+``opt_param_scheduler`` (``megatron_lm.py``); the RNG starts fresh then.
 """
 from __future__ import annotations
 
@@ -56,6 +57,7 @@ import torch.distributed as dist
 
 from . import file_io
 from . import format as ckpt
+from . import megatron_lm
 from .async_save import AsyncCheckpointSaver, _Write, cpu_snapshot
 # .dist.serialization and .dist.torch_dist import torch.distributed.checkpoint (0.7 s of start-up):
 # the functions that read or write files import them
@@ -520,9 +522,26 @@ def _megatron_step(common: dict):
     return None
 
 
-def _plan_load(folder, model_chunks, optimizer, state, weights_only: bool):
-    """(common, requests, sharded, whether the checkpoint is tpfuse's): every check that needs
-    no collective."""
+def _megatron_scheduler(common: dict, scheduler):
+    """The LRScheduler state of a Megatron-LM checkpoint's opt_param_scheduler (None without
+    one, or without a scheduler to restore)."""
+    saved = common.get("opt_param_scheduler")
+    if scheduler is None or not isinstance(saved, dict) or \
+            not megatron_lm.is_megatron_common(common):
+        return None
+    return megatron_lm.scheduler_state(saved, common["args"], scheduler.unit)
+
+
+def _bucket_state(common, metadata, folder):
+    """The dp_reshardable optimizer state of a Megatron-LM checkpoint, None when it has none."""
+    if not any(key.startswith(megatron_lm.BUCKET_PREFIX) for key in metadata.state_dict_metadata):
+        return None
+    return megatron_lm.BucketState(metadata, common.get("args"), folder)
+
+
+def _plan_load(folder, model_chunks, optimizer, state, weights_only: bool, scheduler=None):
+    """(common, requests, sharded, whether the checkpoint is tpfuse's, the Megatron-LM
+    scheduler state, the Megatron-LM bucket state): every check that needs no collective."""
     from .dist import torch_dist
     common = verified_common(folder)
     ours = isinstance(common.get(COMMON), dict)
@@ -538,18 +557,53 @@ def _plan_load(folder, model_chunks, optimizer, state, weights_only: bool):
     if ours:                    # the keys and shapes fit: what differs beyond them
         ckpt.check_same_model(common[COMMON].get("model_signature"),
                               ckpt.model_signature(model_chunks), f"checkpoint {folder}")
-    return common, requests, sharded, ours
+    megatron_schedule = buckets = None
+    if not ours and not weights_only:
+        megatron_schedule = _megatron_scheduler(common, scheduler)
+        buckets = _bucket_state(common, metadata, folder)
+        if buckets is not None:
+            requests.update(buckets.requests())
+    return common, requests, sharded, ours, megatron_schedule, buckets
 
 
-def _load(folder, model_chunks, optimizer, state, weights_only: bool, what: str):
+def _bucket_optimizer_states(buckets, model_chunks, sharded, loaded: dict, folder) -> dict:
+    """``{"<unique>/<stored state name>": this rank's piece}`` of every parameter from the
+    bucket tensors (vocabulary rows refitted as the weights); the main copies checked against
+    the loaded weights (the bucket layout's check)."""
+    config = getattr(model_chunks[0], "config", None)
+    vocab_size = getattr(config, "vocab_size", None)
+    stacked = {name: buckets.stacked(loaded, name) for name in buckets.states}
+    out = {}
+    for entry, unique, _ in _entries_by_param(model_chunks, sharded).values():
+        if not isinstance(entry, ShardedTensor):
+            raise ValueError(f"checkpoint {folder}: the dp_reshardable optimizer state of "
+                             f"{entry.key} (a {type(entry).__name__}) is not supported")
+        for name, tensors in stacked.items():
+            full = tensors[entry.key]
+            if full.shape[0] != entry.global_shape[0] and entry.key.endswith(VOCAB_KEYS):
+                full = fit_vocab_rows(full, entry.global_shape[0], vocab_size)
+            out[f"{unique}/{megatron_lm.STATE_NAMES[name]}"] = megatron_lm.local_piece(entry,
+                                                                                      full)
+        main = out.get(f"{unique}/{megatron_lm.STATE_NAMES['param']}")
+        weight = loaded.get(unique)
+        if main is not None and weight is not None and \
+                not torch.equal(main.to(weight.dtype), weight.to(main.device)):
+            raise ValueError(f"checkpoint {folder}: the main copy of {entry.key} in its "
+                             "dp_reshardable optimizer state differs from its weight: the "
+                             "bucket layout is not megatron-core's for this model")
+    return out
+
+
+def _load(folder, model_chunks, optimizer, state, weights_only: bool, what: str,
+          scheduler=None):
     """Collective: the checks (agreed on every rank), the read, the model (and optimizer)."""
     planned, error = None, None
     try:
-        planned = _plan_load(folder, model_chunks, optimizer, state, weights_only)
+        planned = _plan_load(folder, model_chunks, optimizer, state, weights_only, scheduler)
     except (ValueError, OSError, CheckpointingException) as caught:
         error = caught
     ckpt.agree(error, what)
-    common, requests, sharded, ours = planned
+    common, requests, sharded, ours, megatron_schedule, buckets = planned
     try:
         loaded = load_requests(requests, folder)
     except CheckpointingException as caught:      # raised on every rank alike
@@ -558,13 +612,18 @@ def _load(folder, model_chunks, optimizer, state, weights_only: bool, what: str)
     try:
         _apply_model(model_chunks, loaded)
         if not weights_only:
+            step = None if ours else _megatron_step(common)
+            if buckets is not None:
+                loaded.update(_bucket_optimizer_states(buckets, model_chunks, sharded, loaded,
+                                                       folder))
+                bucket_step = buckets.step(loaded)
+                step = step if bucket_step is None else bucket_step
             _apply_optimizer(optimizer, model_chunks, sharded, loaded,
-                             common[COMMON]["optimizer"] if ours else None,
-                             None if ours else _megatron_step(common))
+                             common[COMMON]["optimizer"] if ours else None, step)
     except Exception as caught:  # noqa: BLE001 — re-raised below, after every rank has agreed
         error = caught
     ckpt.agree(error, what)
-    return common, ours
+    return common, ours, megatron_schedule
 
 
 def _rng_of(folder: str):
@@ -576,21 +635,29 @@ def _rng_of(folder: str):
     return loaded["rng"]
 
 
-def load_checkpoint(folder: str, model_chunks, optimizer, scheduler, state) -> dict:
+def load_checkpoint(folder: str, model_chunks, optimizer, scheduler, state,
+                    use_checkpoint_scheduler: bool = False) -> dict:
     """Restore the training state from the torch_dist ``folder``; returns {"iteration",
-    "consumed_samples", "extra"}. A collective over the world (module docstring)."""
+    "consumed_samples", "extra"}. A collective over the world (module docstring).
+    ``use_checkpoint_scheduler`` (``--use-checkpoint-opt_param-scheduler``): the lr schedule's
+    peak, floor, warm-up, decay length and style are the checkpoint's, not this run's."""
     what = f"loading checkpoint {folder}"
-    common, ours = _load(folder, model_chunks, optimizer, state, False, what)
+    common, ours, megatron_schedule = _load(folder, model_chunks, optimizer, state, False, what,
+                                            scheduler)
     if not ours:
+        if megatron_schedule is not None:
+            scheduler.load_state_dict(megatron_schedule, with_schedule=use_checkpoint_scheduler)
         if dist.get_rank() == 0:
+            restored = "the scheduler restored, the RNG starts fresh" \
+                if megatron_schedule is not None else "the scheduler and RNG start fresh"
             print(f"> checkpoint {folder}: written by megatron-core; its model (and optimizer "
-                  "state where present) loaded, the scheduler and RNG start fresh", flush=True)
+                  f"state where present) loaded, {restored}", flush=True)
         args = common.get("args")
         return {"iteration": int(common.get("iteration", 0) or 0),
                 "consumed_samples": int(getattr(args, "consumed_train_samples", 0) or 0),
                 "extra": {}}
     saved = common[COMMON]
-    scheduler.load_state_dict(saved["scheduler"])
+    scheduler.load_state_dict(saved["scheduler"], with_schedule=use_checkpoint_scheduler)
     same_layout = saved["layout"] == ckpt.layout_signature(state, optimizer)
     if same_layout and dist.get_world_size() == saved["layout"].get("world_size"):
         ckpt._set_rng_state(_rng_of(folder))
@@ -614,6 +681,21 @@ def verify_folder(folder: str) -> None:
     verified_common(folder)
 
 
+def megatron_lm_common(root: str) -> dict | None:
+    """common.pt of the Megatron-LM checkpoint ``root`` names (its ``args``, iteration,
+    scheduler ...), None for any other folder or one that does not read (its loading then says
+    why); local, no collective."""
+    folder = checkpoint_dir_of(root) if os.path.isdir(root) else None
+    if folder is None or os.path.exists(os.path.join(folder, ckpt.MANIFEST)):
+        return None
+    from .dist import serialization
+    try:
+        common = serialization.load_common_state_dict(folder)
+    except Exception:  # noqa: BLE001 — a foreign or damaged common.pt: the load reports it
+        return None
+    return common if megatron_lm.is_megatron_common(common) else None
+
+
 def read_head(folder: str) -> dict:
     """What every rank file of the per-rank format shares (``model_config``, ``extra``, ...),
     from common.pt (checked against the manifest); local, no collective."""
@@ -626,13 +708,15 @@ def read_head(folder: str) -> dict:
 
 
 # ---------------------------------------------------------------------------- either format
-def load_any(root: str, model_chunks, optimizer, scheduler, state) -> dict:
+def load_any(root: str, model_chunks, optimizer, scheduler, state,
+             use_checkpoint_scheduler: bool = False) -> dict:
     """``format.load_checkpoint``, or this module's for a torch_dist checkpoint (tpfuse's or
     megatron-core's) — recognised by what ``root`` holds. Collective."""
     folder = checkpoint_dir_of(root)
     if folder is None:
         return ckpt.load_checkpoint(root, model_chunks, optimizer, scheduler, state)
-    return load_checkpoint(folder, model_chunks, optimizer, scheduler, state)
+    return load_checkpoint(folder, model_chunks, optimizer, scheduler, state,
+                           use_checkpoint_scheduler)
 
 
 def load_weights_only_any(root: str, model_chunks, state) -> None:

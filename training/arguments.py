@@ -194,10 +194,13 @@ def apply_checkpoint_args(namespace) -> None:
     a weight, so the checkpoint's limit is kept (and the config checks seq_length against it);
     rotary positions have no table, so the limit becomes max(checkpoint's, --seq-length) and a
     converted rotary model trains at any sequence length."""
+    from tpfuse.checkpoint import megatron_lm, torch_dist_format
     from tpfuse.checkpoint.reading import read_checkpoint_head
 
+    megatron = torch_dist_format.megatron_lm_common(namespace.load)
     try:
-        saved = read_checkpoint_head(namespace.load).get("model_config")
+        saved = megatron_lm.model_config_of(megatron["args"]) if megatron is not None else \
+            read_checkpoint_head(namespace.load).get("model_config")
     except FileNotFoundError as error:
         raise ValueError(f"--use-checkpoint-args: {error}") from None
     if saved is None:
@@ -211,6 +214,46 @@ def apply_checkpoint_args(namespace) -> None:
     if saved.get("position_embedding_type") == "rope":
         limit = max(limit, namespace.seq_length)
     namespace.max_position_embeddings = limit
+
+
+def check_megatron_checkpoint(settings, config) -> None:
+    """``--load`` of a checkpoint Megatron-LM's training wrote: its ``args`` give this run's
+    model shape (Megatron's check_checkpoint_args; not with --finetune) and, without
+    --override-opt_param-scheduler / --use-checkpoint-opt_param-scheduler / --no-load-optim, its
+    lr schedule is this run's (megatron-core's OptimizerParamScheduler check). A ValueError naming the flag."""
+    from tpfuse.checkpoint import megatron_lm, torch_dist_format
+
+    load, scheduler = settings.checkpoint.load, settings.scheduler
+    common = torch_dist_format.megatron_lm_common(load) if load else None
+    if common is None or settings.checkpoint.finetune:
+        return
+    mismatch = megatron_lm.checkpoint_args_mismatch(common["args"], config)
+    if mismatch is not None:
+        flag, mine, name, saved = mismatch
+        raise ValueError(f"--load {load}: {flag} {mine} does not match the checkpoint's {name} "
+                         f"{saved} (Megatron's check_checkpoint_args): give {flag} {saved}, or "
+                         "--use-checkpoint-args to take the model's shape from the checkpoint")
+    saved = common.get("opt_param_scheduler")
+    if not isinstance(saved, dict) or scheduler.override_opt_param_scheduler or \
+            scheduler.use_checkpoint_opt_param_scheduler or settings.checkpoint.no_load_optim:
+        return
+    from tpfuse.training.train_samples import lr_schedule
+
+    warmup, decay, unit = lr_schedule(settings.training, scheduler)
+    try:
+        state = megatron_lm.scheduler_state(saved, common["args"], unit)
+    except ValueError as error:
+        raise ValueError(f"--load {load}: {error}") from None
+    run = {"max_lr": scheduler.lr, "min_lr": scheduler.min_lr, "warmup_steps": warmup,
+           "decay_steps": decay, "decay_style": scheduler.lr_decay_style}
+    differs = megatron_lm.scheduler_mismatch(state, run)
+    if differs is not None:
+        name, mine, saved_value = differs
+        raise ValueError(f"--load {load}: the checkpoint's lr schedule has {name} {saved_value}, "
+                         f"this run's flags give {mine} (megatron-core's OptimizerParamScheduler "
+                         "check): pass --override-opt_param-scheduler to keep this run's "
+                         "schedule, or --use-checkpoint-opt_param-scheduler to take the "
+                         "checkpoint's")
 
 
 def _check_fsdp_device(distributed) -> None:
@@ -236,6 +279,7 @@ def parse_args(argv=None, defaults: dict | None = None):
     tokenizer = build_tokenizer(settings.data, namespace.vocab_size)
     namespace.vocab_size = model_vocab_size(settings.data, namespace.vocab_size, tokenizer)
     config = config_from_args(namespace)
+    check_megatron_checkpoint(settings, config)
     if settings.data_parallel.use_torch_fsdp2:
         check_fsdp_layout(config)
         _check_fsdp_device(settings.distributed)

@@ -29,6 +29,7 @@ from tpfuse.checkpoint import file_io as checkpoint_io
 from tpfuse.checkpoint import format as ckpt
 from tpfuse.checkpoint import torch_dist_format
 from tpfuse.checkpoint.async_save import AsyncCheckpointSaver
+from tpfuse.checkpoint.reading import read_checkpoint_head
 from tpfuse.training.exit_conditions import ExitConditions
 
 
@@ -57,6 +58,25 @@ def resume_point(root: str, exit_on_missing: bool) -> bool:
     if dist.get_rank() == 0:
         print(f"WARNING: {message}; starting from scratch", flush=True)
     return False
+
+
+def resume_position(root: str) -> dict:
+    """``--no-load-optim``: {"iteration", "consumed_samples", "extra"} of the newest checkpoint in
+    ``root`` of either format (tpfuse's, or Megatron-LM's ``args``); local, no collective."""
+    folder = torch_dist_format.checkpoint_dir_of(root)
+    if folder is None:
+        head = read_checkpoint_head(root)
+        return {"iteration": head["iteration"], "consumed_samples": head["consumed_samples"],
+                "extra": head.get("extra", {})}
+    common = torch_dist_format.verified_common(folder)
+    if isinstance(common.get(torch_dist_format.COMMON), dict):
+        saved = common[torch_dist_format.COMMON]
+        return {"iteration": saved["iteration"], "consumed_samples": saved["consumed_samples"],
+                "extra": saved["extra"]}
+    args = common.get("args")
+    return {"iteration": int(common.get("iteration", 0) or 0),
+            "consumed_samples": int(getattr(args, "consumed_train_samples", 0) or 0),
+            "extra": {}}
 
 
 class Checkpointing:

@@ -46,7 +46,7 @@ from tpfuse.parallel.microbatches import MicrobatchCalculator
 from tpfuse.runtime.initialize import check_layout, initialize_distributed
 from tpfuse.training.arguments import parse_args
 from tpfuse.training.checkpointing import (Checkpointing, describe_exit, prepare_save_dir,
-                                           resume_point)
+                                           resume_point, resume_position)
 from tpfuse.training.logging_utils import TrainingLogger
 from tpfuse.training.observability import RunMonitor
 from tpfuse.training.memory import memory_plan_report, memory_record, memory_report
@@ -101,7 +101,7 @@ class _Run:
         self.model = [chunk.to(self.device) for chunk in build_model(model_provider, config)]
         resumes = checkpoint.load and resume_point(checkpoint.load,
                                                    checkpoint.exit_on_missing_checkpoint)
-        if resumes and checkpoint.finetune:
+        if resumes and (checkpoint.finetune or checkpoint.no_load_optim):
             torch_dist_format.load_weights_only_any(checkpoint.load, self.model,
                                                     self.state)  # before the optimizer
         self.params = [p for chunk in self.model for p in chunk.parameters() if p.requires_grad]
@@ -122,9 +122,14 @@ class _Run:
         self.iteration, self.consumed_samples, self.resumed_from = 0, 0, None
         self.is_logger = (self.state.is_pipeline_last_stage() and self.state.tp_rank == 0
                           and self.state.dp_rank == 0 and self.state.rank_in("cp") == 0)
-        if resumes and not checkpoint.finetune:
-            loaded = torch_dist_format.load_any(checkpoint.load, self.model, self.optimizer,
-                                                self.scheduler, self.state)
+        if resumes and checkpoint.no_load_optim:
+            loaded = resume_position(checkpoint.load)
+            self.iteration, self.consumed_samples = loaded["iteration"], loaded["consumed_samples"]
+            self.resumed_from = self.iteration
+        elif resumes and not checkpoint.finetune:
+            loaded = torch_dist_format.load_any(
+                checkpoint.load, self.model, self.optimizer, self.scheduler, self.state,
+                settings.scheduler.use_checkpoint_opt_param_scheduler)
             self.iteration, self.consumed_samples = loaded["iteration"], loaded["consumed_samples"]
             self.resumed_from = self.iteration
         self.train_ds, self.valid_ds = self._build_datasets(datasets_provider)

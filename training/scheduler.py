@@ -106,12 +106,19 @@ class LRScheduler:
                 "decay_style": self.decay_style, "unit": self.unit,
                 "wsd_decay_steps": self.wsd_decay_steps, "wsd_decay_style": self.wsd_decay_style}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict, with_schedule: bool = False) -> None:
+        """The step count of ``state``; ``with_schedule`` (Megatron's
+        ``--use-checkpoint-opt_param-scheduler``): its peak, floor, warm-up, decay length and
+        style too."""
         unit = state.get("unit", "iterations")
         if unit != self.unit:
             raise ValueError(f"the checkpoint's lr schedule counts {unit} and this run's counts "
                              f"{self.unit}: resume a --train-{SCHEDULE_UNITS[unit]} run with "
                              f"--train-{SCHEDULE_UNITS[unit]}")
+        if with_schedule:
+            self.max_lr, self.min_lr = state["max_lr"], state["min_lr"]
+            self.warmup_steps, self.decay_steps = state["warmup_steps"], state["decay_steps"]
+            self.decay_style = state["decay_style"]
         self.num_steps = int(state["num_steps"])
         self._apply()
 

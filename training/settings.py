@@ -102,9 +102,21 @@ class SchedulerSettings(SettingsGroup):
         None, "with --train-samples and --lr-decay-style WSD: samples of the final anneal",
         minimum=0)
 
+    override_opt_param_scheduler: bool = setting(
+        False, "with --load: the lr schedule (peak, floor, warm-up, decay length and style) is "
+               "this run's flags', whatever the checkpoint's (Megatron's)",
+        flag="--override-opt_param-scheduler")
+    use_checkpoint_opt_param_scheduler: bool = setting(
+        False, "with --load: the lr schedule is the checkpoint's, whatever this run's flags "
+               "(Megatron's; without either flag a Megatron-LM checkpoint's must equal this "
+               "run's)", flag="--use-checkpoint-opt_param-scheduler")
+
     def check(self) -> None:
         if self.min_lr > self.lr:
             raise ValueError(f"--min-lr ({self.min_lr}) must not exceed --lr ({self.lr})")
+        if self.override_opt_param_scheduler and self.use_checkpoint_opt_param_scheduler:
+            raise ValueError("--override-opt_param-scheduler and "
+                             "--use-checkpoint-opt_param-scheduler exclude each other")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -294,6 +306,9 @@ class CheckpointSettings(SettingsGroup):
                "checkpoint); optimizer, scheduler, RNG and iteration start fresh (Megatron's)")
     exit_on_missing_checkpoint: bool = setting(
         False, "with --load: fail instead of starting fresh when it holds no checkpoint")
+    no_load_optim: bool = setting(
+        False, "with --load: the weights and the iteration only; the optimizer state and lr "
+               "schedule start fresh, and so does the RNG (Megatron's, which keeps the RNG)")
     use_checkpoint_args: bool = setting(
         False, "with --load: the model's shape flags (layers, sizes, heads, norms, positions, "
                "experts ...) come from the checkpoint's recorded config, not the command line "
@@ -331,6 +346,9 @@ class CheckpointSettings(SettingsGroup):
             raise ValueError("--async-save needs --save DIR")
         if self.use_checkpoint_args and not self.load:
             raise ValueError("--use-checkpoint-args needs --load DIR")
+        if self.no_load_optim and self.finetune:
+            raise ValueError("--no-load-optim and --finetune exclude each other (--finetune "
+                             "already loads the weights only)")
         if self.exit_on_missing_checkpoint and not self.load:
             raise ValueError("--exit-on-missing-checkpoint needs --load DIR")
 

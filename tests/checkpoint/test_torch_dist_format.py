@@ -1,6 +1,7 @@
 """``--ckpt-format torch_dist`` (checkpoint/torch_dist_format.py) beyond the loss invariance of
 tests/test_invariance.py: checkpoints megatron-core 0.16 wrote load into the trainer with
-megatron-core's logits; a job killed during a torch_dist save resumes from the previous
+megatron-core's logits, and one Megatron-LM's training wrote (megatron-core's own distributed
+optimizer and scheduler) resumes with megatron-core's losses; a job killed during a torch_dist save resumes from the previous
 checkpoint with the uninterrupted run's losses; tpfuse-convert goes between the two formats
 and back; bad input fails clearly, before any collective, and loses nothing saved."""
 import json
@@ -240,3 +241,224 @@ def test_conversion_round_trip_resumes_with_the_uninterrupted_losses(run_distrib
             "--train-iters", "6", "--load", converted, "--tensor-model-parallel-size", "2"])
         resumed = next(r for r in resumed if r is not None)
         assert resumed == pytest.approx(reference[4:], rel=1e-5), converted
+
+
+# ------------------------------------------------------------------ Megatron-LM's training checkpoint
+TRAINED = os.path.join(FIXTURES, "dense_trained")
+
+
+class FixedBatch(torch.utils.data.Dataset):
+    """Sample i is row i mod b of the fixture's fixed batch (every global batch of b samples is
+    that batch, as megatron-core trained on it)."""
+
+    def __init__(self, tokens, labels, num_samples):
+        self.tokens, self.labels, self.num_samples = tokens, labels, num_samples
+
+    def __len__(self):
+        return self.num_samples
+
+    def __getitem__(self, index):
+        row = index % self.tokens.shape[0]
+        s = self.tokens.shape[1]
+        return {"tokens": self.tokens[row], "labels": self.labels[row],
+                "loss_mask": torch.ones(s), "position_ids": torch.arange(s)}
+
+
+def fixed_batch_datasets(train_valid_test_num_samples, *, config):
+    reference = torch.load(os.path.join(TRAINED, "reference.pt"))
+    return FixedBatch(reference["tokens"], reference["labels"],
+                      train_valid_test_num_samples[0]), None, None
+
+
+def trained_flags() -> list:
+    """tpfuse-train's flags of the run Megatron-LM's args in the fixture record (its model and
+    its training flags), resumed for the fixture's further steps."""
+    with open(os.path.join(TRAINED, "config.json")) as handle:
+        recorded = json.load(handle)
+    t = recorded["training"]
+    schedule = ["--lr", str(t["lr"]), "--min-lr", str(t["min_lr"]),
+                "--lr-decay-style", t["lr_decay_style"],
+                "--lr-warmup-iters", str(t["lr_warmup_iters"]),
+                "--lr-decay-iters", str(t["lr_decay_iters"]),
+                "--weight-decay", str(t["weight_decay"]), "--clip-grad", str(t["clip_grad"]),
+                "--adam-beta1", str(t["adam_beta1"]), "--adam-beta2", str(t["adam_beta2"]),
+                "--adam-eps", str(t["adam_eps"])]
+    resumed = recorded["iteration"] + len(torch.load(os.path.join(TRAINED, "reference.pt"))[
+        "resumed_losses"])
+    return fixture_flags("dense_trained") + schedule + [
+        "--micro-batch-size", str(recorded["global_batch_size"]),
+        "--global-batch-size", str(recorded["global_batch_size"]),
+        "--train-iters", str(resumed), "--mock-data", "--eval-iters", "0", "--log-interval", "1",
+        "--no-progress-bar", "--no-layout-table", "--load", os.path.join(TRAINED, "checkpoint")]
+
+
+def run_pretrain_on_fixed_batch(argv):
+    """This rank's TrainingResult of pretrain(argv) on the fixture's fixed batch."""
+    import functools
+
+    return run_pretrain(argv, datasets_provider=functools.partial(fixed_batch_datasets))
+
+
+def resumed_run(argv):
+    """pretrain(argv) on the fixed batch; (the logged losses, the iteration it resumed at, the
+    lr, step and per-parameter optimizer state right after the load: {Megatron module name:
+    {state: tensor}} of this rank's pieces, dp = 1)."""
+    import functools
+
+    from tpfuse.checkpoint import torch_dist_format
+    from tpfuse.checkpoint.dist.gpt_layout import megatron_name
+
+    captured = {}
+    loading = torch_dist_format.load_any
+
+    def load_and_capture(root, model, optimizer, scheduler, state, *rest):
+        loaded = loading(root, model, optimizer, scheduler, state, *rest)
+        names = {id(p): megatron_name(n) for chunk in model for n, p in chunk.named_parameters()}
+        entries = optimizer.state_dict()["params"]
+        captured.update(iteration=loaded["iteration"], lr=scheduler.lr, states={
+            names[id(p)]: {k: v.view(p.shape).clone() if k != "step" else v.clone()
+                           for k, v in entries[i].items() if k not in ("start", "end")}
+            for i, p in enumerate(optimizer.model_params) if entries[i] is not None})
+        return loaded
+
+    torch_dist_format.load_any = load_and_capture
+    try:
+        result = run_pretrain(argv, datasets_provider=functools.partial(fixed_batch_datasets))
+    finally:
+        torch_dist_format.load_any = loading
+    return (result.train_losses if result.is_logger else None), captured
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_megatron_lm_training_checkpoint_resumes_with_megatron_cores_losses(run_distributed, tp):
+    """tpfuse-train --load of the checkpoint megatron-core's optimizer and scheduler wrote as
+    Megatron-LM's training does (tests/support/write_megatron_core_fixtures.py: args, the
+    distributed optimizer's dp_reshardable buckets, opt_param_scheduler; tp 1), here at tp 1
+    and tp 2 on the same fixed batch: it resumes at the saved iteration with megatron-core's lr
+    for the next step, Adam's step, exp_avg, exp_avg_sq equal to megatron-core's (exactly: the
+    same fp32 numbers, only cut by tp and padded by the vocabulary rows, whose moments are 0),
+    and the next 2 losses megatron-core took after the save.
+
+    Tolerance of the losses: fp32 throughout, bit-identical weights and moments at the resume;
+    tpfuse's kernels and megatron-core's torch ops (and tp = 2's split GEMMs with an all-reduce)
+    order the sums of length ≤ 64 differently, ≈ K·eps(fp32) ≈ 1e-5 relative on the logits,
+    carried through two Adam steps of lr ≈ 9e-3: rel 1e-5 on O(1) losses, as
+    test_dist_checkpointing_optimizer. A lost moment or step moves the first resumed update by
+    about lr per weight and the next loss by ≥ 1e-3 relative."""
+    reference = torch.load(os.path.join(TRAINED, "reference.pt"))
+    argv = trained_flags() + ["--tensor-model-parallel-size", str(tp)]
+    results = run_distributed(tp, resumed_run, argv)
+    for _, captured in results:
+        assert captured["iteration"] == 3
+        assert captured["lr"] == pytest.approx(reference["lr_at_save"], rel=1e-12)
+        assert captured["lr"] == pytest.approx(reference["resumed_lrs"][0], rel=1e-12)
+        if tp != 1:
+            continue
+        for name, expected in reference["optimizer_state"].items():
+            state = captured["states"][name]
+            assert float(state["step"]) == 3.0, name
+            for key in ("exp_avg", "exp_avg_sq"):
+                rows = expected[key].shape[0]
+                assert torch.equal(state[key][:rows], expected[key]), (name, key)
+                assert not state[key][rows:].any(), (name, key)        # padded vocabulary rows
+    losses = next(losses for losses, _ in results if losses is not None)
+    assert losses == pytest.approx(reference["resumed_losses"], rel=1e-5, abs=0)
+
+
+def test_megatron_lm_checkpoint_with_another_model_shape_fails_at_parsing(tmp_path):
+    """--hidden-size other than the checkpoint's args: one ValueError naming the flag and both
+    values (Megatron's check_checkpoint_args), at argument parsing (no process group yet)."""
+    from tpfuse.training.arguments import parse_args
+
+    argv = trained_flags()
+    argv[argv.index("--hidden-size") + 1] = "32"
+    with pytest.raises(ValueError) as error:
+        parse_args(argv)
+    assert str(error.value) == (
+        f"--load {os.path.join(TRAINED, 'checkpoint')}: --hidden-size 32 does not match the "
+        "checkpoint's hidden_size 16 (Megatron's check_checkpoint_args): give --hidden-size 16, "
+        "or --use-checkpoint-args to take the model's shape from the checkpoint")
+    config, _ = parse_args(argv + ["--use-checkpoint-args"])
+    assert (config.hidden_size, config.ffn_hidden_size, config.num_attention_heads) == (16, 64, 2)
+
+
+def test_megatron_lm_checkpoint_scheduler_follows_megatrons_flags():
+    """The checkpoint's lr schedule must equal this run's (megatron-core's _check_and_set)
+    unless --override-opt_param-scheduler keeps this run's or
+    --use-checkpoint-opt_param-scheduler takes the checkpoint's; both together are refused."""
+    from tpfuse.training.arguments import parse_args
+
+    argv = trained_flags()
+    argv[argv.index("--lr-decay-iters") + 1] = "12"
+    with pytest.raises(ValueError) as error:
+        parse_args(argv)
+    assert "the checkpoint's lr schedule has total number of iterations 10, this run's flags " \
+           "give 12 (megatron-core's OptimizerParamScheduler check)" in str(error.value)
+    parse_args(argv + ["--override-opt_param-scheduler"])
+    parse_args(argv + ["--use-checkpoint-opt_param-scheduler"])
+    with pytest.raises(ValueError, match="exclude each other"):
+        parse_args(argv + ["--override-opt_param-scheduler",
+                           "--use-checkpoint-opt_param-scheduler"])
+
+
+def test_megatron_lm_checkpoint_scheduler_flags_pick_the_schedule(run_distributed):
+    """Resumed with another --lr and --lr-decay-iters: --use-checkpoint-opt_param-scheduler
+    gives megatron-core's lr at the resumed step and its next losses (rel 1e-5 as above);
+    --override-opt_param-scheduler gives this run's cosine at step 3 of warm-up 1, decay 12:
+    1e-3 + ½(1 + cos(π·2/11))·(5e-3 − 1e-3), with the saved position kept."""
+    import math
+
+    reference = torch.load(os.path.join(TRAINED, "reference.pt"))
+    argv = trained_flags()
+    argv[argv.index("--lr") + 1], argv[argv.index("--lr-decay-iters") + 1] = "5e-3", "12"
+    (losses, captured), = run_distributed(1, resumed_run,
+                                          argv + ["--use-checkpoint-opt_param-scheduler"])
+    assert captured["lr"] == pytest.approx(reference["lr_at_save"], rel=1e-12)
+    assert losses == pytest.approx(reference["resumed_losses"], rel=1e-5, abs=0)
+    (_, captured), = run_distributed(1, resumed_run, argv + ["--override-opt_param-scheduler"])
+    expected = 1e-3 + 0.5 * (1 + math.cos(math.pi * 2 / 11)) * (5e-3 - 1e-3)
+    assert captured["iteration"] == 3
+    assert captured["lr"] == pytest.approx(expected, rel=1e-12)
+
+
+def test_megatron_lm_checkpoint_without_its_optimizer_state(run_distributed):
+    """--no-load-optim: the weights and the iteration, a fresh optimizer and schedule (Megatron's):
+    the first resumed loss is megatron-core's (the same weights; rel 1e-5 as above), the fresh
+    schedule's lr(0) = 0 of the warm-up leaves the weights as they are, so the second loss
+    equals the first exactly and misses megatron-core's second by far more than the tolerance
+    (what the loaded optimizer state and schedule are for)."""
+    reference = torch.load(os.path.join(TRAINED, "reference.pt"))
+    result, = run_distributed(1, run_pretrain_on_fixed_batch,
+                              trained_flags() + ["--no-load-optim"])
+    assert result.iterations == [4, 5]
+    first, second = result.train_losses
+    assert first == pytest.approx(reference["resumed_losses"][0], rel=1e-5, abs=0)
+    assert second == first
+    assert abs(second - reference["resumed_losses"][1]) > 100 * 1e-5 * \
+        reference["resumed_losses"][1]
+
+
+class _NotAllowed:
+    """A class a common.pt must not be able to build (a stand-in for any code an attacker's
+    pickle would run)."""
+
+
+def test_megatron_lm_common_is_read_with_weights_only(tmp_path):
+    """The fixture's common.pt (Megatron-LM's args: an argparse.Namespace with megatron-core's
+    AttnBackend enum, torch dtypes and signal.SIGTERM) reads with weights_only=True; a common.pt
+    holding any other class is refused by torch's weights-only unpickler."""
+    import pickle
+    import signal
+
+    from tpfuse.checkpoint.dist import serialization
+
+    common = serialization.load_common_state_dict(os.path.join(TRAINED, "checkpoint",
+                                                               "iter_0000003"))
+    args = common["args"]
+    assert (args.hidden_size, args.params_dtype, args.exit_signal) == \
+        (16, torch.float32, signal.SIGTERM)
+    assert type(args.attention_backend).__name__ == "AttnBackend"
+    assert args.attention_backend.value == 5             # megatron-core's AttnBackend.auto
+    torch.save({"args": _NotAllowed()}, tmp_path / "common.pt")
+    with pytest.raises(pickle.UnpicklingError, match="_NotAllowed"):
+        serialization.load_common_state_dict(str(tmp_path))

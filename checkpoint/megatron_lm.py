@@ -1,0 +1,292 @@
+"""Checkpoints Megatron-LM's training wrote (``iter_XXXXXXX/`` torch_dist folders): what their
+common.pt records beside the model, in tpfuse's terms.
+
+``args`` is Megatron-LM's argparse.Namespace (read with ``weights_only=True``, see
+``dist.serialization.common_safe_globals``). Its model shape is checked against this run's as
+Megatron's ``check_checkpoint_args`` does (``checkpoint_args_mismatch``), or taken for the run
+with ``--use-checkpoint-args`` (``model_config_of``).
+
+``opt_param_scheduler`` is megatron-core's OptimizerParamScheduler state; Megatron-LM counts its
+steps in samples (``step(increment=global batch)``), so for an iteration-based run every count is
+divided by the checkpoint's global batch (``scheduler_state``). Megatron's ``_check_and_set``:
+without ``--override-opt_param-scheduler`` / ``--use-checkpoint-opt_param-scheduler`` the
+checkpoint's peak and minimum lr, warm-up, decay length and style must equal this run's
+(``scheduler_mismatch``).
+
+``optimizer`` of the distributed optimizer in Megatron-LM's default ``dp_reshardable`` layout
+(``DistributedOptimizer.sharded_param_state_dp_reshardable``): per gradient buffer and bucket
+one flat tensor per state (``param`` = the fp32 main copy, ``exp_avg``, ``exp_avg_sq``) under
+``optimizer.distributed.dp_group_idx_<g>.gbuf_idx_<b>.dtype_<..>.bucket_idx_<k>.<state>``, of
+the bucket's unpadded size. megatron-core's ``_ParamAndGradBuffer`` places the parameters in it
+in reverse registration order, each start rounded up to a multiple of 64 (``bucket_layout``);
+the registration order is the GPT layer's (``LAYER_ORDER``: the local spec's, or the Transformer
+Engine spec's with the norms inside linear_qkv / linear_fc1). One bucket of one buffer of a
+dense model saved at tp = pp = 1 is read (Megatron-LM's default without
+``--overlap-grad-reduce``); its main copies must equal the checkpoint's weights, which checks
+the layout (``BucketState.check_main_copies``).
+"""
+from __future__ import annotations
+
+import math
+import re
+
+import torch
+
+from .dist.gpt_layout import LAYERS_PREFIX, LOCAL_SPEC_KEYS_MAP
+from .dist.mapping import ShardedObject, ShardedTensor
+
+BUCKET_PREFIX = "optimizer.distributed."
+_BUCKET_KEY = re.compile(r"^optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\."
+                         r"dtype_(.+)\.bucket_idx_(\d+)\.([A-Za-z0-9_]+)$")
+PARAM_ALIGNMENT = 64                   # _pad_start_of_param_if_needed
+STATE_NAMES = {"param": "fp32_param", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
+
+# model shape: (Megatron-LM's args name, tpfuse's config field, flag), compared as
+# check_checkpoint_args (plus the shapes its torch_dist loading would refuse later)
+MODEL_SHAPE_ARGS = (
+    ("num_layers", "num_layers", "--num-layers"),
+    ("hidden_size", "hidden_size", "--hidden-size"),
+    ("ffn_hidden_size", "ffn_hidden_size", "--ffn-hidden-size"),
+    ("num_attention_heads", "num_attention_heads", "--num-attention-heads"),
+    ("num_query_groups", "num_query_groups", "--num-query-groups"),
+    ("kv_channels", "kv_channels", "--kv-channels"),
+    ("num_experts", "num_moe_experts", "--num-experts"),
+)
+# --use-checkpoint-args: Megatron-LM's args name → tpfuse's config field
+CONFIG_OF_ARGS = {
+    "num_layers": "num_layers", "hidden_size": "hidden_size",
+    "num_attention_heads": "num_attention_heads", "num_query_groups": "num_query_groups",
+    "ffn_hidden_size": "ffn_hidden_size", "kv_channels": "kv_channels",
+    "normalization": "normalization", "norm_epsilon": "layernorm_epsilon",
+    "position_embedding_type": "position_embedding_type", "rotary_base": "rotary_base",
+    "add_bias_linear": "add_bias_linear", "add_qkv_bias": "add_qkv_bias",
+    "qk_layernorm": "qk_layernorm",
+    "untie_embeddings_and_output_weights": "untie_embeddings_and_output_weights",
+    "num_experts": "num_moe_experts", "moe_ffn_hidden_size": "moe_ffn_hidden_size",
+    "moe_router_topk": "moe_router_topk", "max_position_embeddings": "max_position_embeddings",
+}
+
+# the parameters of one GPT layer in registration order (module names inside the layer)
+_ATTENTION = ("self_attention.linear_proj.weight", "self_attention.linear_proj.bias")
+_QK_NORMS = ("self_attention.q_layernorm.weight", "self_attention.q_layernorm.bias",
+             "self_attention.k_layernorm.weight", "self_attention.k_layernorm.bias")
+_FC2 = ("mlp.linear_fc2.weight", "mlp.linear_fc2.bias")
+LAYER_ORDER = {
+    "local": ("input_layernorm.weight", "input_layernorm.bias", *_ATTENTION,
+              "self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias", *_QK_NORMS,
+              "pre_mlp_layernorm.weight", "pre_mlp_layernorm.bias",
+              "mlp.linear_fc1.weight", "mlp.linear_fc1.bias", *_FC2),
+    "transformer_engine": (*_ATTENTION, "self_attention.linear_qkv.layer_norm_weight",
+                           "self_attention.linear_qkv.layer_norm_bias",
+                           "self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias",
+                           *_QK_NORMS, "mlp.linear_fc1.layer_norm_weight",
+                           "mlp.linear_fc1.layer_norm_bias", "mlp.linear_fc1.weight",
+                           "mlp.linear_fc1.bias", *_FC2),
+}
+FIRST = ("embedding.word_embeddings.weight", "embedding.position_embeddings.weight")
+LAST = ("decoder.final_layernorm.weight", "decoder.final_layernorm.bias", "output_layer.weight")
+
+
+# ---------------------------------------------------------------------------- args
+def is_megatron_common(common: dict) -> bool:
+    """common.pt of Megatron-LM's training (its ``args`` Namespace, no tpfuse entry)."""
+    return "tpfuse" not in common and hasattr(common.get("args"), "num_layers")
+
+
+def checkpoint_args_mismatch(args, config) -> tuple | None:
+    """(flag, this run's value, args name, the checkpoint's value) of the first model-shape
+    field that differs between Megatron-LM's ``args`` and this run's config, None if none."""
+    for name, field, flag in MODEL_SHAPE_ARGS:
+        if not hasattr(args, name) or not hasattr(config, field):
+            continue
+        saved, mine = getattr(args, name), getattr(config, field)
+        if name == "num_query_groups" and not getattr(args, "group_query_attention", True):
+            saved = args.num_attention_heads
+        if saved is not None and saved != mine:
+            return flag, mine, name, saved
+    learned = getattr(args, "position_embedding_type", None) == "learned_absolute"
+    if learned and getattr(args, "max_position_embeddings", None) not in (
+            None, config.max_position_embeddings):
+        return ("--max-position-embeddings", config.max_position_embeddings,
+                "max_position_embeddings", args.max_position_embeddings)
+    return None
+
+
+def model_config_of(args) -> dict:
+    """tpfuse's model config fields of Megatron-LM's ``args`` (``--use-checkpoint-args``)."""
+    saved = {field: getattr(args, name) for name, field in CONFIG_OF_ARGS.items()
+             if hasattr(args, name)}
+    if not getattr(args, "group_query_attention", True):
+        saved["num_query_groups"] = args.num_attention_heads
+    if getattr(args, "swiglu", False):
+        saved["activation"] = "swiglu"
+    elif hasattr(args, "swiglu"):
+        saved["activation"] = "squared_relu" if getattr(args, "squared_relu", False) else "gelu"
+    if getattr(args, "position_embedding_type", None) == "rope":
+        saved["position_embedding_type"] = "rope"
+    saved["seq_length"] = getattr(args, "seq_length", None)
+    return {k: v for k, v in saved.items() if v is not None}
+
+
+# ---------------------------------------------------------------------------- scheduler
+def scheduler_state(saved: dict, args, unit: str) -> dict:
+    """tpfuse's LRScheduler state of megatron-core's OptimizerParamScheduler ``saved`` (its
+    counts in samples; divided by the checkpoint's global batch for an iteration-based run)."""
+    batch = 1 if unit == "samples" else int(getattr(args, "global_batch_size", 0) or 0)
+    if batch < 1 or (unit != "samples" and getattr(args, "rampup_batch_size", None)):
+        raise ValueError("the checkpoint's lr schedule counts samples under a varying (or "
+                         "unrecorded) global batch: resume it with --train-samples")
+    counts = {"num_steps": saved["num_steps"], "warmup_steps": saved["lr_warmup_steps"],
+              "decay_steps": saved["lr_decay_steps"]}
+    for name, value in counts.items():
+        if value is not None and value % batch:
+            raise ValueError(f"the checkpoint's lr schedule {name} = {value} samples is no "
+                             f"multiple of its global batch {batch}: resume it with "
+                             f"--train-samples")
+    state = {name: None if value is None else value // batch for name, value in counts.items()}
+    state.update(max_lr=float(saved["max_lr"]), min_lr=float(saved["min_lr"]),
+                 decay_style=saved["lr_decay_style"], unit=unit)
+    return state
+
+
+# (LRScheduler attribute, megatron-core's name of it in _check_and_set)
+SCHEDULE_FIELDS = (("max_lr", "learning rate"), ("min_lr", "minimum learning rate"),
+                   ("warmup_steps", "warmup iterations"),
+                   ("decay_steps", "total number of iterations"),
+                   ("decay_style", "learning rate decay style"))
+
+
+def scheduler_mismatch(state: dict, run: dict) -> tuple | None:
+    """(megatron-core's name, this run's value, the checkpoint's) of the first schedule field
+    that differs; None when all agree."""
+    for field, name in SCHEDULE_FIELDS:
+        saved, mine = state[field], run[field]
+        same = math.isclose(saved, mine, rel_tol=1e-12) if isinstance(saved, float) and \
+            isinstance(mine, (int, float)) else saved == mine
+        if not same:
+            return name, mine, saved
+    return None
+
+
+# ---------------------------------------------------------------------------- optimizer
+def _local_spec_name(rest: str) -> str:
+    for local, stored in LOCAL_SPEC_KEYS_MAP.items():
+        if rest.startswith(stored):
+            return local + rest[len(stored):]
+    return rest
+
+
+def model_tensors(metadata) -> dict:
+    """Stored model key → global shape of every model tensor in the checkpoint's index."""
+    return {key: tuple(entry.size) for key, entry in metadata.state_dict_metadata.items()
+            if hasattr(entry, "size") and not key.startswith(("optimizer.", "rng_state"))}
+
+
+def parameter_order(stored: dict, transformer_impl: str) -> list:
+    """[(stored key, layer or None, per-layer shape)] in megatron-core's registration order."""
+    order = LAYER_ORDER["transformer_engine" if transformer_impl == "transformer_engine"
+                        else "local"]
+    local = transformer_impl != "transformer_engine"
+    layered = {}
+    for key, shape in stored.items():
+        if key.startswith(LAYERS_PREFIX):
+            rest = key[len(LAYERS_PREFIX):]
+            layered[_local_spec_name(rest) if local else rest] = (key, shape)
+    unknown = sorted(set(layered) - set(order)) + sorted(
+        key for key in stored if not key.startswith(LAYERS_PREFIX) and key not in FIRST + LAST)
+    if unknown:
+        raise ValueError(f"its parameters {unknown} are not those of a dense GPT layer")
+    layers = next(iter(layered.values()))[1][0] if layered else 0
+    out = [(key, None, stored[key]) for key in FIRST if key in stored]
+    for layer in range(layers):
+        out += [(layered[name][0], layer, layered[name][1][1:]) for name in order
+                if name in layered]
+    return out + [(key, None, stored[key]) for key in LAST if key in stored]
+
+
+def bucket_layout(order: list) -> dict:
+    """(stored key, layer) → [start, end) in the bucket: megatron-core's _ParamAndGradBuffer
+    (reversed order, every start rounded up to a multiple of PARAM_ALIGNMENT)."""
+    layout, start = {}, 0
+    for key, layer, shape in reversed(order):
+        start = -(-start // PARAM_ALIGNMENT) * PARAM_ALIGNMENT
+        end = start + math.prod(shape)
+        layout[(key, layer)] = (start, end)
+        start = end
+    return layout
+
+
+class BucketState:
+    """The dp_reshardable optimizer state of a Megatron-LM checkpoint (module docstring)."""
+
+    def __init__(self, metadata, args, folder: str):
+        buckets = {}
+        for key, entry in metadata.state_dict_metadata.items():
+            match = _BUCKET_KEY.match(key)
+            if match and hasattr(entry, "size"):
+                buckets.setdefault(match.groups()[:4], {})[match.group(5)] = \
+                    (key, tuple(entry.size))
+        where = f"checkpoint {folder}: its optimizer state (Megatron's dp_reshardable layout)"
+        parallel = [getattr(args, name, 1) or 1 for name in ("tensor_model_parallel_size",
+                                                             "pipeline_model_parallel_size")]
+        if len(buckets) != 1 or max(parallel) > 1:
+            raise ValueError(f"{where} has {len(buckets)} buckets saved at tp, pp = "
+                             f"{parallel[0]}, {parallel[1]}; tpfuse reads one bucket saved at "
+                             "tp = pp = 1 (resume without its optimizer state with --no-load-optim, "
+                             "or save it with --dist-ckpt-optim-fully-reshardable)")
+        (group, _, _, _), states = next(iter(buckets.items()))
+        self.group, self.states = group, {name: states[name] for name in STATE_NAMES
+                                          if name in states}
+        try:
+            order = parameter_order(model_tensors(metadata),
+                                    getattr(args, "transformer_impl", "transformer_engine"))
+        except ValueError as error:
+            raise ValueError(f"{where}: {error} (resume without its optimizer state with "
+                             "--no-load-optim)") from None
+        self.order, self.layout = order, bucket_layout(order)
+        size = max(end for _, end in self.layout.values())
+        stored = {shape[0] for _, shape in self.states.values()}
+        if stored != {size}:
+            raise ValueError(f"{where} holds {sorted(stored)} elements, megatron-core's layout "
+                             f"of its parameters {size}: not a layout tpfuse knows")
+
+    def requests(self) -> dict:
+        """Load requests: every state's whole bucket tensor, and the optimizer's common object
+        (its param groups' ``step``)."""
+        out = {f"megatron_bucket/{name}": ShardedTensor.from_rank_offsets(
+            key, torch.empty(shape, dtype=torch.float32), replica_id=0)
+            for name, (key, shape) in self.states.items()}
+        out["megatron_bucket_common"] = ShardedObject(
+            f"optimizer.distributed.dp_group_idx_{self.group}.optimizer", None, (1,), (0,), 0)
+        return out
+
+    def stacked(self, loaded: dict, name: str) -> dict:
+        """Stored model key → the state ``name`` in the key's global shape (layers stacked)."""
+        flat = loaded[f"megatron_bucket/{name}"].reshape(-1)
+        per_key = {}
+        for key, layer, shape in self.order:
+            start, end = self.layout[(key, layer)]
+            per_key.setdefault(key, []).append(flat[start:end].view(shape))
+        return {key: torch.stack(parts) if key.startswith(LAYERS_PREFIX) else parts[0]
+                for key, parts in per_key.items()}
+
+    @staticmethod
+    def step(loaded: dict):
+        """The Adam step megatron-core records in its param groups (None when absent): the
+        object is DistributedOptimizer.state_dict()'s ``optimizer`` entry."""
+        common = loaded.get("megatron_bucket_common") or {}
+        groups = common.get("param_groups") or []
+        steps = {group.get("step") for group in groups} - {None}
+        return torch.tensor(float(steps.pop())) if len(steps) == 1 else None
+
+
+def local_piece(entry: ShardedTensor, full: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of ``full`` (the entry's global tensor): the prepended axes indexed,
+    the others sliced by the entry's offsets and local shape."""
+    piece = full
+    for axis in range(entry.prepend_axis_num):
+        piece = piece[entry.global_offset[axis]]
+    for axis, (offset, size) in enumerate(zip(entry.global_offset[entry.prepend_axis_num:],
+                                              entry.local_shape)):
+        piece = piece.narrow(axis, offset, size)
+    return piece.contiguous()
