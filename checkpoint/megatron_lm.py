@@ -2,7 +2,7 @@
 common.pt records beside the model, in tpfuse's terms.
 
 ``args`` is Megatron-LM's argparse.Namespace (read with ``weights_only=True``, see
-``dist.serialization.common_safe_globals``). Its model shape is checked against this run's as
+``dist.safe_loading.common_safe_globals``). Its model shape is checked against this run's as
 Megatron's ``check_checkpoint_args`` does (``checkpoint_args_mismatch``), or taken for the run
 with ``--use-checkpoint-args`` (``model_config_of``).
 

@@ -16,11 +16,7 @@ saved common entries: what ``model.load_state_dict`` takes.
 """
 from __future__ import annotations
 
-import argparse
 import os
-import pathlib
-import signal
-import types
 from pathlib import Path
 
 import torch
@@ -31,6 +27,7 @@ from .core import (CheckpointingConfig, CheckpointingException, maybe_load_confi
                    save_config)
 from .mapping import (LocalNonpersistentObject, ShardedObject, ShardedTensor, apply_factories,
                       apply_factory_merges, is_main_replica)
+from .safe_loading import common_safe_globals
 
 COMMON_STATE_FNAME = "common.pt"
 _SUPPORTED_STRATEGIES = (None, ("torch_dist", 1), "torch_dist")
@@ -182,49 +179,6 @@ def write_prepared(common, tensors, objects, checkpoint_dir: str, process_group=
     torch_dist.save_sharded(tensors, objects, checkpoint_dir, process_group)
     if _rank() == 0:
         save_config(CheckpointingConfig("torch_dist", 1), checkpoint_dir)
-
-
-class MegatronEnumValue:
-    """Stands in for an enum member of megatron-core that Megatron-LM's ``args`` hold (its
-    pickle calls the enum class with the member's value): the value, without megatron-core."""
-
-    def __init__(self, value):
-        self.value = value
-
-    def __eq__(self, other):
-        return type(other) is type(self) and other.value == self.value
-
-    def __hash__(self):
-        return hash((type(self).__name__, self.value))
-
-    def __repr__(self):
-        return f"{type(self).__name__}({self.value!r})"
-
-
-# the megatron-core enums Megatron-LM's arguments parse into (megatron/training/arguments.py;
-# megatron.core.safe_globals lists the same for its own weights_only loads)
-MEGATRON_ENUMS = ("megatron.core.transformer.enums.AttnBackend",
-                  "megatron.core.transformer.enums.CudaGraphScope",
-                  "megatron.core.transformer.enums.AttnMaskType",
-                  "megatron.core.transformer.enums.ModelType", "megatron.core.enums.ModelType",
-                  "megatron.core.enums.Fp8Recipe",
-                  "megatron.core.rerun_state_machine.RerunMode",
-                  "megatron.core.rerun_state_machine.RerunDiagnostic",
-                  "megatron.core.rerun_state_machine.RerunState",
-                  "megatron.core.dist_checkpointing.validation.StrictHandling")
-# the standard-library types in Megatron-LM's args (its --exit-signal is a signal.Signals)
-ARGS_TYPES = (argparse.Namespace, types.SimpleNamespace, pathlib.PosixPath, signal.Signals)
-
-
-def _stand_in(qualified_name: str) -> type:
-    return type(qualified_name.rsplit(".", 1)[1], (MegatronEnumValue,),
-                {"__module__": __name__, "qualified_name": qualified_name})
-
-
-def common_safe_globals() -> list:
-    """What ``torch.load(weights_only=True)`` may build in a common.pt beyond tensors and plain
-    containers: Megatron-LM's ``args`` (ARGS_TYPES) and a stand-in per enum above."""
-    return list(ARGS_TYPES) + [(_stand_in(name), name) for name in MEGATRON_ENUMS]
 
 
 def load_common_state_dict(checkpoint_dir):

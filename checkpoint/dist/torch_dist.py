@@ -29,7 +29,7 @@ import zlib
 from dataclasses import dataclass
 
 import torch
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import CheckpointException, FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint import load as dcp_load
 from torch.distributed.checkpoint import save as dcp_save
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
@@ -41,6 +41,7 @@ from torch.distributed.checkpoint.planner import (BytesIOWriteData, LoadItemType
                                                   WriteItem, WriteItemType)
 
 from .core import CheckpointingException
+from .safe_loading import object_safe_globals
 
 CRC_KEY = "tpfuse_chunk_crc32"
 
@@ -174,7 +175,8 @@ class _LoadPlanner(DefaultLoadPlanner):
         pass
 
     def load_bytes(self, read_item: ReadItem, value) -> None:
-        stored = torch.load(value, weights_only=False)
+        with torch.serialization.safe_globals(object_safe_globals()):
+            stored = torch.load(value, weights_only=True)
         if not (isinstance(stored, list) and len(stored) == 1):
             raise CheckpointingException(f"object {read_item.dest_index.fqn!r}: expected "
                                          "Megatron's one-element list, got "
@@ -273,8 +275,8 @@ def load_sharded(tensors: list, objects: list, checkpoint_dir: str):
     try:
         dcp_load({}, storage_reader=FileSystemReader(checkpoint_dir), planner=planner,
                  no_dist=not _distributed())
-    except Exception as error:
-        keys = sorted({s.key for s in stored})
+    except (Exception, CheckpointException) as error:   # DCP's is a BaseException
+        keys = sorted({s.key for s in stored} | {sh.key for sh in objects})
         raise CheckpointingException(
             f"reading the checkpoint's chunks of {keys[:4]}{'...' if len(keys) > 4 else ''} "
             f"failed: {type(error).__name__}: {error}") from error

@@ -462,3 +462,40 @@ def test_megatron_lm_common_is_read_with_weights_only(tmp_path):
     torch.save({"args": _NotAllowed()}, tmp_path / "common.pt")
     with pytest.raises(pickle.UnpicklingError, match="_NotAllowed"):
         serialization.load_common_state_dict(str(tmp_path))
+
+
+def _object_round_trip(folder, value):
+    """``value`` saved as a ShardedObject and loaded back (one rank); the error text instead
+    when the load refuses it."""
+    from tpfuse.checkpoint.dist import serialization
+    from tpfuse.checkpoint.dist.core import CheckpointingException
+    from tpfuse.checkpoint.dist.mapping import ShardedObject
+
+    os.makedirs(folder)
+    serialization.save({"rng": ShardedObject("rng_state", value, (1,), (0,), 0)}, folder)
+    try:
+        return serialization.load({"rng": ShardedObject("rng_state", None, (1,), (0,), 0)},
+                                  folder)["rng"]
+    except CheckpointingException as error:
+        return str(error)
+
+
+def test_sharded_objects_are_read_with_weights_only(run_distributed, tmp_path):
+    """A ShardedObject as Megatron-LM saves its rng_state (Python's random state, numpy's
+    generator state with its ndarray, torch's ByteTensor) reads back equal under
+    weights_only=True; an object holding another class is refused."""
+    import random
+
+    import numpy as np
+
+    rng_state = {"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
+                 "torch_rng_state": torch.get_rng_state()}
+    [back] = run_distributed(1, _object_round_trip, str(tmp_path / "rng"), rng_state)
+    assert back["random_rng_state"] == rng_state["random_rng_state"]
+    assert back["np_rng_state"][0] == "MT19937"
+    assert np.array_equal(back["np_rng_state"][1], rng_state["np_rng_state"][1])
+    assert back["np_rng_state"][2:] == rng_state["np_rng_state"][2:]
+    assert torch.equal(back["torch_rng_state"], rng_state["torch_rng_state"])
+    [refused] = run_distributed(1, _object_round_trip, str(tmp_path / "bad"), _NotAllowed())
+    assert isinstance(refused, str) and "rng_state" in refused and "_NotAllowed" in refused, \
+        refused
