@@ -17,13 +17,18 @@ checkpoint's peak and minimum lr, warm-up, decay length and style must equal thi
 (``DistributedOptimizer.sharded_param_state_dp_reshardable``): per gradient buffer and bucket
 one flat tensor per state (``param`` = the fp32 main copy, ``exp_avg``, ``exp_avg_sq``) under
 ``optimizer.distributed.dp_group_idx_<g>.gbuf_idx_<b>.dtype_<..>.bucket_idx_<k>.<state>``, of
-the bucket's unpadded size. megatron-core's ``_ParamAndGradBuffer`` places the parameters in it
-in reverse registration order, each start rounded up to a multiple of 64 (``bucket_layout``);
-the registration order is the GPT layer's (``LAYER_ORDER``: the local spec's, or the Transformer
-Engine spec's with the norms inside linear_qkv / linear_fc1). One bucket of one buffer of a
-dense model saved at tp = pp = 1 is read (Megatron-LM's default without
-``--overlap-grad-reduce``); its main copies must equal the checkpoint's weights, which checks
-the layout (``BucketState.check_main_copies``).
+the bucket's unpadded size. megatron-core's ``_ParamAndGradBuffer`` places the parameters in
+its buckets in reverse registration order, each start rounded up to a multiple of 64, a new
+bucket begun after the parameter that fills one to ``bucket_size`` elements (``bucket_layout``;
+the saved buckets' sizes say where); the registration order is the GPT layer's
+(``LAYER_ORDER``: the local spec's, or the Transformer Engine spec's with the norms inside
+linear_qkv / linear_fc1). Read: the buckets of one buffer of a dense GPT saved at
+tp = pp = 1, tied or untied embeddings (tied at pp = 1 the output layer has no weight of its
+own, so no bucket of its own either), in one bucket (Megatron-LM's default, without
+``--overlap-grad-reduce``) or several (``--overlap-grad-reduce`` with ``--ddp-bucket-size``).
+Refused, naming the setting (``_refused_layout``): a chained optimizer's keys (MoE's expert
+optimizer), a save at tp or pp > 1, several buffers. The main copies must equal the
+checkpoint's weights, which checks the layout (``_bucket_optimizer_states``).
 """
 from __future__ import annotations
 
@@ -38,6 +43,7 @@ from .dist.mapping import ShardedObject, ShardedTensor
 BUCKET_PREFIX = "optimizer.distributed."
 _BUCKET_KEY = re.compile(r"^optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\."
                          r"dtype_(.+)\.bucket_idx_(\d+)\.([A-Za-z0-9_]+)$")
+_CHAINED_KEY = re.compile(r"^chained_(\d+)\.optimizer\.distributed\.")
 PARAM_ALIGNMENT = 64                   # _pad_start_of_param_if_needed
 STATE_NAMES = {"param": "fp32_param", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
 
@@ -204,69 +210,133 @@ def parameter_order(stored: dict, transformer_impl: str) -> list:
     return out + [(key, None, stored[key]) for key in LAST if key in stored]
 
 
-def bucket_layout(order: list) -> dict:
-    """(stored key, layer) → [start, end) in the bucket: megatron-core's _ParamAndGradBuffer
-    (reversed order, every start rounded up to a multiple of PARAM_ALIGNMENT)."""
-    layout, start = {}, 0
+def bucket_layout(order: list, bucket_sizes: list) -> dict:
+    """(stored key, layer) → (bucket, [start, end) in it): megatron-core's _ParamAndGradBuffer.
+
+    The parameters fill the buffer in reverse registration order, every start rounded up to a
+    multiple of PARAM_ALIGNMENT; a bucket is closed after the parameter that brings it to
+    ``bucket_size`` elements (never with Megatron-LM's default, without
+    ``--overlap-grad-reduce``) and the next one starts at the bucket's end padded to a multiple
+    of lcm(dp, 128), so every start is PARAM_ALIGNMENT-aligned inside its bucket too. A bucket's
+    saved tensor holds its unpadded size, the end of its last parameter: ``bucket_sizes`` (in
+    bucket order) say where each bucket closed. ValueError where no such filling gives them."""
+    layout, bucket, start = {}, 0, 0
     for key, layer, shape in reversed(order):
+        if bucket == len(bucket_sizes):
+            raise ValueError(f"its buckets hold {list(bucket_sizes)} elements, fewer than "
+                             "megatron-core's layout of its parameters")
         start = -(-start // PARAM_ALIGNMENT) * PARAM_ALIGNMENT
         end = start + math.prod(shape)
-        layout[(key, layer)] = (start, end)
-        start = end
+        if end > bucket_sizes[bucket]:
+            raise ValueError(f"its bucket {bucket} holds {bucket_sizes[bucket]} elements, "
+                             f"megatron-core's layout of its parameters does not end a bucket "
+                             f"there ({key} ends at {end})")
+        layout[(key, layer)] = (bucket, start, end)
+        bucket, start = (bucket + 1, 0) if end == bucket_sizes[bucket] else (bucket, end)
+    if bucket != len(bucket_sizes):
+        raise ValueError(f"its buckets hold {list(bucket_sizes)} elements, more than "
+                         "megatron-core's layout of its parameters")
     return layout
+
+
+def is_bucket_key(key: str) -> bool:
+    """A tensor of a distributed optimizer's dp_reshardable state (one optimizer's, or a
+    chained optimizer's: ``chained_<i>.optimizer.distributed....``)."""
+    return key.startswith(BUCKET_PREFIX) or _CHAINED_KEY.match(key) is not None
+
+
+def _buckets_of(metadata) -> dict:
+    """(dp group, buffer, dtype, bucket) → {state: (stored key, global shape)}."""
+    buckets = {}
+    for key, entry in metadata.state_dict_metadata.items():
+        match = _BUCKET_KEY.match(key)
+        if match and hasattr(entry, "size"):
+            group, buffer, dtype, bucket, state = match.groups()
+            buckets.setdefault((int(group), int(buffer), dtype, int(bucket)), {})[state] = \
+                (key, tuple(entry.size))
+    return buckets
+
+
+_RESUME_WITHOUT = ("resume without its optimizer state with --no-load-optim, or save it with "
+                   "--dist-ckpt-optim-fully-reshardable")
+
+
+def _refused_layout(metadata, args, buckets: dict) -> str | None:
+    """Why tpfuse cannot read these buckets (the setting that wrote them), None if it can."""
+    chained = sorted({m.group(1) for m in map(_CHAINED_KEY.match, metadata.state_dict_metadata)
+                      if m})
+    if chained:
+        return (f"belongs to {len(chained)} chained optimizers (keys chained_<i>.optimizer."
+                "distributed...: megatron-core's separate optimizer of the MoE expert "
+                "parameters, --num-experts); tpfuse reads one optimizer's")
+    parallel = [getattr(args, name, 1) or 1 for name in ("tensor_model_parallel_size",
+                                                         "pipeline_model_parallel_size")]
+    if max(parallel) > 1:
+        return (f"was saved at tp, pp = {parallel[0]}, {parallel[1]} "
+                "(--tensor-model-parallel-size, --pipeline-model-parallel-size: one bucket "
+                "layout per model-parallel rank); tpfuse reads it saved at tp = pp = 1")
+    buffers = sorted({bucket[:3] for bucket in buckets})
+    if len(buffers) != 1:
+        names = [f"dp_group_idx_{g}.gbuf_idx_{b}.dtype_{d}" for g, b, d in buffers]
+        return (f"has {len(buffers)} gradient buffers {names} (parameters of several "
+                "dtypes); tpfuse reads one")
+    indices = sorted(bucket[3] for bucket in buckets)
+    if indices != list(range(len(indices))):
+        return f"has the buckets {indices}, not 0 to {len(indices) - 1}"
+    names = {frozenset(states) for states in buckets.values()}
+    if len(names) != 1:
+        return f"has other states in different buckets: {sorted(map(sorted, names))}"
+    return None
 
 
 class BucketState:
     """The dp_reshardable optimizer state of a Megatron-LM checkpoint (module docstring)."""
 
     def __init__(self, metadata, args, folder: str):
-        buckets = {}
-        for key, entry in metadata.state_dict_metadata.items():
-            match = _BUCKET_KEY.match(key)
-            if match and hasattr(entry, "size"):
-                buckets.setdefault(match.groups()[:4], {})[match.group(5)] = \
-                    (key, tuple(entry.size))
+        buckets = _buckets_of(metadata)
         where = f"checkpoint {folder}: its optimizer state (Megatron's dp_reshardable layout)"
-        parallel = [getattr(args, name, 1) or 1 for name in ("tensor_model_parallel_size",
-                                                             "pipeline_model_parallel_size")]
-        if len(buckets) != 1 or max(parallel) > 1:
-            raise ValueError(f"{where} has {len(buckets)} buckets saved at tp, pp = "
-                             f"{parallel[0]}, {parallel[1]}; tpfuse reads one bucket saved at "
-                             "tp = pp = 1 (resume without its optimizer state with --no-load-optim, "
-                             "or save it with --dist-ckpt-optim-fully-reshardable)")
-        (group, _, _, _), states = next(iter(buckets.items()))
-        self.group, self.states = group, {name: states[name] for name in STATE_NAMES
-                                          if name in states}
+        refused = _refused_layout(metadata, args, buckets)
+        if refused is not None:
+            raise ValueError(f"{where} {refused} ({_RESUME_WITHOUT})")
+        self.group = next(iter(buckets))[0]
+        self.buckets = [{name: states[name] for name in STATE_NAMES if name in states}
+                        for _, states in sorted(buckets.items(), key=lambda item: item[0][3])]
+        self.states = tuple(self.buckets[0])
+        sizes = []
+        for states in self.buckets:
+            stored = {shape for _, shape in states.values()}
+            if len(stored) != 1 or len(next(iter(stored))) != 1:
+                raise ValueError(f"{where} holds states of the shapes {sorted(stored)} in one "
+                                 "bucket: not a layout tpfuse knows")
+            sizes.append(next(iter(stored))[0])
         try:
             order = parameter_order(model_tensors(metadata),
                                     getattr(args, "transformer_impl", "transformer_engine"))
+            self.layout = bucket_layout(order, sizes)
         except ValueError as error:
             raise ValueError(f"{where}: {error} (resume without its optimizer state with "
                              "--no-load-optim)") from None
-        self.order, self.layout = order, bucket_layout(order)
-        size = max(end for _, end in self.layout.values())
-        stored = {shape[0] for _, shape in self.states.values()}
-        if stored != {size}:
-            raise ValueError(f"{where} holds {sorted(stored)} elements, megatron-core's layout "
-                             f"of its parameters {size}: not a layout tpfuse knows")
+        self.order = order
 
     def requests(self) -> dict:
-        """Load requests: every state's whole bucket tensor, and the optimizer's common object
-        (its param groups' ``step``)."""
-        out = {f"megatron_bucket/{name}": ShardedTensor.from_rank_offsets(
+        """Load requests: every state's whole tensor of every bucket, and the optimizer's common
+        object (its param groups' ``step``)."""
+        out = {f"megatron_bucket/{index}/{name}": ShardedTensor.from_rank_offsets(
             key, torch.empty(shape, dtype=torch.float32), replica_id=0)
-            for name, (key, shape) in self.states.items()}
+            for index, states in enumerate(self.buckets)
+            for name, (key, shape) in states.items()}
         out["megatron_bucket_common"] = ShardedObject(
             f"optimizer.distributed.dp_group_idx_{self.group}.optimizer", None, (1,), (0,), 0)
         return out
 
     def stacked(self, loaded: dict, name: str) -> dict:
         """Stored model key → the state ``name`` in the key's global shape (layers stacked)."""
-        flat = loaded[f"megatron_bucket/{name}"].reshape(-1)
+        flats = [loaded[f"megatron_bucket/{index}/{name}"].reshape(-1)
+                 for index in range(len(self.buckets))]
         per_key = {}
         for key, layer, shape in self.order:
-            start, end = self.layout[(key, layer)]
-            per_key.setdefault(key, []).append(flat[start:end].view(shape))
+            bucket, start, end = self.layout[(key, layer)]
+            per_key.setdefault(key, []).append(flats[bucket][start:end].view(shape))
         return {key: torch.stack(parts) if key.startswith(LAYERS_PREFIX) else parts[0]
                 for key, parts in per_key.items()}
 

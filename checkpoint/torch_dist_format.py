@@ -534,7 +534,7 @@ def _megatron_scheduler(common: dict, scheduler):
 
 def _bucket_state(common, metadata, folder):
     """The dp_reshardable optimizer state of a Megatron-LM checkpoint, None when it has none."""
-    if not any(key.startswith(megatron_lm.BUCKET_PREFIX) for key in metadata.state_dict_metadata):
+    if not any(megatron_lm.is_bucket_key(key) for key in metadata.state_dict_metadata):
         return None
     return megatron_lm.BucketState(metadata, common.get("args"), folder)
 

@@ -245,6 +245,8 @@ def test_conversion_round_trip_resumes_with_the_uninterrupted_losses(run_distrib
 
 # ------------------------------------------------------------------ Megatron-LM's training checkpoint
 TRAINED = os.path.join(FIXTURES, "dense_trained")
+# the same model with tied embeddings, its gradient buffer saved in several buckets
+TIED_BUCKETS = "dense_tied_buckets"
 
 
 class FixedBatch(torch.utils.data.Dataset):
@@ -264,16 +266,17 @@ class FixedBatch(torch.utils.data.Dataset):
                 "loss_mask": torch.ones(s), "position_ids": torch.arange(s)}
 
 
-def fixed_batch_datasets(train_valid_test_num_samples, *, config):
-    reference = torch.load(os.path.join(TRAINED, "reference.pt"))
+def fixed_batch_datasets(train_valid_test_num_samples, *, config, case="dense_trained"):
+    reference = torch.load(os.path.join(FIXTURES, case, "reference.pt"))
     return FixedBatch(reference["tokens"], reference["labels"],
                       train_valid_test_num_samples[0]), None, None
 
 
-def trained_flags() -> list:
-    """tpfuse-train's flags of the run Megatron-LM's args in the fixture record (its model and
-    its training flags), resumed for the fixture's further steps."""
-    with open(os.path.join(TRAINED, "config.json")) as handle:
+def trained_flags(case="dense_trained") -> list:
+    """tpfuse-train's flags of the run Megatron-LM's args in the fixture ``case`` record (its
+    model and its training flags), resumed for the fixture's further steps."""
+    folder = os.path.join(FIXTURES, case)
+    with open(os.path.join(folder, "config.json")) as handle:
         recorded = json.load(handle)
     t = recorded["training"]
     schedule = ["--lr", str(t["lr"]), "--min-lr", str(t["min_lr"]),
@@ -283,13 +286,13 @@ def trained_flags() -> list:
                 "--weight-decay", str(t["weight_decay"]), "--clip-grad", str(t["clip_grad"]),
                 "--adam-beta1", str(t["adam_beta1"]), "--adam-beta2", str(t["adam_beta2"]),
                 "--adam-eps", str(t["adam_eps"])]
-    resumed = recorded["iteration"] + len(torch.load(os.path.join(TRAINED, "reference.pt"))[
+    resumed = recorded["iteration"] + len(torch.load(os.path.join(folder, "reference.pt"))[
         "resumed_losses"])
-    return fixture_flags("dense_trained") + schedule + [
+    return fixture_flags(case) + schedule + [
         "--micro-batch-size", str(recorded["global_batch_size"]),
         "--global-batch-size", str(recorded["global_batch_size"]),
         "--train-iters", str(resumed), "--mock-data", "--eval-iters", "0", "--log-interval", "1",
-        "--no-progress-bar", "--no-layout-table", "--load", os.path.join(TRAINED, "checkpoint")]
+        "--no-progress-bar", "--no-layout-table", "--load", os.path.join(folder, "checkpoint")]
 
 
 def run_pretrain_on_fixed_batch(argv):
@@ -299,8 +302,8 @@ def run_pretrain_on_fixed_batch(argv):
     return run_pretrain(argv, datasets_provider=functools.partial(fixed_batch_datasets))
 
 
-def resumed_run(argv):
-    """pretrain(argv) on the fixed batch; (the logged losses, the iteration it resumed at, the
+def resumed_run(argv, case="dense_trained"):
+    """pretrain(argv) on the fixture ``case``'s fixed batch; (the logged losses, the iteration it resumed at, the
     lr, step and per-parameter optimizer state right after the load: {Megatron module name:
     {state: tensor}} of this rank's pieces, dp = 1)."""
     import functools
@@ -323,18 +326,22 @@ def resumed_run(argv):
 
     torch_dist_format.load_any = load_and_capture
     try:
-        result = run_pretrain(argv, datasets_provider=functools.partial(fixed_batch_datasets))
+        result = run_pretrain(argv, datasets_provider=functools.partial(fixed_batch_datasets,
+                                                                          case=case))
     finally:
         torch_dist_format.load_any = loading
     return (result.train_losses if result.is_logger else None), captured
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_megatron_lm_training_checkpoint_resumes_with_megatron_cores_losses(run_distributed, tp):
+@pytest.mark.parametrize("case, tp", [("dense_trained", 1), ("dense_trained", 2),
+                                      (TIED_BUCKETS, 1)])
+def test_megatron_lm_training_checkpoint_resumes_with_megatron_cores_losses(run_distributed,
+                                                                            case, tp):
     """tpfuse-train --load of the checkpoint megatron-core's optimizer and scheduler wrote as
     Megatron-LM's training does (tests/support/write_megatron_core_fixtures.py: args, the
     distributed optimizer's dp_reshardable buckets, opt_param_scheduler; tp 1), here at tp 1
-    and tp 2 on the same fixed batch: it resumes at the saved iteration with megatron-core's lr
+    and tp 2 on the same fixed batch (dense_trained: untied, one bucket; dense_tied_buckets:
+    tied embeddings, several buckets, at tp 1): it resumes at the saved iteration with megatron-core's lr
     for the next step, Adam's step, exp_avg, exp_avg_sq equal to megatron-core's (exactly: the
     same fp32 numbers, only cut by tp and padded by the vocabulary rows, whose moments are 0),
     and the next 2 losses megatron-core took after the save.
@@ -345,9 +352,9 @@ def test_megatron_lm_training_checkpoint_resumes_with_megatron_cores_losses(run_
     carried through two Adam steps of lr ≈ 9e-3: rel 1e-5 on O(1) losses, as
     test_dist_checkpointing_optimizer. A lost moment or step moves the first resumed update by
     about lr per weight and the next loss by ≥ 1e-3 relative."""
-    reference = torch.load(os.path.join(TRAINED, "reference.pt"))
-    argv = trained_flags() + ["--tensor-model-parallel-size", str(tp)]
-    results = run_distributed(tp, resumed_run, argv)
+    reference = torch.load(os.path.join(FIXTURES, case, "reference.pt"))
+    argv = trained_flags(case) + ["--tensor-model-parallel-size", str(tp)]
+    results = run_distributed(tp, resumed_run, argv, case)
     for _, captured in results:
         assert captured["iteration"] == 3
         assert captured["lr"] == pytest.approx(reference["lr_at_save"], rel=1e-12)
@@ -363,6 +370,61 @@ def test_megatron_lm_training_checkpoint_resumes_with_megatron_cores_losses(run_
                 assert not state[key][rows:].any(), (name, key)        # padded vocabulary rows
     losses = next(losses for losses, _ in results if losses is not None)
     assert losses == pytest.approx(reference["resumed_losses"], rel=1e-5, abs=0)
+
+
+def _bucket_state_or_refusal(metadata_entries: dict, **args_changes):
+    """megatron_lm.BucketState of dense_tied_buckets' index with ``metadata_entries`` (key →
+    entry) and its args changed by ``args_changes``; the ValueError's text where it refuses."""
+    import argparse
+    import types
+
+    from tpfuse.checkpoint import megatron_lm
+    from tpfuse.checkpoint.dist import serialization
+
+    folder = os.path.join(FIXTURES, TIED_BUCKETS, "checkpoint", "iter_0000003")
+    args = argparse.Namespace(**{**vars(serialization.load_common_state_dict(folder)["args"]),
+                                 **args_changes})
+    try:
+        return megatron_lm.BucketState(
+            types.SimpleNamespace(state_dict_metadata=metadata_entries), args, folder)
+    except ValueError as error:
+        return str(error).replace(folder, "DIR")
+
+
+def test_megatron_lm_bucket_layouts_are_read_or_refused_naming_the_setting():
+    """dense_tied_buckets' index (megatron-core's --ddp-bucket-size 2000 over 2 layers of
+    3280 parameters: a layer's parameters in two buckets) is read as 4 buckets whose sizes
+    megatron-core's filling gives; what tpfuse cannot map is refused before any read, naming
+    the setting that wrote it: a save at tp 2, a chained optimizer's keys (MoE's experts get an
+    optimizer of their own), a second gradient buffer."""
+    from tpfuse.checkpoint.dist import torch_dist
+
+    folder = os.path.join(FIXTURES, TIED_BUCKETS, "checkpoint", "iter_0000003")
+    entries = dict(torch_dist.read_metadata(folder).state_dict_metadata)
+    buckets = _bucket_state_or_refusal(entries)
+    assert [states["exp_avg"][1] for states in buckets.buckets] == \
+        [(2304,), (2496,), (2048,), (1728,)]
+    spread = {bucket for (key, _), (bucket, _, _) in buckets.layout.items()
+              if key.endswith("layers.self_attention.linear_qkv.weight")}
+    assert spread == {1, 2}
+    resume = ("(resume without its optimizer state with --no-load-optim, or save it with "
+              "--dist-ckpt-optim-fully-reshardable)")
+    where = "checkpoint DIR: its optimizer state (Megatron's dp_reshardable layout)"
+    assert _bucket_state_or_refusal(entries, tensor_model_parallel_size=2) == (
+        f"{where} was saved at tp, pp = 2, 1 (--tensor-model-parallel-size, "
+        "--pipeline-model-parallel-size: one bucket layout per model-parallel rank); tpfuse "
+        f"reads it saved at tp = pp = 1 {resume}")
+    chained = {("chained_0." + key if key.startswith("optimizer.") else key): entry
+               for key, entry in entries.items()}
+    assert _bucket_state_or_refusal(chained) == (
+        f"{where} belongs to 1 chained optimizers (keys chained_<i>.optimizer.distributed...: "
+        "megatron-core's separate optimizer of the MoE expert parameters, --num-experts); "
+        f"tpfuse reads one optimizer's {resume}")
+    first = next(key for key in entries if key.endswith(".bucket_idx_0.exp_avg"))
+    two_buffers = dict(entries, **{first.replace("gbuf_idx_0", "gbuf_idx_1"): entries[first]})
+    refused = _bucket_state_or_refusal(two_buffers)
+    assert refused.startswith(f"{where} has 2 gradient buffers ") and \
+        refused.endswith(f"(parameters of several dtypes); tpfuse reads one {resume}"), refused
 
 
 def test_megatron_lm_checkpoint_with_another_model_shape_fails_at_parsing(tmp_path):

@@ -31,7 +31,11 @@ included: ``megatron_args``), ``checkpoint_version`` 3.0, ``iteration``, ``model
 ``optimizer`` (the DistributedOptimizer's sharded state dict in Megatron-LM's default
 ``dp_reshardable`` layout: per bucket flat ``param`` / ``exp_avg`` / ``exp_avg_sq`` tensors),
 ``opt_param_scheduler``, ``rng_state`` (a ShardedObject over (pp, tp)) and
-``num_floating_point_operations_so_far``. ``reference.pt`` keeps the fixed batch, the losses
+``num_floating_point_operations_so_far``. ``dense_tied_buckets`` is the same model with tied
+embeddings (Megatron's default) trained and saved the same way, its gradient buffer cut into
+buckets of about TRAINED_ARGS' ``ddp_bucket_size`` elements (``--overlap-grad-reduce``): several
+``bucket_idx_<k>`` tensors per state, a layer's parameters spread over two of them; its
+config.json also records those args. ``reference.pt`` keeps the fixed batch, the losses
 and learning rates of the saved steps and of RESUMED_STEPS more steps megatron-core takes
 after the save (what a resumed run must reproduce), and every parameter's optimizer state in
 model space (``param``, ``exp_avg``, ``exp_avg_sq`` in the parameter's shape) at the save.
@@ -68,6 +72,13 @@ CASES = {
 CASES["moe_grouped"] = (dict(CASES["moe"][0], moe_grouped_gemm=True), {})
 # a case trained by megatron-core's optimizer and saved as Megatron-LM's training saves
 TRAINED_CASES = {"dense_trained": ({"hidden_size": 16, "num_attention_heads": 2}, {})}
+# the same model with Megatron's default tied embeddings, its gradient buffer cut into buckets
+# (Megatron-LM's --overlap-grad-reduce --ddp-bucket-size): TRAINED_ARGS are its args beyond
+# dense_trained's, the DistributedDataParallelConfig follows them (ddp_config)
+TRAINED_CASES["dense_tied_buckets"] = (TRAINED_CASES["dense_trained"][0],
+                                       {"share_embeddings_and_output_weights": True})
+TRAINED_ARGS = {"dense_tied_buckets": {"untie_embeddings_and_output_weights": False,
+                                       "overlap_grad_reduce": True, "ddp_bucket_size": 2000}}
 TRAIN_STEPS, RESUMED_STEPS, TRAIN_ITERS = 3, 2, 10
 # Megatron-LM's training flags of that case (what its args record)
 TRAINING = dict(lr=1e-2, min_lr=1e-3, lr_decay_style="cosine", lr_warmup_iters=1,
@@ -241,7 +252,7 @@ def megatron_args(case, iteration):
 
     fields = config_fields(case)
     hidden, heads = fields["hidden_size"], fields["num_attention_heads"]
-    return argparse.Namespace(
+    args = argparse.Namespace(
         num_layers=fields["num_layers"], hidden_size=hidden, ffn_hidden_size=4 * hidden,
         num_attention_heads=heads, kv_channels=hidden // heads, group_query_attention=False,
         num_query_groups=heads, seq_length=SEQ, max_position_embeddings=SEQ,
@@ -268,18 +279,31 @@ def megatron_args(case, iteration):
         dist_ckpt_optim_fully_reshardable=False, seed=1234, iteration=iteration,
         consumed_train_samples=iteration * BATCH, consumed_valid_samples=0,
         skipped_train_samples=0, exit_signal=signal.SIGTERM)
+    vars(args).update(TRAINED_ARGS.get(case, {}))
+    return args
+
+
+def ddp_config(case):
+    """megatron-core's DistributedDataParallelConfig of the case, as Megatron-LM builds it from
+    its args (--overlap-grad-reduce, --ddp-bucket-size)."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    args = TRAINED_ARGS.get(case, {})
+    return DistributedDataParallelConfig(
+        use_distributed_optimizer=True, grad_reduce_in_fp32=True,
+        overlap_grad_reduce=args.get("overlap_grad_reduce", False),
+        bucket_size=args.get("ddp_bucket_size"))
 
 
 def megatron_trainer(case, seed):
     """(DDP-wrapped model, megatron-core's optimizer, its OptimizerParamScheduler): Megatron-LM's
     setup_model_and_optimizer for the case, in samples as Megatron-LM counts."""
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed import DistributedDataParallel
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     model = megatron_model(case, seed)
-    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
-        use_distributed_optimizer=True, grad_reduce_in_fp32=True), model)
+    ddp = DistributedDataParallel(model.config, ddp_config(case), model)
     t = TRAINING
     optimizer = get_megatron_optimizer(OptimizerConfig(
         optimizer="adam", lr=t["lr"], min_lr=t["min_lr"], weight_decay=t["weight_decay"],
@@ -378,7 +402,9 @@ def write_trained_case(case, out_dir, seed):
         json.dump({"config": config_fields(case), "model": TRAINED_CASES[case][1],
                    "vocab_size": VOCAB, "max_sequence_length": SEQ, "training": TRAINING,
                    "global_batch_size": BATCH, "train_iters": TRAIN_ITERS,
-                   "iteration": TRAIN_STEPS}, f, indent=1, sort_keys=True)
+                   "iteration": TRAIN_STEPS, **({"args": TRAINED_ARGS[case]}
+                                                if case in TRAINED_ARGS else {})},
+                  f, indent=1, sort_keys=True)
     parallel_state.destroy_model_parallel()
 
 
