@@ -696,6 +696,15 @@ def megatron_lm_common(root: str) -> dict | None:
     return common if megatron_lm.is_megatron_common(common) else None
 
 
+def check_megatron_optimizer(root: str, common: dict) -> None:
+    """Check (local, no collective) that tpfuse can map the dp_reshardable optimizer state of
+    the Megatron-LM checkpoint ``root`` names (``common``: its common.pt): the ValueError of
+    ``megatron_lm.BucketState``, naming the setting that wrote it, otherwise."""
+    from .dist import torch_dist
+    folder = checkpoint_dir_of(root)
+    _bucket_state(common, torch_dist.read_metadata(folder), folder)
+
+
 def read_head(folder: str) -> dict:
     """What every rank file of the per-rank format shares (``model_config``, ``extra``, ...),
     from common.pt (checked against the manifest); local, no collective."""

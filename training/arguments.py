@@ -220,7 +220,8 @@ def check_megatron_checkpoint(settings, config) -> None:
     """``--load`` of a checkpoint Megatron-LM's training wrote: its ``args`` give this run's
     model shape (Megatron's check_checkpoint_args; not with --finetune) and, without
     --override-opt_param-scheduler / --use-checkpoint-opt_param-scheduler / --no-load-optim, its
-    lr schedule is this run's (megatron-core's OptimizerParamScheduler check). A ValueError naming the flag."""
+    lr schedule is this run's (megatron-core's OptimizerParamScheduler check); without
+    --no-load-optim its optimizer state is one tpfuse reads. A ValueError naming the flag."""
     from tpfuse.checkpoint import megatron_lm, torch_dist_format
 
     load, scheduler = settings.checkpoint.load, settings.scheduler
@@ -233,6 +234,11 @@ def check_megatron_checkpoint(settings, config) -> None:
         raise ValueError(f"--load {load}: {flag} {mine} does not match the checkpoint's {name} "
                          f"{saved} (Megatron's check_checkpoint_args): give {flag} {saved}, or "
                          "--use-checkpoint-args to take the model's shape from the checkpoint")
+    if not settings.checkpoint.no_load_optim:
+        try:
+            torch_dist_format.check_megatron_optimizer(load, common)
+        except ValueError as error:
+            raise ValueError(f"--load {load}: {error}") from None
     saved = common.get("opt_param_scheduler")
     if not isinstance(saved, dict) or scheduler.override_opt_param_scheduler or \
             scheduler.use_checkpoint_opt_param_scheduler or settings.checkpoint.no_load_optim:

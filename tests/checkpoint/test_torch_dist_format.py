@@ -395,8 +395,8 @@ def test_megatron_lm_bucket_layouts_are_read_or_refused_naming_the_setting():
     """dense_tied_buckets' index (megatron-core's --ddp-bucket-size 2000 over 2 layers of
     3280 parameters: a layer's parameters in two buckets) is read as 4 buckets whose sizes
     megatron-core's filling gives; what tpfuse cannot map is refused before any read, naming
-    the setting that wrote it: a save at tp 2, a chained optimizer's keys (MoE's experts get an
-    optimizer of their own), a second gradient buffer."""
+    the setting that wrote it: a chained optimizer's keys (MoE's experts get an optimizer of
+    their own), a second gradient buffer (a save at tp 2: the next test)."""
     from tpfuse.checkpoint.dist import torch_dist
 
     folder = os.path.join(FIXTURES, TIED_BUCKETS, "checkpoint", "iter_0000003")
@@ -410,10 +410,6 @@ def test_megatron_lm_bucket_layouts_are_read_or_refused_naming_the_setting():
     resume = ("(resume without its optimizer state with --no-load-optim, or save it with "
               "--dist-ckpt-optim-fully-reshardable)")
     where = "checkpoint DIR: its optimizer state (Megatron's dp_reshardable layout)"
-    assert _bucket_state_or_refusal(entries, tensor_model_parallel_size=2) == (
-        f"{where} was saved at tp, pp = 2, 1 (--tensor-model-parallel-size, "
-        "--pipeline-model-parallel-size: one bucket layout per model-parallel rank); tpfuse "
-        f"reads it saved at tp = pp = 1 {resume}")
     chained = {("chained_0." + key if key.startswith("optimizer.") else key): entry
                for key, entry in entries.items()}
     assert _bucket_state_or_refusal(chained) == (
@@ -425,6 +421,34 @@ def test_megatron_lm_bucket_layouts_are_read_or_refused_naming_the_setting():
     refused = _bucket_state_or_refusal(two_buffers)
     assert refused.startswith(f"{where} has 2 gradient buffers ") and \
         refused.endswith(f"(parameters of several dtypes); tpfuse reads one {resume}"), refused
+
+
+def test_megatron_lm_optimizer_saved_at_tp2_fails_at_parsing(tmp_path):
+    """dense_tied_buckets with its args saying tp 2 (each model-parallel rank's buckets hold its
+    own shards, which tpfuse does not map): one ValueError naming the flag, at argument parsing
+    (no process group yet); --no-load-optim takes the weights without it."""
+    import shutil
+
+    from tpfuse.checkpoint.dist import serialization
+    from tpfuse.training.arguments import parse_args
+
+    root = str(tmp_path / "checkpoint")
+    shutil.copytree(os.path.join(FIXTURES, TIED_BUCKETS, "checkpoint"), root)
+    folder = os.path.join(root, "iter_0000003")
+    common = serialization.load_common_state_dict(folder)
+    common["args"].tensor_model_parallel_size = 2
+    torch.save(common, os.path.join(folder, "common.pt"))
+    argv = trained_flags(TIED_BUCKETS)
+    argv[argv.index("--load") + 1] = root
+    with pytest.raises(ValueError) as error:
+        parse_args(argv)
+    assert str(error.value) == (
+        f"--load {root}: checkpoint {folder}: its optimizer state (Megatron's dp_reshardable "
+        "layout) was saved at tp, pp = 2, 1 (--tensor-model-parallel-size, "
+        "--pipeline-model-parallel-size: one bucket layout per model-parallel rank); tpfuse "
+        "reads it saved at tp = pp = 1 (resume without its optimizer state with --no-load-optim, "
+        "or save it with --dist-ckpt-optim-fully-reshardable)")
+    parse_args(argv + ["--no-load-optim"])
 
 
 def test_megatron_lm_checkpoint_with_another_model_shape_fails_at_parsing(tmp_path):
