@@ -303,9 +303,9 @@ def run_pretrain_on_fixed_batch(argv):
 
 
 def resumed_run(argv, case="dense_trained"):
-    """pretrain(argv) on the fixture ``case``'s fixed batch; (the logged losses, the iteration it resumed at, the
-    lr, step and per-parameter optimizer state right after the load: {Megatron module name:
-    {state: tensor}} of this rank's pieces, dp = 1)."""
+    """pretrain(argv) on the fixture ``case``'s fixed batch; (the logged losses, the iteration
+    it resumed at, the lr, step and per-parameter optimizer state right after the load:
+    {Megatron module name: {state: tensor}} of this rank's pieces, dp = 1)."""
     import functools
 
     from tpfuse.checkpoint import torch_dist_format
@@ -341,10 +341,11 @@ def test_megatron_lm_training_checkpoint_resumes_with_megatron_cores_losses(run_
     Megatron-LM's training does (tests/support/write_megatron_core_fixtures.py: args, the
     distributed optimizer's dp_reshardable buckets, opt_param_scheduler; tp 1), here at tp 1
     and tp 2 on the same fixed batch (dense_trained: untied, one bucket; dense_tied_buckets:
-    tied embeddings, several buckets, at tp 1): it resumes at the saved iteration with megatron-core's lr
-    for the next step, Adam's step, exp_avg, exp_avg_sq equal to megatron-core's (exactly: the
-    same fp32 numbers, only cut by tp and padded by the vocabulary rows, whose moments are 0),
-    and the next 2 losses megatron-core took after the save.
+    tied embeddings, four buckets, at tp 1): it resumes at the saved iteration with
+    megatron-core's lr for the next step, Adam's step, exp_avg, exp_avg_sq equal to
+    megatron-core's (exactly: the same fp32 numbers, only cut by tp and padded by the
+    vocabulary rows, whose moments are 0), and the next 2 losses megatron-core took after the
+    save.
 
     Tolerance of the losses: fp32 throughout, bit-identical weights and moments at the resume;
     tpfuse's kernels and megatron-core's torch ops (and tp = 2's split GEMMs with an all-reduce)
@@ -372,18 +373,16 @@ def test_megatron_lm_training_checkpoint_resumes_with_megatron_cores_losses(run_
     assert losses == pytest.approx(reference["resumed_losses"], rel=1e-5, abs=0)
 
 
-def _bucket_state_or_refusal(metadata_entries: dict, **args_changes):
-    """megatron_lm.BucketState of dense_tied_buckets' index with ``metadata_entries`` (key →
-    entry) and its args changed by ``args_changes``; the ValueError's text where it refuses."""
-    import argparse
+def _bucket_state_or_refusal(metadata_entries: dict):
+    """megatron_lm.BucketState of dense_tied_buckets' args with the index ``metadata_entries``
+    (key → entry); the ValueError's text where it refuses."""
     import types
 
     from tpfuse.checkpoint import megatron_lm
     from tpfuse.checkpoint.dist import serialization
 
     folder = os.path.join(FIXTURES, TIED_BUCKETS, "checkpoint", "iter_0000003")
-    args = argparse.Namespace(**{**vars(serialization.load_common_state_dict(folder)["args"]),
-                                 **args_changes})
+    args = serialization.load_common_state_dict(folder)["args"]
     try:
         return megatron_lm.BucketState(
             types.SimpleNamespace(state_dict_metadata=metadata_entries), args, folder)
@@ -402,6 +401,9 @@ def test_megatron_lm_bucket_layouts_are_read_or_refused_naming_the_setting():
     folder = os.path.join(FIXTURES, TIED_BUCKETS, "checkpoint", "iter_0000003")
     entries = dict(torch_dist.read_metadata(folder).state_dict_metadata)
     buckets = _bucket_state_or_refusal(entries)
+    # by hand, megatron-core's rule on the parameters in reverse order (64-aligned starts, a
+    # bucket closed at >= 2000): final norm, layer 1's fc2, fc1 (ends at 2304); its norm, qkv,
+    # proj, norm, layer 0's fc2 (2496); its fc1, norm, qkv (2048); the rest and the embeddings
     assert [states["exp_avg"][1] for states in buckets.buckets] == \
         [(2304,), (2496,), (2048,), (1728,)]
     spread = {bucket for (key, _), (bucket, _, _) in buckets.layout.items()
