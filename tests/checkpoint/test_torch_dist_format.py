@@ -334,14 +334,14 @@ def resumed_run(argv, case="dense_trained"):
 
 
 @pytest.mark.parametrize("case, tp", [("dense_trained", 1), ("dense_trained", 2),
-                                      (TIED_BUCKETS, 1)])
+                                      (TIED_BUCKETS, 1), (TIED_BUCKETS, 2)])
 def test_megatron_lm_training_checkpoint_resumes_with_megatron_cores_losses(run_distributed,
                                                                             case, tp):
     """tpfuse-train --load of the checkpoint megatron-core's optimizer and scheduler wrote as
     Megatron-LM's training does (tests/support/write_megatron_core_fixtures.py: args, the
     distributed optimizer's dp_reshardable buckets, opt_param_scheduler; tp 1), here at tp 1
     and tp 2 on the same fixed batch (dense_trained: untied, one bucket; dense_tied_buckets:
-    tied embeddings, four buckets, at tp 1): it resumes at the saved iteration with
+    tied embeddings, four buckets): it resumes at the saved iteration with
     megatron-core's lr for the next step, Adam's step, exp_avg, exp_avg_sq equal to
     megatron-core's (exactly: the same fp32 numbers, only cut by tp and padded by the
     vocabulary rows, whose moments are 0), and the next 2 losses megatron-core took after the
