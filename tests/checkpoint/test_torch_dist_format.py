@@ -394,8 +394,11 @@ def test_megatron_lm_bucket_layouts_are_read_or_refused_naming_the_setting():
     """dense_tied_buckets' index (megatron-core's --ddp-bucket-size 2000 over 2 layers of
     3280 parameters: a layer's parameters in two buckets) is read as 4 buckets whose sizes
     megatron-core's filling gives; what tpfuse cannot map is refused before any read, naming
-    the setting that wrote it: a chained optimizer's keys (MoE's experts get an optimizer of
-    their own), a second gradient buffer (a save at tp 2: the next test)."""
+    the setting that wrote it: bucket sizes megatron-core's filling does not give, a chained
+    optimizer's keys (MoE's experts get an optimizer of their own), a second gradient buffer
+    (a save at tp 2: the next test)."""
+    import types
+
     from tpfuse.checkpoint.dist import torch_dist
 
     folder = os.path.join(FIXTURES, TIED_BUCKETS, "checkpoint", "iter_0000003")
@@ -418,6 +421,12 @@ def test_megatron_lm_bucket_layouts_are_read_or_refused_naming_the_setting():
         f"{where} belongs to 1 chained optimizers (keys chained_<i>.optimizer.distributed...: "
         "megatron-core's separate optimizer of the MoE expert parameters, --num-experts); "
         f"tpfuse reads one optimizer's {resume}")
+    grown = {key: types.SimpleNamespace(size=torch.Size([2305])) if ".bucket_idx_0." in key
+             and hasattr(entry, "size") else entry for key, entry in entries.items()}
+    refused = _bucket_state_or_refusal(grown)      # 2305: no parameter of the filling ends there
+    assert refused.startswith(f"{where}: its bucket 0 holds 2305 elements, megatron-core's "
+                              "layout of its parameters does not end a bucket there (") and \
+        refused.endswith(" (resume without its optimizer state with --no-load-optim)"), refused
     first = next(key for key in entries if key.endswith(".bucket_idx_0.exp_avg"))
     two_buffers = dict(entries, **{first.replace("gbuf_idx_0", "gbuf_idx_1"): entries[first]})
     refused = _bucket_state_or_refusal(two_buffers)
