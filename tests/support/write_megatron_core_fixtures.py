@@ -35,10 +35,14 @@ included: ``megatron_args``), ``checkpoint_version`` 3.0, ``iteration``, ``model
 embeddings (Megatron's default) trained and saved the same way, its gradient buffer cut into
 buckets of about TRAINED_ARGS' ``ddp_bucket_size`` elements (``--overlap-grad-reduce``): several
 ``bucket_idx_<k>`` tensors per state, a layer's parameters spread over two of them; its
-config.json also records those args. ``reference.pt`` keeps the fixed batch, the losses
+config.json also records those args. ``dense_trained_tp2`` is dense_trained at tp = 2: one
+process per tp rank (``write_tp_case``: torch.multiprocessing, two gloo ranks, dp = pp = 1),
+each rank's buckets (``dp_group_idx_<tp rank>``) holding its TP shards, the rng_state a
+ShardedObject over (1, 2). ``reference.pt`` keeps the fixed batch, the losses
 and learning rates of the saved steps and of RESUMED_STEPS more steps megatron-core takes
 after the save (what a resumed run must reproduce), and every parameter's optimizer state in
-model space (``param``, ``exp_avg``, ``exp_avg_sq`` in the parameter's shape) at the save.
+model space (``param``, ``exp_avg``, ``exp_avg_sq`` in the parameter's whole shape,
+TP-gathered at tp > 1) at the save.
 Beyond the calls above, the optimizer's CUDA-only pieces are emulated too: tensors asked for on
 ``cuda`` are made on the CPU, ``Tensor.type()`` names a CPU tensor as its CUDA type (the
 optimizer checks the parameters' type), ``Tensor.cuda()`` is the tensor itself.
@@ -79,6 +83,12 @@ TRAINED_CASES["dense_tied_buckets"] = (TRAINED_CASES["dense_trained"][0],
                                        {"share_embeddings_and_output_weights": True})
 TRAINED_ARGS = {"dense_tied_buckets": {"untie_embeddings_and_output_weights": False,
                                        "overlap_grad_reduce": True, "ddp_bucket_size": 2000}}
+# dense_trained at tp = 2 on two gloo ranks (--tensor-model-parallel-size 2): each tp rank's
+# buckets hold its TP shards under dp_group_idx_<tp rank>; Megatron-LM pads the vocabulary to a
+# multiple of make_vocab_size_divisible_by · tp, so 32 · 2 keeps its VOCAB rows
+TRAINED_CASES["dense_trained_tp2"] = TRAINED_CASES["dense_trained"]
+TRAINED_ARGS["dense_trained_tp2"] = {"tensor_model_parallel_size": 2, "world_size": 2,
+                                     "make_vocab_size_divisible_by": VOCAB // 2}
 TRAIN_STEPS, RESUMED_STEPS, TRAIN_ITERS = 3, 2, 10
 # Megatron-LM's training flags of that case (what its args record)
 TRAINING = dict(lr=1e-2, min_lr=1e-3, lr_decay_style="cosine", lr_warmup_iters=1,
@@ -142,8 +152,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def tp_size_of(case) -> int:
+    """The tensor-parallel size a case runs at (TRAINED_ARGS' --tensor-model-parallel-size)."""
+    return TRAINED_ARGS.get(case, {}).get("tensor_model_parallel_size", 1)
+
+
 def megatron_model(case, seed):
-    """megatron-core's GPTModel of a case (tp = 1, local spec), perturbed; parallel_state
+    """megatron-core's GPTModel of a case (at its tp, local spec), perturbed; parallel_state
     initialised (the caller destroys it)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -155,7 +170,7 @@ def megatron_model(case, seed):
     activation = fields.pop("activation", "gelu")
     if fields.get("moe_grouped_gemm"):
         _allow_grouped_mlp()
-    parallel_state.initialize_model_parallel(1, 1)
+    parallel_state.initialize_model_parallel(tp_size_of(case), 1)
     megatron_random.model_parallel_cuda_manual_seed(seed)
     torch.manual_seed(seed)
     config = TransformerConfig(**fields, activation_func=ACTIVATIONS[activation],
@@ -339,7 +354,7 @@ def megatron_train_step(model, ddp, optimizer, scheduler):
     return loss.item(), lr
 
 
-def megatron_rng_state():
+def megatron_rng_state(tp_size=1, tp_rank=0):
     """Megatron-LM's get_rng_state for torch_dist: one state per (pp, tp) rank."""
     import numpy as np
     from megatron.core import tensor_parallel
@@ -349,17 +364,32 @@ def megatron_rng_state():
              "torch_rng_state": torch.get_rng_state(),
              "cuda_rng_state": torch.cuda.get_rng_state(),
              "rng_tracker_states": tensor_parallel.get_cuda_rng_tracker().get_states()}
-    return ShardedObject("rng_state", [state], (1, 1), (0, 0), replica_id=0)
+    return ShardedObject("rng_state", [state], (1, tp_size), (0, tp_rank), replica_id=0)
+
+
+def _tp_gathered(tensor, param):
+    """The whole (TP-gathered) tensor of a tp rank's shard ``tensor`` of ``param``: the tp
+    group's shards concatenated in rank order along the parameter's partition_dim (a
+    replicated parameter's own tensor)."""
+    from megatron.core import parallel_state
+
+    size = parallel_state.get_tensor_model_parallel_world_size()
+    if size == 1 or not getattr(param, "tensor_model_parallel", False):
+        return tensor
+    shards = [torch.empty_like(tensor) for _ in range(size)]
+    torch.distributed.all_gather(shards, tensor.contiguous(),
+                                 group=parallel_state.get_tensor_model_parallel_group())
+    return torch.cat(shards, dim=param.partition_dim)
 
 
 def model_space_optimizer_state(model, optimizer):
-    """Megatron key → {"param", "exp_avg", "exp_avg_sq"} of every parameter, in its shape (the
-    one data-parallel rank holds every element)."""
+    """Megatron key → {"param", "exp_avg", "exp_avg_sq"} of every parameter, in its whole
+    (TP-gathered) shape (the one data-parallel rank holds every element of its shard)."""
     distributed = optimizer.chained_optimizers[0]
     out = {}
     for name, param in model.named_parameters():
         tensors = distributed._get_main_param_and_optimizer_states(param)
-        out[name] = {key: tensors[key].detach().clone().view(param.shape)
+        out[name] = {key: _tp_gathered(tensors[key].detach().clone().view(param.shape), param)
                      for key in ("param", "exp_avg", "exp_avg_sq")}
     return out
 
@@ -371,11 +401,14 @@ def write_trained_case(case, out_dir, seed):
     _emulate_cuda_tensors()
     model, ddp, optimizer, scheduler = megatron_trainer(case, seed)
     saved = [megatron_train_step(model, ddp, optimizer, scheduler) for _ in range(TRAIN_STEPS)]
+    first = torch.distributed.get_rank() == 0
     case_dir = os.path.join(out_dir, case)
-    shutil.rmtree(case_dir, ignore_errors=True)
     root = os.path.join(case_dir, "checkpoint")
     folder = os.path.join(root, f"iter_{TRAIN_STEPS:07d}")
-    os.makedirs(folder)
+    if first:
+        shutil.rmtree(case_dir, ignore_errors=True)
+        os.makedirs(folder)
+    torch.distributed.barrier()
     group = parallel_state.get_data_parallel_group(with_context_parallel=True)
     metadata = {"distrib_optim_sharding_type": "dp_reshardable", "singleton_local_shards": False,
                 "chained_optim_avoid_prefix": True, "dp_cp_group": group}
@@ -383,15 +416,21 @@ def write_trained_case(case, out_dir, seed):
                   "iteration": TRAIN_STEPS, "model": model.sharded_state_dict(metadata=metadata)}
     state_dict["optimizer"] = optimizer.sharded_state_dict(state_dict, metadata=metadata)
     state_dict["opt_param_scheduler"] = scheduler.state_dict()
-    state_dict["rng_state"] = megatron_rng_state()
+    state_dict["rng_state"] = megatron_rng_state(
+        parallel_state.get_tensor_model_parallel_world_size(),
+        parallel_state.get_tensor_model_parallel_rank())
     state_dict["num_floating_point_operations_so_far"] = 0
     content = {k: v for k, v in metadata.items() if k != "dp_cp_group"}
     dist_checkpointing.save(state_dict, folder, content_metadata=content)
-    with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w") as f:
-        f.write(str(TRAIN_STEPS))
+    if first:
+        with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w") as f:
+            f.write(str(TRAIN_STEPS))
     optimizer_state = model_space_optimizer_state(model, optimizer)
     lr_at_save = scheduler.get_lr(optimizer.param_groups[0])
     resumed = [megatron_train_step(model, ddp, optimizer, scheduler) for _ in range(RESUMED_STEPS)]
+    parallel_state.destroy_model_parallel()
+    if not first:
+        return
     tokens, labels = train_batch()
     torch.save({"tokens": tokens, "labels": labels,
                 "losses": [loss for loss, _ in saved], "lrs": [lr for _, lr in saved],
@@ -405,7 +444,24 @@ def write_trained_case(case, out_dir, seed):
                    "iteration": TRAIN_STEPS, **({"args": TRAINED_ARGS[case]}
                                                 if case in TRAINED_ARGS else {})},
                   f, indent=1, sort_keys=True)
-    parallel_state.destroy_model_parallel()
+
+
+def _tp_rank_process(rank, world, port, case, out_dir, seed):
+    """One of a case's ``world`` gloo ranks (torch.multiprocessing.spawn), CUDA emulated."""
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    _emulate_cuda()
+    write_trained_case(case, out_dir, seed)
+    torch.distributed.destroy_process_group()
+
+
+def write_tp_case(case, out_dir, seed):
+    """write_trained_case of a case at tp > 1: one process per tp rank (dp = pp = 1)."""
+    import torch.multiprocessing
+
+    world = tp_size_of(case)
+    torch.multiprocessing.spawn(_tp_rank_process, args=(world, _free_port(), case, out_dir, seed),
+                                nprocs=world)
 
 
 def start_single_process():
@@ -422,9 +478,12 @@ def main(out_dir=DEFAULT_OUT, *cases):
         if not cases or case in cases:
             write_case(case, out_dir, seed=11 + index)
     for index, case in enumerate(TRAINED_CASES):
-        if not cases or case in cases:
+        if (not cases or case in cases) and tp_size_of(case) == 1:
             write_trained_case(case, out_dir, seed=31 + index)
     torch.distributed.destroy_process_group()
+    for index, case in enumerate(TRAINED_CASES):
+        if (not cases or case in cases) and tp_size_of(case) > 1:
+            write_tp_case(case, out_dir, seed=31 + index)
 
 
 if __name__ == "__main__":
