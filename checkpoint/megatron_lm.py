@@ -22,13 +22,19 @@ its buckets in reverse registration order, each start rounded up to a multiple o
 bucket begun after the parameter that fills one to ``bucket_size`` elements (``bucket_layout``;
 the saved buckets' sizes say where); the registration order is the GPT layer's
 (``LAYER_ORDER``: the local spec's, or the Transformer Engine spec's with the norms inside
-linear_qkv / linear_fc1). Read: the buckets of one buffer of a dense GPT saved at
-tp = pp = 1, tied or untied embeddings (tied at pp = 1 the output layer has no weight of its
-own, so no bucket of its own either), in one bucket (Megatron-LM's default, without
-``--overlap-grad-reduce``) or several (``--overlap-grad-reduce`` with ``--ddp-bucket-size``).
-Refused, naming the setting (``_refused_layout``): a chained optimizer's keys (MoE's expert
-optimizer), a save at tp or pp > 1, several buffers. The main copies must equal the
-checkpoint's weights, which checks the layout (``_bucket_optimizer_states``).
+linear_qkv / linear_fc1). At tp > 1 every tp rank has buckets of its own, ``dp_group_idx_<g>``
+with g its model-parallel rank (= the tp rank at pp = 1), laid out the same way over that
+rank's pieces of the parameters: the index stores a TP-split tensor as one chunk per tp rank,
+rank r's the r-th along its split axis, a replicated one whole (``rank_pieces``); every rank's
+pieces are put back at their offsets, so the states come out in the global shapes and each
+rank of this run takes its own piece of them, whatever its tp (``BucketState.stacked``).
+Read: the buckets of one buffer per tp rank of a dense GPT saved at pp = 1 and any tp, tied
+or untied embeddings (tied at pp = 1 the output layer has no weight of its own, so no bucket
+of its own either), in one bucket (Megatron-LM's default, without ``--overlap-grad-reduce``)
+or several (``--overlap-grad-reduce`` with ``--ddp-bucket-size``). Refused, naming the
+setting (``_refused_layout``): a chained optimizer's keys (MoE's expert optimizer), a save at
+pp > 1, buckets not of one group per recorded tp rank, several buffers. The main copies must
+equal the checkpoint's weights, which checks the layout (``_bucket_optimizer_states``).
 """
 from __future__ import annotations
 
@@ -188,6 +194,23 @@ def model_tensors(metadata) -> dict:
             if hasattr(entry, "size") and not key.startswith(("optimizer.", "rng_state"))}
 
 
+def rank_pieces(metadata, tp_size: int) -> dict:
+    """Stored model key → [(offsets, sizes)] of each tp rank's piece of it, in rank order (the
+    layer axis of a stacked key left out). A TP-split tensor is stored as one chunk per tp rank
+    (per layer), rank r's at the r-th offset along its split axis; a replicated one as one
+    chunk, every rank's piece. ValueError for a key cut otherwise."""
+    out = {}
+    for key, shape in model_tensors(metadata).items():
+        skip = 1 if key.startswith(LAYERS_PREFIX) else 0
+        chunks = metadata.state_dict_metadata[key].chunks
+        pieces = sorted({(tuple(c.offsets)[skip:], tuple(c.sizes)[skip:]) for c in chunks})
+        if len(pieces) not in (1, tp_size):
+            raise ValueError(f"its tensor {key} is stored in {len(pieces)} pieces, neither "
+                             f"whole nor one per tp rank of its {tp_size}")
+        out[key] = pieces * tp_size if len(pieces) == 1 else pieces
+    return out
+
+
 def parameter_order(stored: dict, transformer_impl: str) -> list:
     """[(stored key, layer or None, per-layer shape)] in megatron-core's registration order."""
     order = LAYER_ORDER["transformer_engine" if transformer_impl == "transformer_engine"
@@ -261,20 +284,13 @@ _RESUME_WITHOUT = ("resume without its optimizer state with --no-load-optim, or 
                    "--dist-ckpt-optim-fully-reshardable")
 
 
-def _refused_layout(metadata, args, buckets: dict) -> str | None:
-    """Why tpfuse cannot read these buckets (the setting that wrote them), None if it can."""
-    chained = sorted({m.group(1) for m in map(_CHAINED_KEY.match, metadata.state_dict_metadata)
-                      if m})
-    if chained:
-        return (f"belongs to {len(chained)} chained optimizers (keys chained_<i>.optimizer."
-                "distributed...: megatron-core's separate optimizer of the MoE expert "
-                "parameters, --num-experts); tpfuse reads one optimizer's")
-    parallel = [getattr(args, name, 1) or 1 for name in ("tensor_model_parallel_size",
-                                                         "pipeline_model_parallel_size")]
-    if max(parallel) > 1:
-        return (f"was saved at tp, pp = {parallel[0]}, {parallel[1]} "
-                "(--tensor-model-parallel-size, --pipeline-model-parallel-size: one bucket "
-                "layout per model-parallel rank); tpfuse reads it saved at tp = pp = 1")
+def saved_tp_size(args) -> int:
+    """The tensor-parallel size Megatron-LM's ``args`` record (1 when absent)."""
+    return getattr(args, "tensor_model_parallel_size", 1) or 1
+
+
+def _refused_group(buckets: dict) -> str | None:
+    """Why tpfuse cannot read one model-parallel rank's buckets, None if it can."""
     buffers = sorted({bucket[:3] for bucket in buckets})
     if len(buffers) != 1:
         names = [f"dp_group_idx_{g}.gbuf_idx_{b}.dtype_{d}" for g, b, d in buffers]
@@ -289,8 +305,37 @@ def _refused_layout(metadata, args, buckets: dict) -> str | None:
     return None
 
 
+def _refused_layout(metadata, args, buckets: dict) -> str | None:
+    """Why tpfuse cannot read these buckets (the setting that wrote them), None if it can:
+    one optimizer's, saved at pp = 1, one buffer per tp rank (``dp_group_idx_<tp rank>``,
+    megatron-core's data_parallel_group_idx = the model-parallel rank)."""
+    chained = sorted({m.group(1) for m in map(_CHAINED_KEY.match, metadata.state_dict_metadata)
+                      if m})
+    if chained:
+        return (f"belongs to {len(chained)} chained optimizers (keys chained_<i>.optimizer."
+                "distributed...: megatron-core's separate optimizer of the MoE expert "
+                "parameters, --num-experts); tpfuse reads one optimizer's")
+    parallel = [getattr(args, name, 1) or 1 for name in ("tensor_model_parallel_size",
+                                                         "pipeline_model_parallel_size")]
+    if parallel[1] > 1:
+        return (f"was saved at tp, pp = {parallel[0]}, {parallel[1]} "
+                "(--tensor-model-parallel-size, --pipeline-model-parallel-size: one bucket "
+                "layout per model-parallel rank); tpfuse reads it saved at pp = 1")
+    groups = sorted({bucket[0] for bucket in buckets})
+    if groups != list(range(parallel[0])):
+        return (f"has the model-parallel groups {groups} (dp_group_idx_<g>), not one per tp "
+                f"rank 0 to {parallel[0] - 1} of its --tensor-model-parallel-size "
+                f"{parallel[0]}")
+    for group in groups:
+        refused = _refused_group({b: s for b, s in buckets.items() if b[0] == group})
+        if refused is not None:
+            return refused
+    return None
+
+
 class BucketState:
-    """The dp_reshardable optimizer state of a Megatron-LM checkpoint (module docstring)."""
+    """The dp_reshardable optimizer state of a Megatron-LM checkpoint (module docstring): every
+    tp rank's buckets (``ranks``), each laid out over that rank's pieces of the parameters."""
 
     def __init__(self, metadata, args, folder: str):
         buckets = _buckets_of(metadata)
@@ -298,47 +343,54 @@ class BucketState:
         refused = _refused_layout(metadata, args, buckets)
         if refused is not None:
             raise ValueError(f"{where} {refused} ({_RESUME_WITHOUT})")
-        self.group = next(iter(buckets))[0]
-        self.buckets = [{name: states[name] for name in STATE_NAMES if name in states}
-                        for _, states in sorted(buckets.items(), key=lambda item: item[0][3])]
-        self.states = tuple(self.buckets[0])
-        sizes = []
-        for states in self.buckets:
-            stored = {shape for _, shape in states.values()}
-            if len(stored) != 1 or len(next(iter(stored))) != 1:
-                raise ValueError(f"{where} holds states of the shapes {sorted(stored)} in one "
-                                 "bucket: not a layout tpfuse knows")
-            sizes.append(next(iter(stored))[0])
+        self.shapes = model_tensors(metadata)
         try:
-            order = parameter_order(model_tensors(metadata),
-                                    getattr(args, "transformer_impl", "transformer_engine"))
-            self.layout = bucket_layout(order, sizes)
+            self.pieces = rank_pieces(metadata, saved_tp_size(args))
         except ValueError as error:
             raise ValueError(f"{where}: {error} (resume without its optimizer state with "
                              "--no-load-optim)") from None
-        self.order = order
+        impl = getattr(args, "transformer_impl", "transformer_engine")
+        self.ranks = [_RankBuckets({b: s for b, s in buckets.items() if b[0] == group},
+                                   self._piece_shapes(group), impl, where)
+                      for group in range(saved_tp_size(args))]
+        self.group = 0
+        self.buckets, self.layout, self.order = (self.ranks[0].buckets, self.ranks[0].layout,
+                                                 self.ranks[0].order)
+        self.states = tuple(self.buckets[0])
+
+    def _piece_shapes(self, group: int) -> dict:
+        """Stored key → tp rank ``group``'s piece's shape (a stacked key's layer axis kept)."""
+        return {key: self.shapes[key][:1 if key.startswith(LAYERS_PREFIX) else 0] +
+                pieces[group][1] for key, pieces in self.pieces.items()}
 
     def requests(self) -> dict:
-        """Load requests: every state's whole tensor of every bucket, and the optimizer's common
-        object (its param groups' ``step``)."""
-        out = {f"megatron_bucket/{index}/{name}": ShardedTensor.from_rank_offsets(
+        """Load requests: every state's whole tensor of every bucket of every tp rank, and the
+        optimizer's common object (its param groups' ``step``)."""
+        out = {f"megatron_bucket/{group}/{index}/{name}": ShardedTensor.from_rank_offsets(
             key, torch.empty(shape, dtype=torch.float32), replica_id=0)
-            for index, states in enumerate(self.buckets)
+            for group, rank in enumerate(self.ranks)
+            for index, states in enumerate(rank.buckets)
             for name, (key, shape) in states.items()}
         out["megatron_bucket_common"] = ShardedObject(
             f"optimizer.distributed.dp_group_idx_{self.group}.optimizer", None, (1,), (0,), 0)
         return out
 
     def stacked(self, loaded: dict, name: str) -> dict:
-        """Stored model key → the state ``name`` in the key's global shape (layers stacked)."""
-        flats = [loaded[f"megatron_bucket/{index}/{name}"].reshape(-1)
-                 for index in range(len(self.buckets))]
-        per_key = {}
-        for key, layer, shape in self.order:
-            bucket, start, end = self.layout[(key, layer)]
-            per_key.setdefault(key, []).append(flats[bucket][start:end].view(shape))
-        return {key: torch.stack(parts) if key.startswith(LAYERS_PREFIX) else parts[0]
-                for key, parts in per_key.items()}
+        """Stored model key → the state ``name`` in the key's global shape (layers stacked):
+        every tp rank's piece put at its offsets (a replicated tensor: rank 0's)."""
+        out = {}
+        for group, rank in enumerate(self.ranks):
+            for key, local in rank.stacked(loaded, group, name).items():
+                if key not in out:
+                    out[key] = torch.full(self.shapes[key], float("nan"))
+                elif self.pieces[key][group] == self.pieces[key][0]:
+                    continue
+                region = out[key]
+                skip = 1 if key.startswith(LAYERS_PREFIX) else 0
+                for axis, (offset, size) in enumerate(zip(*self.pieces[key][group])):
+                    region = region.narrow(axis + skip, offset, size)
+                region.copy_(local)
+        return out
 
     @staticmethod
     def step(loaded: dict):
@@ -348,6 +400,39 @@ class BucketState:
         groups = common.get("param_groups") or []
         steps = {group.get("step") for group in groups} - {None}
         return torch.tensor(float(steps.pop())) if len(steps) == 1 else None
+
+
+class _RankBuckets:
+    """One tp rank's buckets (``dp_group_idx_<rank>``) and megatron-core's layout of that
+    rank's parameter pieces (``shapes``: stored key → the piece's shape) in them."""
+
+    def __init__(self, buckets: dict, shapes: dict, transformer_impl: str, where: str):
+        self.buckets = [{name: states[name] for name in STATE_NAMES if name in states}
+                        for _, states in sorted(buckets.items(), key=lambda item: item[0][3])]
+        sizes = []
+        for states in self.buckets:
+            stored = {shape for _, shape in states.values()}
+            if len(stored) != 1 or len(next(iter(stored))) != 1:
+                raise ValueError(f"{where} holds states of the shapes {sorted(stored)} in one "
+                                 "bucket: not a layout tpfuse knows")
+            sizes.append(next(iter(stored))[0])
+        try:
+            self.order = parameter_order(shapes, transformer_impl)
+            self.layout = bucket_layout(self.order, sizes)
+        except ValueError as error:
+            raise ValueError(f"{where}: {error} (resume without its optimizer state with "
+                             "--no-load-optim)") from None
+
+    def stacked(self, loaded: dict, group: int, name: str) -> dict:
+        """Stored model key → this rank's piece of the state ``name`` (layers stacked)."""
+        flats = [loaded[f"megatron_bucket/{group}/{index}/{name}"].reshape(-1)
+                 for index in range(len(self.buckets))]
+        per_key = {}
+        for key, layer, shape in self.order:
+            bucket, start, end = self.layout[(key, layer)]
+            per_key.setdefault(key, []).append(flats[bucket][start:end].view(shape))
+        return {key: torch.stack(parts) if key.startswith(LAYERS_PREFIX) else parts[0]
+                for key, parts in per_key.items()}
 
 
 def local_piece(entry: ShardedTensor, full: torch.Tensor) -> torch.Tensor:

@@ -247,6 +247,8 @@ def test_conversion_round_trip_resumes_with_the_uninterrupted_losses(run_distrib
 TRAINED = os.path.join(FIXTURES, "dense_trained")
 # the same model with tied embeddings, its gradient buffer saved in several buckets
 TIED_BUCKETS = "dense_tied_buckets"
+# dense_trained saved at tp 2: each tp rank's buckets hold its TP shards
+TRAINED_TP2 = "dense_trained_tp2"
 
 
 class FixedBatch(torch.utils.data.Dataset):
@@ -305,7 +307,8 @@ def run_pretrain_on_fixed_batch(argv):
 def resumed_run(argv, case="dense_trained"):
     """pretrain(argv) on the fixture ``case``'s fixed batch; (the logged losses, the iteration
     it resumed at, the lr, step and per-parameter optimizer state right after the load:
-    {Megatron module name: {state: tensor}} of this rank's pieces, dp = 1)."""
+    {Megatron module name: {state: tensor}} of this rank's pieces, dp = 1, and where each
+    piece lies in the checkpoint's global tensor: {name: (offsets, shape, global rows)})."""
     import functools
 
     from tpfuse.checkpoint import torch_dist_format
@@ -318,6 +321,11 @@ def resumed_run(argv, case="dense_trained"):
         loaded = loading(root, model, optimizer, scheduler, state, *rest)
         names = {id(p): megatron_name(n) for chunk in model for n, p in chunk.named_parameters()}
         entries = optimizer.state_dict()["params"]
+        sharded = torch_dist_format._model_sharded(model, torch_dist_format._load_templates(model))
+        captured["pieces"] = {
+            names[i]: (entry.global_offset[entry.prepend_axis_num:], entry.local_shape,
+                       entry.global_shape[entry.prepend_axis_num])
+            for i, (entry, _, _) in torch_dist_format._entries_by_param(model, sharded).items()}
         captured.update(iteration=loaded["iteration"], lr=scheduler.lr, states={
             names[id(p)]: {k: v.view(p.shape).clone() if k != "step" else v.clone()
                            for k, v in entries[i].items() if k not in ("start", "end")}
@@ -333,19 +341,32 @@ def resumed_run(argv, case="dense_trained"):
     return (result.train_losses if result.is_logger else None), captured
 
 
+def expected_piece(full: torch.Tensor, piece) -> torch.Tensor:
+    """The rank's piece (offsets, shape, global rows) of megatron-core's whole state ``full``
+    (its vocabulary rows zero-padded to the model's global rows)."""
+    offsets, shape, rows = piece
+    full = torch.cat([full, full.new_zeros((rows - full.shape[0], *full.shape[1:]))])
+    for axis, (offset, size) in enumerate(zip(offsets, shape)):
+        full = full.narrow(axis, offset, size)
+    return full
+
+
 @pytest.mark.parametrize("case, tp", [("dense_trained", 1), ("dense_trained", 2),
-                                      (TIED_BUCKETS, 1), (TIED_BUCKETS, 2)])
+                                      (TIED_BUCKETS, 1), (TIED_BUCKETS, 2),
+                                      (TRAINED_TP2, 2), (TRAINED_TP2, 1)])
 def test_megatron_lm_training_checkpoint_resumes_with_megatron_cores_losses(run_distributed,
                                                                             case, tp):
     """tpfuse-train --load of the checkpoint megatron-core's optimizer and scheduler wrote as
     Megatron-LM's training does (tests/support/write_megatron_core_fixtures.py: args, the
-    distributed optimizer's dp_reshardable buckets, opt_param_scheduler; tp 1), here at tp 1
-    and tp 2 on the same fixed batch (dense_trained: untied, one bucket; dense_tied_buckets:
-    tied embeddings, four buckets): it resumes at the saved iteration with
+    distributed optimizer's dp_reshardable buckets, opt_param_scheduler; tp 1, or tp 2 with
+    each tp rank's buckets holding its shards), here at tp 1 and tp 2 on the same fixed batch
+    (dense_trained: untied, one bucket; dense_tied_buckets: tied embeddings, four buckets;
+    dense_trained_tp2: dense_trained saved at tp 2, resumed in its layout and at tp 1, its
+    ranks' buckets put together): it resumes at the saved iteration with
     megatron-core's lr for the next step, Adam's step, exp_avg, exp_avg_sq equal to
     megatron-core's (exactly: the same fp32 numbers, only cut by tp and padded by the
-    vocabulary rows, whose moments are 0), and the next 2 losses megatron-core took after the
-    save.
+    vocabulary rows, whose moments are 0: each rank's pieces against megatron-core's whole,
+    TP-gathered states), and the next 2 losses megatron-core took after the save.
 
     Tolerance of the losses: fp32 throughout, bit-identical weights and moments at the resume;
     tpfuse's kernels and megatron-core's torch ops (and tp = 2's split GEMMs with an all-reduce)
@@ -360,15 +381,12 @@ def test_megatron_lm_training_checkpoint_resumes_with_megatron_cores_losses(run_
         assert captured["iteration"] == 3
         assert captured["lr"] == pytest.approx(reference["lr_at_save"], rel=1e-12)
         assert captured["lr"] == pytest.approx(reference["resumed_lrs"][0], rel=1e-12)
-        if tp != 1:
-            continue
         for name, expected in reference["optimizer_state"].items():
             state = captured["states"][name]
             assert float(state["step"]) == 3.0, name
             for key in ("exp_avg", "exp_avg_sq"):
-                rows = expected[key].shape[0]
-                assert torch.equal(state[key][:rows], expected[key]), (name, key)
-                assert not state[key][rows:].any(), (name, key)        # padded vocabulary rows
+                piece = expected_piece(expected[key], captured["pieces"][name])
+                assert torch.equal(state[key], piece), (name, key)
     losses = next(losses for losses, _ in results if losses is not None)
     assert losses == pytest.approx(reference["resumed_losses"], rel=1e-5, abs=0)
 
@@ -434,28 +452,51 @@ def test_megatron_lm_bucket_layouts_are_read_or_refused_naming_the_setting():
         refused.endswith(f"(parameters of several dtypes); tpfuse reads one {resume}"), refused
 
 
-def test_megatron_lm_optimizer_saved_at_tp2_fails_at_parsing(monkeypatch):
-    """dense_tied_buckets as if its args said tp 2 (each model-parallel rank's buckets hold its
-    own shards, which tpfuse does not map): one ValueError naming the flag, at argument parsing
-    (no process group yet); --no-load-optim takes the weights without it."""
+def _parse_with_args(monkeypatch, **changed):
+    """parse_args of dense_tied_buckets' run with its common.pt's args ``changed``: the
+    ValueError's text (None where it parses); --no-load-optim must parse regardless."""
     from tpfuse.checkpoint.dist import serialization
     from tpfuse.training.arguments import parse_args
 
-    root = os.path.join(FIXTURES, TIED_BUCKETS, "checkpoint")
-    folder = os.path.join(root, "iter_0000003")
+    folder = os.path.join(FIXTURES, TIED_BUCKETS, "checkpoint", "iter_0000003")
     common = serialization.load_common_state_dict(folder)
-    common["args"].tensor_model_parallel_size = 2
+    vars(common["args"]).update(changed)
     monkeypatch.setattr(tdf, "megatron_lm_common", lambda load: common)
     argv = trained_flags(TIED_BUCKETS)
-    with pytest.raises(ValueError) as error:
-        parse_args(argv)
-    assert str(error.value) == (
-        f"--load {root}: checkpoint {folder}: its optimizer state (Megatron's dp_reshardable "
-        "layout) was saved at tp, pp = 2, 1 (--tensor-model-parallel-size, "
-        "--pipeline-model-parallel-size: one bucket layout per model-parallel rank); tpfuse "
-        "reads it saved at tp = pp = 1 (resume without its optimizer state with --no-load-optim, "
-        "or save it with --dist-ckpt-optim-fully-reshardable)")
     parse_args(argv + ["--no-load-optim"])
+    try:
+        parse_args(argv)
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+def test_megatron_lm_optimizer_saved_at_tp2_fails_at_parsing(monkeypatch):
+    """dense_tied_buckets as if its args said tp 2 (its index has the buckets of one
+    model-parallel rank, dp_group_idx_0, where a save at tp 2 has one per tp rank: see
+    dense_trained_tp2, which resumes): one ValueError naming the flag, at argument parsing (no
+    process group yet); --no-load-optim takes the weights without it."""
+    root = os.path.join(FIXTURES, TIED_BUCKETS, "checkpoint")
+    folder = os.path.join(root, "iter_0000003")
+    assert _parse_with_args(monkeypatch, tensor_model_parallel_size=2) == (
+        f"--load {root}: checkpoint {folder}: its optimizer state (Megatron's dp_reshardable "
+        "layout) has the model-parallel groups [0] (dp_group_idx_<g>), not one per tp rank 0 "
+        "to 1 of its --tensor-model-parallel-size 2 (resume without its optimizer state with "
+        "--no-load-optim, or save it with --dist-ckpt-optim-fully-reshardable)")
+
+
+def test_megatron_lm_optimizer_saved_at_pp2_fails_at_parsing(monkeypatch):
+    """dense_tied_buckets as if its args said pp 2 (each pipeline stage's buckets hold its own
+    layers, which tpfuse does not map): one ValueError naming the flags, at argument parsing;
+    --no-load-optim takes the weights without it."""
+    root = os.path.join(FIXTURES, TIED_BUCKETS, "checkpoint")
+    folder = os.path.join(root, "iter_0000003")
+    assert _parse_with_args(monkeypatch, pipeline_model_parallel_size=2) == (
+        f"--load {root}: checkpoint {folder}: its optimizer state (Megatron's dp_reshardable "
+        "layout) was saved at tp, pp = 1, 2 (--tensor-model-parallel-size, "
+        "--pipeline-model-parallel-size: one bucket layout per model-parallel rank); tpfuse "
+        "reads it saved at pp = 1 (resume without its optimizer state with --no-load-optim, "
+        "or save it with --dist-ckpt-optim-fully-reshardable)")
 
 
 def test_megatron_lm_checkpoint_with_another_model_shape_fails_at_parsing(tmp_path):
