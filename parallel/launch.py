@@ -49,7 +49,10 @@ class _Job:
 
 
 def _after_job_cleanup() -> None:
-    """Leave no parallel state behind for the next job in the same worker."""
+    """Leave no parallel state behind for the next job in the same worker: the default
+    ``ParallelState`` and every process group the job left alive (a gloo group keeps a thread
+    that wakes every 10 ms, so hundreds of forgotten groups in long-lived workers eat the CPU that
+    later jobs and subprocesses need)."""
     import sys
 
     facade = sys.modules.get("tpfuse.parallel.parallel_state")
@@ -58,6 +61,24 @@ def _after_job_cleanup() -> None:
             facade.destroy_model_parallel()
         except Exception:  # pragma: no cover - cleanup must never mask the job's own result
             pass
+    try:
+        _destroy_leftover_groups()
+    except Exception:  # pragma: no cover - as above
+        pass
+
+
+def _destroy_leftover_groups() -> None:
+    """Destroy every group but the world, after a barrier: every rank has left the job, so no
+    peer is still inside a collective on a group this rank closes."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return
+    world = dist.group.WORLD
+    leftovers = [g for g in list(dist.distributed_c10d._world.pg_map) if g is not world]
+    dist.barrier()
+    for group in leftovers:
+        dist.destroy_process_group(group)
 
 
 def _worker_main(rank, world_size, port, backend, collective_timeout_s, threads, jobs, results):
@@ -159,7 +180,9 @@ class WorkerPool:
                 dead = [r for r, p in enumerate(self._procs) if not p.is_alive()]
                 if dead and not errors:
                     self.close(force=True)
-                    raise WorkerError(f"{what}: rank(s) {dead} died without reporting")
+                    codes = ", ".join(f"rank {r}: {self._procs[r].exitcode}" for r in dead)
+                    raise WorkerError(f"{what}: rank(s) {dead} died without reporting "
+                                      f"(exit codes {codes})")
                 if remaining <= 0:
                     missing = sorted(set(range(self.world_size)) - set(values) - set(errors))
                     self.close(force=True)
@@ -178,10 +201,25 @@ class WorkerPool:
                 # short grace period to fail too, then tear the pool down.
                 deadline = min(deadline, time.monotonic() + 10.0)
         if errors:
+            silent = self._silent_ranks(values, errors)
             self.close(force=True)
             detail = "".join(f"\n--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))
-            raise WorkerError(f"{what} failed on rank(s) {sorted(errors)}:{detail}")
+            raise WorkerError(f"{what} failed on rank(s) {sorted(errors)}{silent}:{detail}")
         return [values[r] for r in range(self.world_size)]
+
+    def _silent_ranks(self, values: dict, errors: dict) -> str:
+        """The ranks that neither returned nor raised, as a clause: those that died (with their
+        exit codes; a crash in one rank often shows up as a connection error in another) and
+        those still running."""
+        silent = [r for r in range(self.world_size) if r not in values and r not in errors]
+        if not silent:
+            return ""
+        dead = {r: self._procs[r].exitcode for r in silent if not self._procs[r].is_alive()}
+        running = [r for r in silent if r not in dead]
+        parts = [f"rank {r} died (exit code {code})" for r, code in dead.items()]
+        if running:
+            parts.append(f"rank(s) {running} had not reported")
+        return " (" + "; ".join(parts) + ")"
 
     def close(self, force: bool = False) -> None:
         if self._closed:

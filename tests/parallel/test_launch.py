@@ -29,3 +29,35 @@ def test_pool_reports_failing_rank_and_recovers(run_distributed):
         run_distributed(2, _fail_on_rank_one)
     # the failed pool is replaced by a fresh one
     assert run_distributed(2, _rank_and_sum) == [(0, 3.0), (1, 3.0)]
+
+
+def _rank_one_fails_after_rank_zero_dies():
+    import os
+    import time
+
+    if dist.get_rank() == 0:
+        time.sleep(0.3)     # rank 1's error is in first, as when a crash breaks a peer's socket
+        os._exit(7)
+    raise ConnectionError("peer closed")
+
+
+def test_a_rank_that_died_is_named_beside_the_error_it_caused(run_distributed):
+    with pytest.raises(WorkerError, match=r"failed on rank\(s\) \[1\] \(rank 0 died \(exit code 7\)\)"):
+        run_distributed(2, _rank_one_fails_after_rank_zero_dies)
+    assert run_distributed(2, _rank_and_sum) == [(0, 3.0), (1, 3.0)]
+
+
+def _leave_a_group_behind():
+    dist.new_group([0, 1])
+    return len(dist.distributed_c10d._world.pg_map)
+
+
+def _count_groups():
+    return len(dist.distributed_c10d._world.pg_map)
+
+
+def test_a_group_a_job_left_alive_is_destroyed_before_the_next_job(run_distributed):
+    run_distributed(2, _rank_and_sum)          # a pool whose earlier jobs left nothing
+    before = run_distributed(2, _count_groups)
+    assert run_distributed(2, _leave_a_group_behind) == [b + 1 for b in before]
+    assert run_distributed(2, _count_groups) == before
