@@ -101,3 +101,6 @@ class AsyncCheckpointSaver:
     def wait(self) -> int | None:
         """Block until the pending save (if any) is published."""
         return self.poll(block=True)
+
+    def close(self) -> None:
+        """After the last ``wait``: release what the saver holds (here nothing)."""

@@ -347,6 +347,13 @@ class AsyncTorchDistSaver(AsyncCheckpointSaver):
     def publish(self, iteration: int, write: _Write, header: dict) -> None:
         publish(self.root, iteration, write.staging, write.error, header, self.keep_last)
 
+    def close(self) -> None:
+        """After the last ``wait`` (collective): the writers' gloo group is destroyed; no thread
+        uses it any more."""
+        if self.group is not None:
+            dist.destroy_process_group(self.group)
+            self.group = None
+
 
 # ---------------------------------------------------------------------------- loading
 def _check_files(folder: str, manifest: dict) -> None:

@@ -147,6 +147,7 @@ class Checkpointing:
             self.save(run)
         if self.saver is not None:
             self.saver.wait()
+            self.saver.close()
 
     def close(self) -> None:
         """Always (also after an error): restore the signal handler. No collective here: after

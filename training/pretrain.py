@@ -476,9 +476,15 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step,
     run = _Run(config, settings, length, model_provider, forward_step, datasets_provider)
     if run.is_logger:
         run_banner(run)
-    result = run.train()
-    if prompt:
-        result.sample = print_sample(run, sample_func)
+    try:
+        result = run.train()
+        if prompt:
+            result.sample = print_sample(run, sample_func)
+    finally:
+        # the gradient hooks live on autograd's C++ nodes, where the garbage collector cannot see
+        # the cycle they close (hook -> buffers -> parameters -> node): removed, the run's model,
+        # buffers and process groups are freed once the caller drops them
+        run.ddp.remove_hooks()
     return result
 
 

@@ -633,3 +633,23 @@ def test_sharded_objects_are_read_with_weights_only(run_distributed, tmp_path):
     [refused] = run_distributed(1, _object_round_trip, str(tmp_path / "bad"), _NotAllowed())
     assert isinstance(refused, str) and "rng_state" in refused and "_NotAllowed" in refused, \
         refused
+
+
+def _groups_alive_after_an_async_torch_dist_run(argv):
+    import torch.distributed as dist
+
+    from tpfuse.parallel import parallel_state
+
+    before = len(dist.distributed_c10d._world.pg_map)
+    run_pretrain(argv)
+    parallel_state.destroy_model_parallel()
+    return before, len(dist.distributed_c10d._world.pg_map)
+
+
+def test_the_async_writers_group_ends_with_the_run(run_distributed, tmp_path):
+    """--async-save with torch_dist writes through a gloo group of its own: destroyed after the
+    last save is published, so a finished run leaves only the world it was given."""
+    argv = TINY + TORCH_DIST + ["--train-iters", "2", "--save", str(tmp_path / "ckpt"),
+                                "--async-save", "--save-interval", "1"]
+    for before, after in run_distributed(2, _groups_alive_after_an_async_torch_dist_run, argv):
+        assert after == before
