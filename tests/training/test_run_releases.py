@@ -16,10 +16,14 @@ def _states_alive_after_a_run(argv):
     from tpfuse.parallel import parallel_state
     from tpfuse.parallel.state import ParallelState
 
+    def alive():
+        gc.collect()
+        return sum(isinstance(o, ParallelState) for o in gc.get_objects())
+
+    before = alive()        # (this worker may hold an earlier job's FSDP-wrapped model)
     run_pretrain(argv)
     parallel_state.destroy_model_parallel()
-    gc.collect()
-    return sum(isinstance(o, ParallelState) for o in gc.get_objects())
+    return alive() - before
 
 
 def test_a_finished_run_leaves_no_parallel_state_alive(run_distributed):
